@@ -1,0 +1,38 @@
+# Entry points: `make demo` and `make test` work on a fresh machine with Python 3.11+ and gcc.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test reliability bench lint clean build
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml setup.py $(wildcard armdb/_core/*.pyx armdb/_core/*.pxd)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+build: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m armdb demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+reliability: $(STAMP)
+	ARMDB_KILLS=2000 ARMDB_CRASH_STATES=200000 ARMDB_HYP_EXAMPLES=5000 $(PY) -m pytest -q -m 'slow or not slow' tests
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m armdb bench --quick
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff mypy
+	$(VENV)/bin/ruff check armdb tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf build armdb/_core/*.c armdb/_core/*.so $(VENV) .pytest_cache

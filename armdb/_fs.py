@@ -1,0 +1,200 @@
+"""The one module that touches the operating system for storage (RELIABILITY.md section 3).
+
+Every open, read, write, sync, rename, unlink, truncate, lock and memory map that
+armdb does goes through the object in ``armdb._fs.FS``.  Callers always spell it
+``_fs.FS.pwrite(...)`` (attribute lookup at call time), so a test can install a
+fault-injecting or write-recording file system with :func:`use` and every layer
+above sees it.  A guard test greps the package and fails if any other module
+calls the OS directly.
+
+Memory maps: :meth:`RealFS.mmap` returns a :class:`MappedFile`, whose ``array``
+is an ``np.memmap`` over the whole file.  Readers (and the Cython kernels) read
+that array directly; writers store through it and then report the range with
+:meth:`MappedFile.wrote`, which the real file system ignores and a recording
+file system uses to log the bytes.  ``mmap.mmap.flush`` cannot be patched on an
+instance, which is why flushing goes through :meth:`MappedFile.flush` too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap as _mmap
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from . import _fail
+
+PAGE = _mmap.PAGESIZE
+
+__all__ = ["FS", "RealFS", "MappedFile", "use", "PAGE"]
+
+
+class MappedFile:
+    """A shared, writable memory map of a whole file, as an ``np.memmap`` of bytes."""
+
+    def __init__(self, fs: RealFS, fd: int, length: int) -> None:
+        self.fs = fs
+        self.fd = fd
+        self.length = length
+        # np.memmap wants a file object; a non-owning one around our fd is enough.
+        with open(fd, "r+b", closefd=False) as fobj:  # noqa: SIM115 - the map outlives it
+            self.array: np.memmap = np.memmap(fobj, dtype=np.uint8, mode="r+", shape=(length,))
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Store ``data`` at ``offset`` and report the write."""
+        n = len(data)
+        self.array[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
+        self.wrote(offset, n)
+
+    def wrote(self, offset: int, length: int) -> None:
+        """Report a store the caller made directly into ``array`` (a hook for tests)."""
+
+    def flush(self, offset: int = 0, length: int | None = None) -> None:
+        """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure."""
+        if length is None:
+            length = self.length - offset
+        start = offset - offset % PAGE
+        end = min(self.length, offset + length)
+        if end <= start:
+            return
+        self.fs._msync(self, start, end - start)
+
+    def close(self) -> None:
+        """Drop the map.  The pages are unmapped once no array view refers to them."""
+        self.array = None  # type: ignore[assignment]
+
+
+class RealFS:
+    """The production file system: thin wrappers over ``os`` with full-write loops."""
+
+    # -- descriptors -------------------------------------------------------------
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags | os.O_CLOEXEC, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def size(self, fd: int) -> int:
+        return os.fstat(fd).st_size
+
+    def pread(self, fd: int, n: int, offset: int) -> bytes:
+        chunks = []
+        while n > 0:
+            chunk = os.pread(fd, n, offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n -= len(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            if n == 0:
+                raise OSError(errno.EIO, "pwrite wrote nothing")
+            view = view[n:]
+            offset += n
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def flock(self, fd: int) -> bool:
+        """Try to take an exclusive lock; ``False`` when someone else holds it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def funlock(self, fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+    # -- paths -------------------------------------------------------------------
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def file_size(self, path: str) -> int:
+        return os.stat(path).st_size
+
+    def physical_size(self, path: str) -> int:
+        """Bytes the file occupies on disk (sparse holes excluded)."""
+        return os.stat(path).st_blocks * 512
+
+    # -- whole small files ---------------------------------------------------------
+    def read_file(self, path: str) -> bytes:
+        fd = self.open(path, os.O_RDONLY)
+        try:
+            return self.pread(fd, self.size(fd), 0)
+        finally:
+            self.close(fd)
+
+    def write_file_atomic(self, path: str, data: bytes, *, sync: bool = True) -> None:
+        """Write ``path`` by tmp + fsync + rename + fsync of the directory."""
+        tmp = path + ".tmp"
+        fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            self.pwrite(fd, data, 0)
+            if sync:
+                self.fsync(fd)
+        finally:
+            self.close(fd)
+        _fail.point("meta.after_tmp_write")
+        self.rename(tmp, path)
+        if sync:
+            self.fsync_dir(os.path.dirname(path) or ".")
+
+    # -- memory maps ---------------------------------------------------------------
+    def mmap(self, fd: int, length: int) -> MappedFile:
+        return MappedFile(self, fd, length)
+
+    def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
+        mf.array._mmap.flush(offset, length)  # type: ignore[union-attr]
+
+
+FS: RealFS = RealFS()
+
+
+@contextlib.contextmanager
+def use(fs: RealFS) -> Iterator[RealFS]:
+    """Install ``fs`` as the file system for the duration of the block (tests only)."""
+    global FS
+    old = FS
+    FS = fs
+    try:
+        yield fs
+    finally:
+        FS = old

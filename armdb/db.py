@@ -1,0 +1,372 @@
+"""The database: a locked directory of named collections (SPEC D1-D7).
+
+Directory layout (docs/format.md)::
+
+    <db>/LOCK                      owner's pid; fcntl.flock'ed while open
+    <db>/db.meta                   magic, format version, CRC
+    <db>/seqmap                    reserved id blocks (armdb.seqmap)
+    <db>/txlog/                    transaction log (armdb.txlog)
+    <db>/collections/<name>/       one folder per collection, one subfolder per shard
+
+Lock policy: ``Db._lock`` (an ``RLock``) guards the table of open collections and
+the closed flag.  It is never held while a collection does I/O, except in
+``close``, which first stops the background threads.  Collections have their own
+per-shard locks (see their modules).
+
+Background threads: the flusher syncs the idle tail of every collection; the TTL
+sweeper runs queue retention; the wake worker serves queue waiters.  They hold
+only a weak reference to the Db so that dropping the last reference closes it.
+``close`` stops them; ``shutdown`` also joins them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import threading
+import weakref
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _fs
+from ._clock import Clock, system_clock
+from .config import Config, TxConfig
+from .errors import ConfigError, DbClosed, DbLocked, FormatError
+from .seqmap import SeqMap
+
+if TYPE_CHECKING:
+    from .bitcask import BitcaskStore
+    from .maps import Map
+    from .queue import Queue, QueueSpec
+    from .streams import SchemaRegistry
+
+log = logging.getLogger("armdb")
+
+MAGIC = b"ARMDBMT1"
+FORMAT_VERSION = 1
+_META = struct.Struct("<8sI")
+LOCK_FILE = "LOCK"
+META_FILE = "db.meta"
+COLLECTIONS = "collections"
+QUEUE_META = "queue.meta"
+NAME_RE = re.compile(r"[a-z0-9_][a-z0-9_.-]{0,127}")
+QUEUE_NAME_MAX = 120
+FLUSH_PERIOD = 0.05
+
+
+def validate_name(name: object, *, queue: bool = False) -> str:
+    """Check a collection name (D3); ``ConfigError`` says what is allowed."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise ConfigError(
+            f"invalid collection name {name!r}: use 1-128 characters of a-z, 0-9, '_', '.', '-', "
+            f"starting with a letter, digit or '_'"
+        )
+    if queue and len(name) > QUEUE_NAME_MAX:
+        raise ConfigError(f"queue name {name!r} is longer than {QUEUE_NAME_MAX} characters")
+    if name.endswith(".payload") and not queue:
+        raise ConfigError(f"collection name {name!r} ends in '.payload', which is reserved for var queues")
+    return name
+
+
+def encode_meta() -> bytes:
+    body = _META.pack(MAGIC, FORMAT_VERSION)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def check_meta(raw: bytes, path: str) -> None:
+    if len(raw) < _META.size + 4 or raw[:8] != MAGIC:
+        raise FormatError(f"{path}: not an armdb database (bad magic); point armdb at its own directory")
+    _, version = _META.unpack_from(raw)
+    if struct.unpack_from("<I", raw, _META.size)[0] != zlib.crc32(raw[: _META.size]):
+        raise FormatError(f"{path}: database meta file fails its CRC; restore it from a backup")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"{path}: database format version {version} is not supported (this armdb knows "
+            f"{FORMAT_VERSION}); upgrade armdb"
+        )
+
+
+class DirLock:
+    """An exclusive ``flock`` on ``<dir>/LOCK`` holding the owner's pid (D1)."""
+
+    def __init__(self, directory: str) -> None:
+        fs = _fs.FS
+        self.path = os.path.join(directory, LOCK_FILE)
+        self.fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
+        if not fs.flock(self.fd):
+            raw = fs.pread(self.fd, 32, 0)
+            fs.close(self.fd)
+            try:
+                pid: int | None = int(raw.decode().strip())
+            except ValueError:
+                pid = None
+            raise DbLocked(directory, pid)
+        try:
+            fs.ftruncate(self.fd, 0)
+            fs.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fs = _fs.FS
+            try:
+                fs.funlock(self.fd)
+            finally:
+                fs.close(self.fd)
+                self.fd = -1
+
+
+class _Worker(threading.Thread):
+    """A daemon thread calling ``tick(db)`` every ``period`` seconds until stopped."""
+
+    def __init__(self, name: str, db: Db, period: float, tick: Callable[[Db], None]) -> None:
+        super().__init__(name=name, daemon=True)
+        self._db = weakref.ref(db)
+        self.period = period
+        self._tick = tick
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            db = self._db()
+            if db is None or db._closed:
+                return
+            try:
+                self._tick(db)
+            except Exception:  # a background failure must not kill the thread
+                log.exception("armdb: background %s failed", self.name)
+            del db
+
+
+class Db:
+    """An open armdb database directory.  Use :meth:`Db.open`."""
+
+    def __init__(self, path: str, tx_config: TxConfig | None, schema: SchemaRegistry | None, clock: Clock | None) -> None:
+        self.path = os.path.abspath(path)
+        self.tx_config = tx_config or TxConfig()
+        self.schema = schema
+        self.clock: Clock = clock or system_clock
+        self._lock = threading.RLock()
+        self._closed = True
+        self._maps: dict[str, Map] = {}
+        self._queues: dict[str, Queue] = {}
+        self._stores: dict[str, Any] = {}
+        self._workers: list[_Worker] = []
+        self._dirlock: DirLock | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        tx_config: TxConfig | None = None,
+        schema: SchemaRegistry | None = None,
+        clock: Clock | None = None,
+    ) -> Db:
+        """Open or create the database at ``path``.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The database directory; created if missing.
+        tx_config : TxConfig, optional
+            Transaction defaults (durability, log encryption key).
+        schema : SchemaRegistry, optional
+            Change streams and queue registrations.
+        clock : callable, optional
+            Returns wall-clock milliseconds; every persisted time comes from it (D7).
+
+        Raises
+        ------
+        DbLocked
+            Another open ``Db`` (this or another process) holds the directory.
+        FormatError
+            The directory holds files of another kind or a newer format.
+        """
+        if tx_config is not None and not isinstance(tx_config, TxConfig):
+            raise ConfigError("tx_config must be an armdb.TxConfig")
+        if clock is not None and not callable(clock):
+            raise ConfigError("clock must be a callable returning wall-clock milliseconds")
+        db = cls(os.fspath(path), tx_config, schema, clock)
+        db._open()
+        return db
+
+    def _open(self) -> None:
+        fs = _fs.FS
+        if fs.exists(self.path) and not fs.isdir(self.path):
+            raise ConfigError(f"{self.path} exists and is not a directory; give armdb a directory path")
+        fs.makedirs(self.path)
+        self._dirlock = DirLock(self.path)
+        try:
+            meta = os.path.join(self.path, META_FILE)
+            if fs.exists(meta):
+                check_meta(fs.read_file(meta), meta)
+            else:
+                fs.write_file_atomic(meta, encode_meta())
+            fs.makedirs(os.path.join(self.path, COLLECTIONS))
+            self.seqmap = SeqMap(self.path)
+            self._closed = False
+        except BaseException:
+            self._dirlock.release()
+            self._dirlock = None
+            raise
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        self._workers = [_Worker("armdb-flusher", self, FLUSH_PERIOD, Db._flush_tick)]
+        for w in self._workers:
+            w.start()
+
+    def _flush_tick(self) -> None:
+        with self._lock:
+            stores = list(self._stores.values())
+        for s in stores:
+            try:
+                s.sync()
+            except Exception as e:  # poisoned stores refuse later writes themselves (S12)
+                log.warning("armdb: background sync of %s failed: %s", getattr(s, "directory", s), e)
+
+    def __enter__(self) -> Db:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # interpreter teardown: nothing sensible to report
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise DbClosed(f"database {self.path!r}")
+
+    def close(self) -> None:
+        """Flush every collection and release the directory lock.  Stop writers first.
+
+        A second call is a no-op.  Background threads are told to stop; ``shutdown``
+        also waits for them.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for w in self._workers:
+                w.stop_event.set()
+            queues = list(self._queues.values())
+            stores = list(self._stores.values())
+        for q in queues:
+            q._on_db_close()
+        errors: list[BaseException] = []
+        for s in stores:
+            try:
+                s.close()
+            except BaseException as e:  # close every store even if one fails
+                errors.append(e)
+        if self._dirlock is not None:
+            self._dirlock.release()
+            self._dirlock = None
+        if errors:
+            raise errors[0]
+
+    def shutdown(self) -> None:
+        """Close, then join the background threads (flusher, TTL sweeper, wake worker)."""
+        self.close()
+        current = threading.current_thread()
+        for w in self._workers:
+            if w is not current and w.is_alive():
+                w.join()
+
+    # -- collections --------------------------------------------------------------------
+    def collection_dir(self, name: str) -> str:
+        return os.path.join(self.path, COLLECTIONS, name)
+
+    def is_queue_dir(self, name: str) -> bool:
+        return _fs.FS.exists(os.path.join(self.collection_dir(name), QUEUE_META))
+
+    def gsn(self) -> int:
+        """Next global sequence number for a Bitcask record."""
+        return self.seqmap.next("gsn")
+
+    def open_bitcask(self, name: str, config: Config) -> BitcaskStore:
+        """Open the Bitcask store behind a map or a var queue's payload (internal)."""
+        from .bitcask import BitcaskStore
+
+        store = BitcaskStore.open(self.collection_dir(name), config, self.gsn)
+        self.seqmap.advance("gsn", store.max_gsn)
+        with self._lock:
+            self._stores[name] = store
+        return store
+
+    def register_store(self, name: str, store: Any) -> None:
+        with self._lock:
+            self._stores[name] = store
+
+    def open_map(self, name: str, config: Config | None = None) -> Map:
+        """Open (or create) the Bitcask map ``name`` (D3).
+
+        Opening a name that is already open returns the same handle.
+
+        Raises
+        ------
+        ConfigError
+            Invalid name, a name used by a queue, or a config that is not a built ``Config``.
+        """
+        from .maps import Map
+
+        validate_name(name)
+        if config is not None and not isinstance(config, Config):
+            raise ConfigError("open_map takes a built Config: Config.balanced()...build()")
+        with self._lock:
+            self.check_open()
+            if name in self._maps:
+                return self._maps[name]
+            if name in self._queues or self.is_queue_dir(name):
+                raise ConfigError(f"{name!r} is a queue; a queue's collections cannot be opened as maps")
+            store = self.open_bitcask(name, config or Config())
+            m = Map(store, self.check_open)
+            self._maps[name] = m
+            return m
+
+    def open_queue(self, spec: QueueSpec, config: Any = None) -> Queue:
+        """Open (or create) the queue declared by ``spec`` (Q2).  See :class:`armdb.Queue`."""
+        from .queue import open_queue
+
+        return open_queue(self, spec, config)
+
+    def tx(self) -> Any:
+        """Start a transaction builder (T1)."""
+        from .tx import Tx
+
+        self.check_open()
+        return Tx(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Stats of every open collection, by name (D4)."""
+        self.check_open()
+        with self._lock:
+            maps = dict(self._maps)
+            queues = dict(self._queues)
+        out: dict[str, Any] = {name: m.stats() for name, m in maps.items()}
+        out.update({name: q.stats() for name, q in queues.items()})
+        return out
+
+    def sweep_expired_now(self) -> None:
+        """Run one retention pass over every open queue; raises what it hit (D4, Q24)."""
+        self.check_open()
+        with self._lock:
+            queues = list(self._queues.values())
+        for q in queues:
+            q._sweep(raise_errors=True)

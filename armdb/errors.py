@@ -1,0 +1,103 @@
+"""Every exception armdb raises on purpose (SPEC section 6).
+
+One module shared by the pure-Python layer and the Cython kernels (the kernels
+return status codes; their Python wrappers map them to these classes).  Each
+message says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArmdbError",
+    "DbLocked",
+    "DbClosed",
+    "ConfigError",
+    "FormatError",
+    "SchemaMismatch",
+    "QueueAlreadyOpen",
+    "QueueFull",
+    "StaleToken",
+    "PayloadTypeError",
+    "EncryptionKeyRequired",
+    "WrongKey",
+    "CorruptionError",
+    "StorageError",
+    "TxFailedAfterLog",
+    "StreamSourceRequiresTx",
+]
+
+
+class ArmdbError(Exception):
+    """Base class of every error armdb raises on purpose."""
+
+
+class DbLocked(ArmdbError):
+    """The database directory is locked by another open ``Db`` (this or another process)."""
+
+    def __init__(self, path: str, pid: int | None) -> None:
+        self.path = path
+        self.pid = pid
+        owner = f"process {pid}" if pid else "another process (pid unknown)"
+        super().__init__(
+            f"database {path!r} is already open by {owner}; close that Db first "
+            f"(a crashed owner releases the lock automatically)"
+        )
+
+
+class DbClosed(ArmdbError):
+    """An operation was attempted on a closed or shut-down ``Db``."""
+
+    def __init__(self, what: str = "this Db") -> None:
+        super().__init__(f"{what} is closed; open the database again with armdb.Db.open(path)")
+
+
+class ConfigError(ArmdbError, ValueError):
+    """A configuration value or an argument is invalid."""
+
+
+class FormatError(ArmdbError):
+    """A file has an unknown magic number or an unsupported format version."""
+
+
+class SchemaMismatch(ArmdbError):
+    """A queue was reopened with an incompatible payload schema or flavour."""
+
+
+class QueueAlreadyOpen(ArmdbError):
+    """The same queue was opened twice in one ``Db``."""
+
+
+class QueueFull(ArmdbError):
+    """A push would take a queue above its ``max_depth``."""
+
+
+class StaleToken(ArmdbError):
+    """A lease token no longer matches its row (re-leased, settled, other queue, or old open)."""
+
+
+class PayloadTypeError(ArmdbError, TypeError):
+    """A payload does not match the queue's declared payload type."""
+
+
+class EncryptionKeyRequired(ArmdbError):
+    """An encrypted collection or transaction log was used without its key."""
+
+
+class WrongKey(ArmdbError):
+    """The encryption key given does not match the key the collection was created with."""
+
+
+class CorruptionError(ArmdbError):
+    """Stored bytes fail their checksum or authentication tag."""
+
+
+class StorageError(ArmdbError, OSError):
+    """An I/O operation failed; after a failed sync the collection refuses writes until reopen."""
+
+
+class TxFailedAfterLog(ArmdbError):
+    """A transaction was logged but applying it failed; the next open replays it."""
+
+
+class StreamSourceRequiresTx(ArmdbError):
+    """A change-stream source map was written outside ``db.tx()``."""

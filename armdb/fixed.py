@@ -1,0 +1,365 @@
+"""FixedStore: equal-size slots in one memory-mapped ``fixed.data`` file per shard (SPEC S1-S5).
+
+Layout (docs/format.md): a 4096-byte header page (magic, format version, slot
+geometry, CRC), then ``capacity`` slots of ``slot_size`` bytes.  Each slot is an
+8-byte slot header (``meta = version << 2 | status``, ``crc32``) followed by a
+``key_size``-byte key and a ``value_size``-byte value.  The whole file is mapped
+with ``np.memmap`` (through ``armdb._fs``); ``slots`` is a ``(capacity, slot_size)``
+uint8 view of it that the Cython kernels in ``armdb._core.fixed`` read and write.
+
+The in-RAM version vector is a ``uint32`` array with one word per preallocated slot
+(S2): 400,000 bytes per shard with ``grow_step = 100_000``.
+
+Lock policy: each :class:`FixedShard` has one ``threading.Lock``.  Callers (the queue
+layer, the transaction log) hold it around every slot allocation, write and free of
+that shard.  ``sync`` takes it only to snapshot the dirty range; the msync itself runs
+outside the lock, because the kernel flushes pages that later writers may touch again
+and a write racing a flush is simply flushed next time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+
+from . import _fail, _fs
+from ._core import fixed as _k
+from .config import FixedConfig
+from .errors import FormatError, StorageError
+
+log = logging.getLogger("armdb")
+
+MAGIC = b"ARMFIXD1"
+FORMAT_VERSION = 1
+HEADER_PAGE = 4096
+_HDR = struct.Struct("<8sIIIII")  # magic, version, slot_size, key_size, value_size, shard
+FILE_NAME = "fixed.data"
+
+FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
+
+
+def slot_size_for(key_size: int, value_size: int) -> int:
+    """8-byte slot header + key + value, rounded up to a multiple of 8."""
+    raw = 8 + key_size + value_size
+    return (raw + 7) & ~7
+
+
+def encode_header(slot_size: int, key_size: int, value_size: int, shard: int) -> bytes:
+    body = _HDR.pack(MAGIC, FORMAT_VERSION, slot_size, key_size, value_size, shard)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_header(raw: bytes, path: str) -> tuple[int, int, int, int]:
+    """Parse and check a header page; ``FormatError`` names the file and the problem."""
+    if len(raw) < _HDR.size + 4:
+        raise FormatError(f"{path}: file is shorter than its header; it is not an armdb fixed.data file")
+    magic, version, slot_size, key_size, value_size, shard = _HDR.unpack_from(raw)
+    if magic != MAGIC:
+        raise FormatError(f"{path}: not an armdb fixed.data file (magic {magic!r}); point armdb at its own directory")
+    (crc,) = struct.unpack_from("<I", raw, _HDR.size)
+    if crc != zlib.crc32(raw[: _HDR.size]):
+        raise FormatError(f"{path}: header page fails its CRC; restore the file from a backup")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"{path}: format version {version} is not supported by this armdb (knows {FORMAT_VERSION}); "
+            f"upgrade armdb"
+        )
+    return slot_size, key_size, value_size, shard
+
+
+class FixedShard:
+    """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack."""
+
+    def __init__(self, directory: str, index: int, key_size: int, value_size: int, config: FixedConfig) -> None:
+        self.directory = directory
+        self.index = index
+        self.key_size = key_size
+        self.value_size = value_size
+        self.slot_size = slot_size_for(key_size, value_size)
+        self.body_size = self.slot_size - 8
+        self.config = config
+        self.lock = threading.Lock()
+        self.path = os.path.join(directory, FILE_NAME)
+        self.poisoned: BaseException | None = None
+        self.repaired_on_open = 0
+        self.slot_writes = 0
+        self._last_sync = time.monotonic()
+        self._dirty_lo = -1
+        self._dirty_hi = -1
+        self._fd = -1
+        self._open()
+
+    # -- open and grow -----------------------------------------------------------
+    def _open(self) -> None:
+        fs = _fs.FS
+        fs.makedirs(self.directory)
+        exists = fs.exists(self.path)
+        fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
+        self._fd = fd
+        try:
+            size = fs.size(fd)
+            if not exists or size == 0:
+                fs.pwrite(fd, encode_header(self.slot_size, self.key_size, self.value_size, self.index), 0)
+                fs.ftruncate(fd, HEADER_PAGE)
+                fs.fsync(fd)
+                fs.fsync_dir(self.directory)
+                size = HEADER_PAGE
+            else:
+                slot_size, key_size, value_size, _shard = decode_header(fs.pread(fd, HEADER_PAGE, 0), self.path)
+                if (slot_size, key_size, value_size) != (self.slot_size, self.key_size, self.value_size):
+                    raise FormatError(
+                        f"{self.path}: slots are {key_size}+{value_size} bytes on disk but "
+                        f"{self.key_size}+{self.value_size} were expected; open with the original payload type"
+                    )
+            capacity = max(0, (size - HEADER_PAGE) // self.slot_size)
+            # Preallocate whole grow steps (S2); a crash mid-grow leaves a ragged end.
+            step = self.config.grow_step
+            target = max(step, -(-capacity // step) * step)
+            self._map(target, grow_file=HEADER_PAGE + target * self.slot_size != size)
+            self.status = np.zeros(self.capacity, dtype=np.uint8)
+            occupied, torn = _k.validate(self.slots, self.versions, self.status)
+            self.occupied = occupied
+            self._build_free_list()
+            if torn:
+                log.warning("%s: %d torn slot(s) found on open; they are not served", self.path, torn)
+        except BaseException:
+            fs.close(fd)
+            self._fd = -1
+            raise
+
+    def _map(self, capacity: int, *, grow_file: bool) -> None:
+        fs = _fs.FS
+        length = HEADER_PAGE + capacity * self.slot_size
+        if grow_file:
+            fs.ftruncate(self._fd, length)
+            _fail.point("fixed.after_grow")
+        old_versions = getattr(self, "versions", None)
+        self.mapped = fs.mmap(self._fd, length)
+        self.slots = self.mapped.array[HEADER_PAGE:].reshape(capacity, self.slot_size)
+        versions = np.zeros(capacity, dtype=np.uint32)
+        if old_versions is not None:
+            versions[: old_versions.shape[0]] = old_versions
+        self.versions = versions
+        self.capacity = capacity
+
+    def _build_free_list(self) -> None:
+        """Stack of every slot that is not occupied, lowest index on top.
+
+        The array has room for every slot so that freeing never reallocates.  Torn
+        slots are free space too: recovery rewrites them before anything is allocated.
+        """
+        free = np.flatnonzero(self.status != OCCUPIED).astype(np.uint32)[::-1]
+        self._free = np.zeros(self.capacity, dtype=np.uint32)
+        self._free[: free.shape[0]] = free
+        self._free_top = int(free.shape[0])
+
+    def grow(self) -> None:
+        """Extend the file by ``grow_step`` complete slots and remap (caller holds the lock)."""
+        old = self.capacity
+        new = old + self.config.grow_step
+        self.mapped.flush()
+        self._map(new, grow_file=True)
+        status = np.zeros(new, dtype=np.uint8)
+        status[:old] = self.status
+        self.status = status
+        # Only called with an empty stack: the new slots, lowest on top.
+        self._free = np.zeros(new, dtype=np.uint32)
+        self._free[: new - old] = np.arange(new - 1, old - 1, -1, dtype=np.uint32)
+        self._free_top = new - old
+
+    # -- slot operations (caller holds self.lock) -----------------------------------
+    def _check_writable(self) -> None:
+        if self.poisoned is not None:
+            raise StorageError(
+                f"{self.path}: an earlier sync failed ({self.poisoned}); writes are refused "
+                f"until the database is reopened"
+            )
+
+    def alloc(self) -> int:
+        """Pop a free slot, growing the file when none is left."""
+        self._check_writable()
+        if self._free_top == 0:
+            self.grow()
+        self._free_top -= 1
+        return int(self._free[self._free_top])
+
+    def unalloc(self, slot: int) -> None:
+        """Give back a slot taken by :meth:`alloc` but never written."""
+        self._free[self._free_top] = slot
+        self._free_top += 1
+
+    def write(self, slot: int, body: bytes, version: int = 0) -> int:
+        """Write an occupied slot in place; returns its new version."""
+        self._check_writable()
+        v = _k.write_slot(self.slots, self.versions, slot, OCCUPIED, body, version)
+        if self.status[slot] != OCCUPIED:
+            self.status[slot] = OCCUPIED
+            self.occupied += 1
+        self._wrote(slot)
+        _fail.point("fixed.after_slot_write")
+        return v
+
+    def free(self, slot: int, version: int = 0) -> int:
+        """Mark a slot deleted (bumping its version) and push it on the free stack."""
+        self._check_writable()
+        v = _k.write_slot(self.slots, self.versions, slot, DELETED, b"", version)
+        if self.status[slot] == OCCUPIED:
+            self.occupied -= 1
+        self.status[slot] = DELETED
+        self._free[self._free_top] = slot
+        self._free_top += 1
+        self._wrote(slot)
+        _fail.point("fixed.after_slot_write")
+        return v
+
+    def repair_torn(self, slot: int) -> None:
+        """Rewrite a torn slot as deleted so that ``check`` is clean again (S4)."""
+        _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0)
+        self.status[slot] = DELETED
+        self.repaired_on_open += 1
+        self._wrote(slot)
+
+    def body(self, slot: int) -> bytes:
+        return self.slots[slot, 8:].tobytes()
+
+    def occupied_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.status == OCCUPIED)
+
+    def torn_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.status == TORN)
+
+    def _wrote(self, slot: int) -> None:
+        off = HEADER_PAGE + slot * self.slot_size
+        self.mapped.wrote(off, self.slot_size)
+        self.slot_writes += 1
+        if self._dirty_lo < 0 or off < self._dirty_lo:
+            self._dirty_lo = off
+        if off + self.slot_size > self._dirty_hi:
+            self._dirty_hi = off + self.slot_size
+        if self.config.enable_fsync and time.monotonic() - self._last_sync >= self.config.sync_interval:
+            self._sync_locked()
+
+    # -- durability ------------------------------------------------------------------
+    def _sync_locked(self) -> None:
+        lo, hi = self._dirty_lo, self._dirty_hi
+        self._dirty_lo = self._dirty_hi = -1
+        self._last_sync = time.monotonic()
+        if lo < 0:
+            return
+        try:
+            self.mapped.flush(lo, hi - lo)
+        except OSError as e:
+            # Never retried (S12): the kernel may already have dropped the dirty pages.
+            self.poisoned = e
+            raise StorageError(
+                f"{self.path}: msync failed ({e}); writes are refused until the database is reopened"
+            ) from e
+        _fail.point("fixed.after_flush")
+
+    def sync(self) -> None:
+        """Flush the dirty range if there is one (the background flusher's idle tail)."""
+        with self.lock:
+            if self.poisoned is None and self.config.enable_fsync:
+                self._sync_locked()
+
+    def sync_now(self) -> None:
+        """Flush regardless of ``enable_fsync`` (durable operations)."""
+        with self.lock:
+            self._check_writable()
+            self._sync_locked()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self.poisoned is None:
+                with self.lock:
+                    self._sync_locked()
+        finally:
+            self.mapped.close()
+            self.slots = None  # type: ignore[assignment]
+            _fs.FS.close(self._fd)
+            self._fd = -1
+
+    # -- inspection --------------------------------------------------------------------
+    def logical_bytes(self) -> int:
+        return HEADER_PAGE + self.capacity * self.slot_size
+
+    def physical_bytes(self) -> int:
+        return _fs.FS.physical_size(self.path)
+
+
+class FixedStore:
+    """A FixedStore collection: ``<dir>/shard-NNN/fixed.data`` for each shard."""
+
+    def __init__(self, directory: str, shard_count: int, key_size: int, value_size: int, config: FixedConfig) -> None:
+        self.directory = directory
+        self.config = config
+        self.key_size = key_size
+        self.value_size = value_size
+        self.shards: list[FixedShard] = []
+        try:
+            for i in range(shard_count):
+                self.shards.append(
+                    FixedShard(os.path.join(directory, f"shard-{i:03d}"), i, key_size, value_size, config)
+                )
+        except BaseException:
+            for s in self.shards:
+                s.close()
+            raise
+
+    def __iter__(self) -> Iterator[FixedShard]:
+        return iter(self.shards)
+
+    def sync(self) -> None:
+        for s in self.shards:
+            s.sync()
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+
+    @property
+    def repaired_on_open(self) -> int:
+        return sum(s.repaired_on_open for s in self.shards)
+
+
+def check_shard_file(path: str, key_size: int | None = None, value_size: int | None = None) -> list[str]:
+    """Read-only check of one ``fixed.data`` (used by ``armdb.check``)."""
+    fs = _fs.FS
+    findings: list[str] = []
+    try:
+        raw = fs.read_file(path)
+    except OSError as e:
+        return [f"{path}: cannot read ({e})"]
+    try:
+        slot_size, ks, vs, _ = decode_header(raw[:HEADER_PAGE], path)
+    except FormatError as e:
+        return [str(e)]
+    if key_size is not None and (ks, vs) != (key_size, value_size):
+        findings.append(f"{path}: slot geometry {ks}+{vs} differs from the collection's {key_size}+{value_size}")
+    n = (len(raw) - HEADER_PAGE) // slot_size
+    if n <= 0:
+        return findings
+    slots = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size).copy()
+    versions = np.zeros(n, dtype=np.uint32)
+    status = np.zeros(n, dtype=np.uint8)
+    _, torn = _k.validate(slots, versions, status)
+    if torn:
+        bad = np.flatnonzero(status == TORN)[:5].tolist()
+        findings.append(f"{path}: {torn} slot(s) fail their CRC (first: {bad})")
+    return findings
+
+
+def collection_shards(directory: str) -> list[str]:
+    """Shard folders of a collection directory, in order."""
+    fs = _fs.FS
+    return [os.path.join(directory, d) for d in fs.listdir(directory) if d.startswith("shard-")]
+

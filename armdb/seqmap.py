@@ -1,0 +1,89 @@
+"""The persisted sequence map: id blocks reserved ahead of use (SPEC T5).
+
+Queue row ids and the global sequence numbers (gsn) of Bitcask records are handed
+out from blocks of :data:`ID_BLOCK`.  Before the first id of a block is handed out,
+the block's end is written to the ``seqmap`` file (tmp + fsync + rename + fsync of
+the directory).  After a crash, counting restarts at the end of every reserved
+block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
+skipped.
+
+File layout: ``b"ARMSEQ01"``, ``u32`` format version, ``u32`` body length, msgpack
+``{name: reserved_end}``, ``u32`` CRC32 of everything before it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+
+import msgpack
+
+from . import _fail, _fs
+from .errors import FormatError
+
+ID_BLOCK = 1024
+MAGIC = b"ARMSEQ01"
+FORMAT_VERSION = 1
+FILE_NAME = "seqmap"
+_HEAD = struct.Struct("<8sII")
+
+
+def encode(reserved: dict[str, int]) -> bytes:
+    body = msgpack.packb(reserved, use_bin_type=True)
+    raw = _HEAD.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    return raw + struct.pack("<I", zlib.crc32(raw))
+
+
+def decode(raw: bytes, path: str) -> dict[str, int]:
+    if len(raw) < _HEAD.size + 4 or raw[:8] != MAGIC:
+        raise FormatError(f"{path}: not an armdb sequence map; point armdb at its own directory")
+    _, version, n = _HEAD.unpack_from(raw)
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{path}: sequence map format {version} is not supported; upgrade armdb")
+    end = _HEAD.size + n
+    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
+        raise FormatError(f"{path}: sequence map fails its CRC; restore it from a backup")
+    data = msgpack.unpackb(raw[_HEAD.size : end], raw=False)
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: sequence map body is not a map")
+    return {str(k): int(v) for k, v in data.items()}
+
+
+class SeqMap:
+    """Thread-safe id allocator with block reservation."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, FILE_NAME)
+        self._lock = threading.Lock()
+        if _fs.FS.exists(self.path):
+            self._reserved = decode(_fs.FS.read_file(self.path), self.path)
+        else:
+            self._reserved = {}
+        # Restart every counter at the end of its reserved block (T5).
+        self._next = dict(self._reserved)
+        self.flushes = 0
+
+    def next(self, name: str) -> int:
+        """The next id for ``name`` (ids start at 1)."""
+        with self._lock:
+            n = self._next.get(name, 1)
+            if n >= self._reserved.get(name, 1):
+                self._reserve(name, n + ID_BLOCK)
+            self._next[name] = n + 1
+            return n
+
+    def advance(self, name: str, at_least: int) -> None:
+        """Make sure later ids for ``name`` are above ``at_least`` (ids found on disk)."""
+        with self._lock:
+            if self._next.get(name, 1) <= at_least:
+                self._next[name] = at_least + 1
+
+    def _reserve(self, name: str, end: int) -> None:
+        reserved = dict(self._reserved)
+        reserved[name] = end
+        _fs.FS.write_file_atomic(self.path, encode(reserved))
+        _fail.point("seqmap.after_write")
+        self._reserved = reserved
+        self.flushes += 1
