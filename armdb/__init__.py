@@ -18,6 +18,7 @@ from . import errors
 from ._fail import failpoints
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
+from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .errors import (
     ArmdbError,
     ConfigError,
@@ -61,6 +62,13 @@ __all__ = [
     "TxConfig",
     "TxFailedAfterLog",
     "WrongKey",
+    "Lease",
+    "LeaseToken",
+    "Queue",
+    "QueueSpec",
+    "QueueStats",
+    "State",
     "errors",
     "failpoints",
+    "queue",
 ]

@@ -131,6 +131,9 @@ class _Worker(threading.Thread):
         self._tick = tick
         self.stop_event = threading.Event()
 
+    def stop(self) -> None:
+        self.stop_event.set()
+
     def run(self) -> None:
         while not self.stop_event.wait(self.period):
             db = self._db()
@@ -158,6 +161,7 @@ class Db:
         self._stores: dict[str, Any] = {}
         self._workers: list[_Worker] = []
         self._dirlock: DirLock | None = None
+        self._waker: Any = None
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -219,7 +223,10 @@ class Db:
         self._start_workers()
 
     def _start_workers(self) -> None:
+        from .queue import start_queue_workers
+
         self._workers = [_Worker("armdb-flusher", self, FLUSH_PERIOD, Db._flush_tick)]
+        self._workers += start_queue_workers(self, _Worker)
         for w in self._workers:
             w.start()
 
@@ -264,7 +271,7 @@ class Db:
                 return
             self._closed = True
             for w in self._workers:
-                w.stop_event.set()
+                w.stop()
             queues = list(self._queues.values())
             stores = list(self._stores.values())
         for q in queues:

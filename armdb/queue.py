@@ -1,0 +1,1171 @@
+"""Durable work queues (SPEC section 4, rules Q1-Q28).
+
+A queue is two physical collections: ``<name>`` (a FixedStore of headers, one slot
+per row) and, for a var queue, ``<name>.payload`` (a Bitcask store of msgpack
+bodies keyed by the row id).  A slot body is the 16-byte row key followed by the
+32-byte header and, for a fixed queue, the inline payload (layout in
+docs/format.md).
+
+Row key: ``due_ms: u64 BE`` then ``seq: u64 BE``; dead rows set bit 63 of the
+first word (``DEAD_BIT | dead_at_ms``), so their key class sorts after every live
+row.  In RAM each shard keeps two ordered indexes (``armdb._core.qindex.KeyIndex``):
+``live`` (ready, delayed and leased rows, with the lease deadline of each leased
+row) and ``dead``.
+
+Lock policy: one lock per shard (``FixedShard.lock``) guards that shard's slots,
+its indexes and its counters.  The lease scan runs under the shard lock with the
+GIL released (``KeyIndex.scan``); it skips unexpired leases without creating a
+Python object.  Claiming a candidate happens in a second short critical section
+that looks the row up again and re-checks its state and visibility, so a row is
+never handed to two callers.  A push to a var queue writes the body (the payload
+store has its own locks) before it takes the shard lock to publish the header.
+``Queue._cond`` (a Condition on its own lock) serves blocking waiters; it is
+never held together with a shard lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+import typing
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import msgpack
+import numpy as np
+
+from . import _fail, _fs
+from ._clock import ms_to_datetime, to_ms, to_seconds
+from ._core.qindex import KeyIndex
+from .config import QueueConfig
+from .db import QUEUE_META, validate_name
+from .errors import (
+    ConfigError,
+    DbClosed,
+    FormatError,
+    PayloadTypeError,
+    QueueAlreadyOpen,
+    QueueFull,
+    SchemaMismatch,
+    StaleToken,
+)
+from .fixed import FixedShard, FixedStore
+
+if TYPE_CHECKING:
+    from .bitcask import BitcaskStore
+    from .db import Db
+
+log = logging.getLogger("armdb")
+
+T = TypeVar("T")
+
+MAX_FIXED_PAYLOAD = 4096
+KEY_SIZE = 16
+HEADER_SIZE = 32
+DEAD_BIT = 1 << 63
+RETRY_LIST_CAP = 1024
+SWEEP_PERIOD = 1.0
+META_MAGIC = b"ARMQUEU1"
+META_VERSION = 1
+
+_KEY = struct.Struct(">QQ")
+# state u8, flags u8, attempts u16, epoch u32, deadline_ms i64, payload_id u64, pushed_ms i64
+_HEADER = struct.Struct("<BBHIqQq")
+HEADER_DTYPE = np.dtype(
+    [
+        ("state", "u1"),
+        ("flags", "u1"),
+        ("attempts", "<u2"),
+        ("epoch", "<u4"),
+        ("deadline", "<i8"),
+        ("payload_id", "<u8"),
+        ("pushed", "<i8"),
+    ]
+)
+ROW_DTYPE = np.dtype([("due", ">u8"), ("seq", ">u8"), ("header", HEADER_DTYPE)])
+FLAG_DEAD_EXPLICIT = 1
+
+_handle_ids = itertools.count(1)
+
+
+class State(enum.IntEnum):
+    """A row's state, as stored in its header and in ``snapshot()['state']``."""
+
+    READY = 0
+    LEASED = 1
+    DEAD = 2
+
+
+# -- declarations (Q1) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A queue declaration made by :func:`queue` at import time."""
+
+    name: str
+    payload: Any
+    var: bool
+    fingerprint: str
+
+    @property
+    def payload_name(self) -> str:
+        return self.name + ".payload"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return typing.cast(np.dtype, self.payload)
+
+
+def _fixed_dtype(payload: Any) -> np.dtype:
+    if isinstance(payload, type) and issubclass(payload, np.generic):
+        payload = np.dtype(payload)
+    if not isinstance(payload, np.dtype):
+        raise ConfigError(
+            f"a fixed queue's payload must be a NumPy dtype (e.g. np.dtype([('doc', '<u8')])), "
+            f"not {payload!r}; for other types declare the queue with var=True"
+        )
+    if payload.hasobject:
+        raise ConfigError("a fixed queue's dtype cannot hold Python objects; use var=True for those")
+    if payload.itemsize > MAX_FIXED_PAYLOAD or payload.itemsize == 0:
+        raise ConfigError(
+            f"a fixed queue's payload is stored inline and must be 1..{MAX_FIXED_PAYLOAD} bytes, "
+            f"got {payload.itemsize}; declare the queue with var=True for larger payloads"
+        )
+    return payload
+
+
+def _var_fingerprint(payload: Any) -> str:
+    if dataclasses.is_dataclass(payload) and isinstance(payload, type):
+        hints = typing.get_type_hints(payload)
+        fields = ",".join(f"{f.name}:{_type_name(hints.get(f.name, f.type))}" for f in dataclasses.fields(payload))
+        return f"var:dataclass({fields})"
+    if payload is typing.Any or payload is object:
+        return "var:any"
+    if isinstance(payload, type) and payload in _MSGPACK_TYPES:
+        return f"var:{payload.__name__}"
+    raise ConfigError(
+        f"a var queue's payload must be a dataclass, bytes, or a msgpack type "
+        f"(int, float, str, bool, list, dict, tuple, or object/typing.Any), not {payload!r}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+_MSGPACK_TYPES = (bytes, str, int, float, bool, list, dict, tuple)
+
+
+def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
+    """Declare a queue (Q1).  Call once per queue, at import time.
+
+    Parameters
+    ----------
+    name : str
+        Collection name, at most 120 characters of ``[a-z0-9_.-]``.
+    payload : numpy.dtype or type
+        For a fixed queue (``var=False``): a NumPy dtype of at most 4096 bytes,
+        stored inline in the header slot.  For a var queue: a dataclass, ``bytes``,
+        or a msgpack-serialisable type, stored in the ``name.payload`` collection.
+    var : bool
+        Store bodies in a separate Bitcask collection.
+
+    Raises
+    ------
+    ConfigError
+        A bad name, a payload that is not a dtype (fixed), or a too-large dtype.
+    """
+    validate_name(name, queue=True)
+    if name.endswith(".payload"):
+        raise ConfigError(f"queue name {name!r} must not end in '.payload' (reserved for its body collection)")
+    if not isinstance(var, bool):
+        raise ConfigError("var must be True or False")
+    if var:
+        return QueueSpec(name, payload, True, _var_fingerprint(payload))
+    dtype = _fixed_dtype(payload)
+    return QueueSpec(name, dtype, False, f"fixed:{dtype.descr!r}:{dtype.itemsize}")
+
+
+# -- payload codecs ----------------------------------------------------------------------
+
+
+class _FixedCodec:
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.size = dtype.itemsize
+
+    def encode(self, value: Any) -> bytes:
+        dt = self.dtype
+        if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
+            return value.tobytes()
+        if isinstance(value, np.ndarray) and value.shape == () and value.dtype == dt:
+            return value.tobytes()
+        if dt.names is not None:
+            if not isinstance(value, tuple) or len(value) != len(dt.names):
+                raise PayloadTypeError(
+                    f"payload for dtype {dt} must be a record of that dtype or a tuple of "
+                    f"{len(dt.names)} fields, not {type(value).__name__}"
+                )
+        elif not _scalar_fits(value, dt):
+            raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
+        try:
+            return np.array(value, dtype=dt).tobytes()
+        except (ValueError, TypeError, OverflowError) as e:
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
+
+    def decode(self, raw: bytes) -> Any:
+        return np.frombuffer(raw, dtype=self.dtype, count=1)[0].copy()
+
+
+def _scalar_fits(value: Any, dt: np.dtype) -> bool:
+    if isinstance(value, np.generic):
+        return np.can_cast(value.dtype, dt, casting="same_kind")
+    if isinstance(value, bool):
+        return dt.kind == "b"
+    if isinstance(value, int):
+        return dt.kind in "iuf"
+    if isinstance(value, float):
+        return dt.kind == "f"
+    if isinstance(value, complex):
+        return dt.kind == "c"
+    if isinstance(value, (str, bytes)):
+        return dt.kind in "SU"
+    return False
+
+
+class _VarCodec:
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+        self.is_dataclass = dataclasses.is_dataclass(payload)
+        self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
+        self.any = payload is typing.Any or payload is object
+
+    def encode(self, value: Any) -> bytes:
+        if self.is_dataclass:
+            if type(value) is not self.payload:
+                raise PayloadTypeError(
+                    f"payload must be a {self.payload.__name__} instance, not {type(value).__name__}"
+                )
+            obj: Any = [getattr(value, f) for f in self.fields]
+        else:
+            if not self.any and not _is_instance(value, self.payload):
+                raise PayloadTypeError(
+                    f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
+                )
+            obj = value
+        try:
+            return msgpack.packb(obj, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
+
+    def decode(self, raw: bytes) -> Any:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if self.is_dataclass:
+            return self.payload(*obj)
+        if self.payload is tuple:
+            return tuple(obj)
+        return obj
+
+
+def _is_instance(value: Any, tp: type) -> bool:
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, float)
+    return isinstance(value, tp)
+
+
+# -- leases ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseToken:
+    """Proof of one lease: bound to the handle, the row key and the lease epoch (Q13)."""
+
+    handle: int
+    shard: int
+    due: int
+    seq: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease(Generic[T]):
+    """One leased row (Q11)."""
+
+    id: int
+    payload: T
+    attempt: int
+    deadline: datetime
+    token: LeaseToken
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A queue's counters and sizes (Q26).  Counters run since this open."""
+
+    name: str
+    len: int
+    dead_len: int
+    ready: int
+    leased: int
+    delayed: int
+    shards: int
+    slots_allocated: int
+    version_vector_bytes: int
+    header_file_logical_bytes: int
+    header_file_physical_bytes: int
+    payload_writes: int
+    compaction_bytes: int
+    payload_compaction_bytes: int
+    pushes: int
+    acks: int
+    nacks: int
+    dead_lettered: int
+    expired_leases: int
+    repaired_on_open: int
+    retention_retry_pending: int
+    orphans_collected: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{k}</th><td style='text-align:right'>{_fmt(v)}</td></tr>"
+            for k, v in self.to_dict().items()
+            if k != "name"
+        )
+        return (
+            f"<table><caption style='font-weight:bold'>queue {self.name}</caption>"
+            f"<thead><tr><th>stat</th><th>value</th></tr></thead><tbody>{rows}</tbody></table>"
+        )
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+# -- the queue ---------------------------------------------------------------------------------
+
+
+class _Shard:
+    """A queue shard: its FixedStore shard plus the two ordered indexes."""
+
+    def __init__(self, fixed: FixedShard) -> None:
+        self.fixed = fixed
+        self.lock = fixed.lock
+        self.live = KeyIndex()
+        self.dead = KeyIndex()
+
+
+def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: int,
+              deadline: int, payload_id: int, pushed: int, payload: bytes = b"") -> bytes:
+    return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
+
+
+def _encode_meta(spec: QueueSpec, shard_count: int, value_size: int) -> bytes:
+    body = msgpack.packb(
+        {"var": spec.var, "fingerprint": spec.fingerprint, "shard_count": shard_count,
+         "key_size": KEY_SIZE, "value_size": value_size},
+        use_bin_type=True,
+    )
+    raw = META_MAGIC + struct.pack("<II", META_VERSION, len(body)) + body
+    return raw + struct.pack("<I", zlib.crc32(raw))
+
+
+def _decode_meta(raw: bytes, path: str) -> dict[str, Any]:
+    if len(raw) < 20 or raw[:8] != META_MAGIC:
+        raise FormatError(f"{path}: not an armdb queue meta file; point armdb at its own directory")
+    version, n = struct.unpack_from("<II", raw, 8)
+    if version != META_VERSION:
+        raise FormatError(f"{path}: queue meta format {version} is not supported; upgrade armdb")
+    end = 16 + n
+    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
+        raise FormatError(f"{path}: queue meta fails its CRC; restore it from a backup")
+    return typing.cast(dict, msgpack.unpackb(raw[16:end], raw=False))
+
+
+class Queue(Generic[T]):
+    """A handle on an open queue.  Get one with ``db.open_queue(spec, config)``.
+
+    Safe to share between threads (Q28).  Its operations are ``push``, ``lease``,
+    ``ack``, ``nack``, ``len``, ``dead_len``, ``next_delay``, ``wait_due_timeout``,
+    ``due``, and the read-only ``stats`` and ``snapshot``.
+    """
+
+    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig) -> None:
+        self._db = db
+        self.spec = spec
+        self.name = spec.name
+        self.config = config
+        self._handle = next(_handle_ids)
+        self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
+        self._clock = db.clock
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+        self._payload: BitcaskStore | None = None
+        self._headers: FixedStore | None = None
+        self._shards: list[_Shard] = []
+        self._counter_lock = threading.Lock()
+        self.pushes = self.acks = self.nacks = self.dead_lettered = self.expired_leases = 0
+        self.payload_writes = 0
+        self.orphans_collected = 0
+        self._retry: list[int] = []
+        self._retry_overflow = False
+        self._retention_paused = False
+        self._next_retention = 0
+
+    # -- open and recovery ---------------------------------------------------------------
+    def _open(self) -> None:
+        db = self._db
+        fs = _fs.FS
+        hdir = db.collection_dir(self.name)
+        meta_path = os.path.join(hdir, QUEUE_META)
+        hcfg = self.config.header_config
+        value_size = HEADER_SIZE + (0 if self.spec.var else self.spec.dtype.itemsize)
+        if fs.exists(meta_path):
+            meta = _decode_meta(fs.read_file(meta_path), meta_path)
+            if meta["var"] != self.spec.var:
+                stored, given = ("var", "fixed") if meta["var"] else ("fixed", "var")
+                raise SchemaMismatch(
+                    f"queue {self.name!r} was created as a {stored} queue and cannot be opened as a {given} "
+                    f"queue; declare it as it was created"
+                )
+            if meta["fingerprint"] != self.spec.fingerprint:
+                raise SchemaMismatch(
+                    f"queue {self.name!r} stores payload schema {meta['fingerprint']} but was declared with "
+                    f"{self.spec.fingerprint}; declare the original payload type (or use a new queue name)"
+                )
+            shard_count = int(meta["shard_count"])
+            if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
+                raise ConfigError(
+                    f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "
+                    f"shard_count={hcfg.shard_count}. The count is fixed at creation: leave it unset"
+                )
+        else:
+            if fs.exists(hdir) and fs.listdir(hdir):
+                raise ConfigError(f"{self.name!r} is already a collection of another kind; choose another name")
+            shard_count = hcfg.shard_count or 1
+            fs.makedirs(hdir)
+            fs.write_file_atomic(meta_path, _encode_meta(self.spec, shard_count, value_size))
+        self._headers = FixedStore(hdir, shard_count, KEY_SIZE, value_size, hcfg)
+        try:
+            self._shards = [_Shard(s) for s in self._headers]
+            if self.spec.var:
+                self._payload = db.open_bitcask(self.spec.payload_name, self.config.payload_config)
+            max_seq = 0
+            for sh in self._shards:
+                max_seq = max(max_seq, self._recover_shard(sh))
+            db.seqmap.advance(self._seq_name, max_seq)
+            if self._payload is not None:
+                self._orphan_pass()
+            self._schedule_retention()
+        except BaseException:
+            self._headers.close()
+            if self._payload is not None:
+                self._payload.close()
+            raise
+
+    @property
+    def _seq_name(self) -> str:
+        return "q:" + self.name
+
+    def _recover_shard(self, sh: _Shard) -> int:
+        fx = sh.fixed
+        for slot in fx.torn_slots():
+            # A torn slot was being written when the process died; its row (if the
+            # write was an update) cannot be trusted.  Free it so check() is clean (S4).
+            fx.repair_torn(int(slot))
+        occ = fx.occupied_slots()
+        if occ.size == 0:
+            return 0
+        rows = fx.slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        due = rows["due"].astype(np.uint64)
+        seq = rows["seq"].astype(np.uint64)
+        hdr = rows["header"]
+        dead = (due & np.uint64(DEAD_BIT)) != 0
+        leased = hdr["state"] == State.LEASED
+        deadline = np.where(leased, hdr["deadline"], 0).astype(np.int64)
+        slots = occ.astype(np.uint32)
+        sh.live = KeyIndex.from_arrays(due[~dead], seq[~dead], slots[~dead], deadline[~dead])
+        sh.dead = KeyIndex.from_arrays(due[dead], seq[dead], slots[dead], np.zeros(int(dead.sum()), np.int64))
+        return int(seq.max())
+
+    def _orphan_pass(self) -> None:
+        """Delete bodies no header points at (a crash between body and header, Q15)."""
+        assert self._payload is not None
+        referenced: set[int] = set()
+        for sh in self._shards:
+            with sh.lock:
+                for idx in (sh.live, sh.dead):
+                    referenced.update(int(s) for s in idx.to_arrays()[1])
+        orphans = [k for k in self._payload.keys() if int.from_bytes(k, "big") not in referenced]
+        for i, k in enumerate(orphans):
+            self._payload.delete(k)
+            if i == len(orphans) // 2:
+                _fail.point("queue.orphan_sweep.mid")
+        if orphans:
+            log.info("queue %s: collected %d orphan payload bodies", self.name, len(orphans))
+        self.orphans_collected += len(orphans)
+        self._retry.clear()
+        self._retry_overflow = False
+
+    def _on_db_close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _check(self) -> int:
+        """Raise DbClosed if closed; run retention when due; return now (ms)."""
+        if self._closed or self._db.closed:
+            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+        now = int(self._clock())
+        if now >= self._next_retention:
+            self._sweep(raise_errors=False, now=now)
+        return now
+
+    def _shard_for(self, seq: int) -> _Shard:
+        return self._shards[seq % len(self._shards)]
+
+    def _header(self, sh: _Shard, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        return typing.cast(
+            tuple, _HEADER.unpack_from(sh.fixed.slots[slot, 8 + KEY_SIZE : 8 + KEY_SIZE + HEADER_SIZE])
+        )
+
+    def _payload_bytes(self, sh: _Shard, slot: int) -> bytes:
+        start = 8 + KEY_SIZE + HEADER_SIZE
+        return sh.fixed.slots[slot, start : start + self._codec.size].tobytes()  # type: ignore[union-attr]
+
+    @staticmethod
+    def _key_bytes(seq: int) -> bytes:
+        return seq.to_bytes(8, "big")
+
+    # -- push (Q9, Q15, Q16, Q20) -------------------------------------------------------------
+    def push(self, payload: T, *, delay: timedelta | float | None = None) -> int:
+        """Insert a ready row due at ``now + delay``; return its id.
+
+        Raises
+        ------
+        PayloadTypeError
+            The payload does not match the declared type; nothing is written.
+        QueueFull
+            ``max_depth`` live rows already exist.
+        DbClosed
+            The database is closed.
+        """
+        now = self._check()
+        delay_ms = 0 if delay is None else to_ms(delay, "delay")
+        if delay_ms < 0:
+            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        body = self._codec.encode(payload)
+        cap = self.config.max_depth
+        if cap is not None and self.len() >= cap:
+            raise QueueFull(
+                f"queue {self.name!r} holds {cap} live rows (max_depth); ack or dead-letter work, "
+                f"or open it with a larger max_depth"
+            )
+        seq = self._db.seqmap.next(self._seq_name)
+        if self._payload is not None:
+            self._payload.put(self._key_bytes(seq), body)
+            with self._counter_lock:
+                self.payload_writes += 1
+            _fail.point("queue.var_push.after_body")
+            row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, seq, now)
+        else:
+            row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, 0, now, body)
+        sh = self._shard_for(seq)
+        with sh.lock:
+            slot = sh.fixed.alloc()
+            try:
+                sh.fixed.write(slot, row)
+            except BaseException:
+                sh.fixed.unalloc(slot)
+                raise
+            sh.live.insert(now + delay_ms, seq, slot, 0)
+        with self._counter_lock:
+            self.pushes += 1
+        self._notify()
+        return seq
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+        waker = getattr(self._db, "_waker", None)
+        if waker is not None:
+            waker.poke()
+
+    # -- lease (Q9-Q11) ---------------------------------------------------------------------------
+    def lease(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> list[Lease[T]]:
+        """Lease up to ``n`` due rows in key order; never blocks, may return ``[]``.
+
+        A row is due when it is ready and its due time has come, or leased with an
+        expired deadline.  A row whose lease expired after ``max_attempts``
+        deliveries is dead-lettered instead.
+
+        Raises
+        ------
+        ConfigError
+            ``n < 1`` or a non-positive ``lease_timeout``.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
+        timeout = self.config.lease_timeout if lease_timeout is None else to_seconds(lease_timeout, "lease_timeout")
+        if timeout <= 0:
+            raise ConfigError(f"lease_timeout must be positive, got {lease_timeout!r}")
+        now = self._check()
+        deadline = now + int(round(timeout * 1000))
+        out: list[tuple[int, int, int, int, int, bytes]] = []  # due, seq, shard, attempt, epoch, payload
+        while len(out) < n:
+            want = n - len(out)
+            cands = self._scan(now, want)
+            if not cands:
+                break
+            progressed = False
+            for due, seq, shard_no, slot in cands:
+                if len(out) >= n:
+                    break
+                got = self._claim(shard_no, due, seq, slot, now, deadline)
+                if got is None:
+                    continue
+                progressed = True
+                if got is not False:
+                    out.append(got)
+            if not progressed:
+                break
+        leases: list[Lease[T]] = []
+        dl = ms_to_datetime(deadline)
+        for due, seq, shard_no, attempt, epoch, raw in out:
+            if self._payload is not None:
+                body = self._payload.get(self._key_bytes(seq))
+                if body is None:  # cannot happen: bodies are written before headers (Q15)
+                    raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
+                payload = self._codec.decode(body)
+            else:
+                payload = self._codec.decode(raw)
+            leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
+        return leases
+
+    def _scan(self, now: int, want: int) -> list[tuple[int, int, int, int]]:
+        """Phase 1: candidate keys from every shard, merged in key order."""
+        cands: list[tuple[int, int, int, int]] = []
+        buf_due = np.empty(want, np.uint64)
+        buf_seq = np.empty(want, np.uint64)
+        buf_slot = np.empty(want, np.uint32)
+        buf_dl = np.empty(want, np.int64)
+        for i, sh in enumerate(self._shards):
+            with sh.lock:
+                k = sh.live.scan(now, buf_due, buf_seq, buf_slot, buf_dl)
+            for j in range(k):
+                cands.append((int(buf_due[j]), int(buf_seq[j]), i, int(buf_slot[j])))
+        if len(self._shards) > 1:
+            cands.sort()
+            del cands[want:]
+        return cands
+
+    def _claim(self, shard_no: int, due: int, seq: int, slot: int, now: int, deadline: int) -> Any:
+        """Phase 2: re-check and lease one candidate under its shard lock.
+
+        Returns the lease tuple, ``False`` if it was dead-lettered instead, or
+        ``None`` if another caller took it first.
+        """
+        sh = self._shards[shard_no]
+        with sh.lock:
+            cur = sh.live.get(due, seq)
+            if cur is None or cur[0] != slot or cur[1] > now:
+                return None
+            state, flags, attempts, epoch, old_deadline, pid, pushed = self._header(sh, slot)
+            expired = state == State.LEASED
+            extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
+            if expired and attempts >= self.config.max_attempts:
+                self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
+                with self._counter_lock:
+                    self.expired_leases += 1
+                return False
+            attempts += 1
+            epoch = (epoch + 1) & 0xFFFFFFFF
+            sh.fixed.write(slot, _pack_row(due, seq, State.LEASED, flags, attempts, epoch, deadline, pid, pushed, extra))
+            sh.live.set_deadline(due, seq, deadline)
+        if expired:
+            with self._counter_lock:
+                self.expired_leases += 1
+        return (due, seq, shard_no, attempts, epoch, extra)
+
+    def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
+                            attempts: int, epoch: int, deadline: int, pid: int, pushed: int, extra: bytes) -> None:
+        dkey = DEAD_BIT | now
+        sh.fixed.write(slot, _pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
+        sh.live.remove(due, seq)
+        sh.dead.insert(dkey, seq, slot, 0)
+        with self._counter_lock:
+            self.dead_lettered += 1
+        if self.config.dead_retention is not None:
+            first = now + int(self.config.dead_retention * 1000)
+            if first < self._next_retention:
+                self._next_retention = first
+
+    # -- settle (Q13, Q14) ------------------------------------------------------------------------
+    def _settle_begin(self, token: object) -> tuple[_Shard, int, tuple[int, ...]]:
+        """Validate a token under its shard lock (caller must release ``sh.lock``)."""
+        if not isinstance(token, LeaseToken):
+            raise StaleToken(f"expected a LeaseToken from Queue.lease(), got {type(token).__name__}")
+        if token.handle != self._handle:
+            raise StaleToken(
+                f"this token was issued by another queue handle (another queue, or before a reopen); "
+                f"lease the row again from queue {self.name!r}"
+            )
+        sh = self._shards[token.shard]
+        sh.lock.acquire()
+        try:
+            cur = sh.live.get(token.due, token.seq)
+            if cur is None:
+                raise StaleToken(f"row {token.seq} was already acked, nacked or dead-lettered; nothing changed")
+            slot = cur[0]
+            hdr = self._header(sh, slot)
+            if hdr[0] != State.LEASED or hdr[3] != token.epoch:
+                raise StaleToken(f"row {token.seq} was leased again since this token was issued; nothing changed")
+        except BaseException:
+            sh.lock.release()
+            raise
+        return sh, slot, hdr
+
+    def ack(self, token: LeaseToken) -> None:
+        """Remove a leased row (and its body, for a var queue).
+
+        Raises
+        ------
+        StaleToken
+            The token is from another handle, or the row was leased again, acked,
+            nacked or dead-lettered since; nothing changes.
+        """
+        self._check()
+        sh, slot, _hdr = self._settle_begin(token)
+        try:
+            sh.fixed.free(slot)
+            sh.live.remove(token.due, token.seq)
+        finally:
+            sh.lock.release()
+        with self._counter_lock:
+            self.acks += 1
+        if self._payload is not None:
+            # The header is gone first, so a crash here leaves an invisible orphan body,
+            # collected by the next open's orphan pass; never a header without a body.
+            self._delete_body(token.seq)
+
+    def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:
+        """Give a leased row back: ready again at ``now + backoff`` (or ``now + delay``),
+        re-keyed; dead-lettered when its attempts reached ``max_attempts`` or ``dead=True``.
+
+        Raises
+        ------
+        StaleToken
+            As for :meth:`ack`; nothing changes.
+        """
+        now = self._check()
+        if not isinstance(dead, bool):
+            raise ConfigError("dead must be True or False")
+        delay_ms = None if delay is None else to_ms(delay, "delay")
+        if delay_ms is not None and delay_ms < 0:
+            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        sh, slot, hdr = self._settle_begin(token)
+        try:
+            _state, flags, attempts, epoch, deadline, pid, pushed = hdr
+            extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
+            if dead or attempts >= self.config.max_attempts:
+                if dead:
+                    flags |= FLAG_DEAD_EXPLICIT
+                self._dead_letter_locked(sh, token.due, token.seq, slot, now, flags, attempts, epoch, deadline,
+                                         pid, pushed, extra)
+            else:
+                wait = delay_ms if delay_ms is not None else int(round(self.config.backoff_for(attempts) * 1000))
+                due = now + wait
+                sh.fixed.write(slot, _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline,
+                                               pid, pushed, extra))
+                sh.live.remove(token.due, token.seq)
+                sh.live.insert(due, token.seq, slot, 0)
+        finally:
+            sh.lock.release()
+        with self._counter_lock:
+            self.nacks += 1
+        self._notify()
+
+    # -- counts and waiting (Q18, Q19) ------------------------------------------------------------
+    def len(self) -> int:
+        """Live rows: ready, delayed and leased (dead rows excluded)."""
+        if self._closed or self._db.closed:
+            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+        return sum(len(sh.live) for sh in self._shards)
+
+    def __len__(self) -> int:
+        return self.len()
+
+    def dead_len(self) -> int:
+        """Dead-lettered rows not yet swept by retention."""
+        if self._closed or self._db.closed:
+            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+        return sum(len(sh.dead) for sh in self._shards)
+
+    def _next_due_ms(self, now: int) -> int:
+        best = -1
+        for sh in self._shards:
+            with sh.lock:
+                t = sh.live.next_due(now)
+            if t >= 0 and (best < 0 or t < best):
+                best = t
+        return best
+
+    def next_delay(self) -> timedelta | None:
+        """``None`` when no live row exists, ``timedelta(0)`` when one is due now, else
+        the time until the earliest due time or lease deadline (Q18)."""
+        now = self._check()
+        t = self._next_due_ms(now)
+        if t < 0:
+            return None
+        return timedelta(milliseconds=max(0, t - now))
+
+    def _wait_seconds(self) -> float | None:
+        """0 when due now; else seconds to sleep before looking again (bounded by recheck)."""
+        now = self._check()
+        t = self._next_due_ms(now)
+        if t >= 0 and t <= now:
+            return 0.0
+        recheck = self.config.wakeup_recheck
+        if t < 0:
+            return recheck
+        return min(recheck, (t - now) / 1000)
+
+    def wait_due_timeout(self, timeout: timedelta | float) -> bool:
+        """Block until a row is due or ``timeout`` passes.  ``True`` is advisory (Q19).
+
+        Raises
+        ------
+        DbClosed
+            The database was closed before or while waiting.
+        """
+        limit = time.monotonic() + to_seconds(timeout, "timeout")
+        while True:
+            wait = self._wait_seconds()
+            if wait == 0:
+                return True
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                return False
+            with self._cond:
+                if self._closed:
+                    raise DbClosed(f"queue {self.name!r} (its Db was closed while waiting)")
+                self._cond.wait(min(remaining, typing.cast(float, wait)))
+
+    async def due(self) -> None:
+        """Resolve when a row is due (advisory, like :meth:`wait_due_timeout`).
+
+        Raises
+        ------
+        DbClosed
+            The database shuts down while waiting.
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = self._wait_seconds()
+            if wait == 0:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._db._waker.register(self, loop, fut, typing.cast(float, wait))
+            await fut
+
+    # -- retention (Q22-Q25) --------------------------------------------------------------------------
+    def _schedule_retention(self) -> None:
+        ret = self.config.dead_retention
+        if ret is None:
+            self._next_retention = 1 << 62 if not self._retry and not self._retry_overflow else 0
+            return
+        first = -1
+        for sh in self._shards:
+            with sh.lock:
+                k = sh.dead.min_key()
+            if k is not None:
+                t = (k[0] & ~DEAD_BIT) + int(ret * 1000)
+                first = t if first < 0 else min(first, t)
+        self._next_retention = (1 << 62) if first < 0 else first
+        if self._retry or self._retry_overflow:
+            self._next_retention = 0
+
+    def _delete_body(self, seq: int) -> None:
+        assert self._payload is not None
+        try:
+            self._payload.delete(self._key_bytes(seq))
+        except Exception as e:
+            log.warning("queue %s: deleting body %d failed (%s); will retry", self.name, seq, e)
+            self._remember_retry(seq)
+
+    def _remember_retry(self, seq: int) -> None:
+        if len(self._retry) < RETRY_LIST_CAP:
+            self._retry.append(seq)
+        else:
+            self._retry_overflow = True
+        self._next_retention = 0
+
+    def _sweep(self, *, raise_errors: bool, now: int | None = None) -> None:
+        """One retention pass: sweep expired dead rows, drain the body retry list."""
+        if now is None:
+            now = int(self._clock())
+        first_error: BaseException | None = None
+        ret = self.config.dead_retention
+        if ret is not None:
+            cutoff = now - int(ret * 1000)
+            for sh in self._shards:
+                swept: list[int] = []
+                try:
+                    with sh.lock:
+                        while True:
+                            k = sh.dead.min_key()
+                            if k is None or (k[0] & ~DEAD_BIT) > cutoff:
+                                break
+                            slot = sh.dead.get(*k)[0]
+                            sh.fixed.free(slot)
+                            sh.dead.remove(*k)
+                            swept.append(k[1])
+                except Exception as e:
+                    first_error = first_error or e
+                for seq in swept:
+                    _fail.point("queue.retention.after_delete")
+                    if self._payload is not None:
+                        try:
+                            self._payload.delete(self._key_bytes(seq))
+                        except Exception as e:
+                            self._remember_retry(seq)
+                            first_error = first_error or e
+        if self._payload is not None and not self._retention_paused:
+            pending, self._retry = self._retry, []
+            for seq in pending:
+                try:
+                    self._payload.delete(self._key_bytes(seq))
+                except Exception as e:
+                    self._retry.append(seq)
+                    first_error = first_error or e
+            if self._retry_overflow and first_error is None:
+                try:
+                    self._orphan_pass()
+                except Exception as e:
+                    first_error = first_error or e
+        self._schedule_retention()
+        if first_error is not None:
+            self._next_retention = now + 1000  # back off one second before trying again
+            if raise_errors:
+                raise first_error
+            log.warning("queue %s: retention failed: %s", self.name, first_error)
+
+    # -- inspection (Q26, Q27) ---------------------------------------------------------------------------
+    def stats(self) -> QueueStats:
+        """Counters and sizes of this queue (Q26)."""
+        if self._closed or self._db.closed:
+            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+        now = int(self._clock())
+        ready = leased = delayed = dead = 0
+        for sh in self._shards:
+            with sh.lock:
+                r, lz, d = sh.live.count_due(now)
+                dead += len(sh.dead)
+            ready += r
+            leased += lz
+            delayed += d
+        assert self._headers is not None
+        shards = self._headers.shards
+        pstats = self._payload.stats() if self._payload is not None else {}
+        return QueueStats(
+            name=self.name,
+            len=ready + leased + delayed,
+            dead_len=dead,
+            ready=ready,
+            leased=leased,
+            delayed=delayed,
+            shards=len(shards),
+            slots_allocated=sum(s.capacity for s in shards),
+            version_vector_bytes=sum(s.versions.nbytes for s in shards),
+            header_file_logical_bytes=sum(s.logical_bytes() for s in shards),
+            header_file_physical_bytes=sum(s.physical_bytes() for s in shards),
+            payload_writes=self.payload_writes,
+            compaction_bytes=0,  # FixedStore updates in place and never compacts (Q15)
+            payload_compaction_bytes=int(pstats.get("compaction_bytes", 0)),
+            pushes=self.pushes,
+            acks=self.acks,
+            nacks=self.nacks,
+            dead_lettered=self.dead_lettered,
+            expired_leases=self.expired_leases,
+            repaired_on_open=self._headers.repaired_on_open,
+            retention_retry_pending=len(self._retry),
+            orphans_collected=self.orphans_collected,
+        )
+
+    def snapshot(self) -> np.ndarray:
+        """Every live and dead header as a NumPy structured array (Q27).
+
+        Fields: ``id`` (u8), ``state`` (u1, :class:`State`), ``due`` (datetime64[ms];
+        for a dead row, when it was dead-lettered), ``attempts``, ``epoch``,
+        ``deadline`` (datetime64[ms], NaT for a row never leased).  Rows come in key
+        order per shard, live rows before dead ones.
+        """
+        if self._closed or self._db.closed:
+            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+        parts = []
+        for sh in self._shards:
+            with sh.lock:
+                slots = np.concatenate([sh.live.to_arrays()[2], sh.dead.to_arrays()[2]]).astype(np.intp)
+                raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy()
+            parts.append(raw.view(ROW_DTYPE).reshape(-1))
+        rows = np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
+        out = np.zeros(rows.shape[0], dtype=SNAPSHOT_DTYPE)
+        hdr = rows["header"]
+        out["id"] = rows["seq"]
+        out["state"] = hdr["state"]
+        out["due"] = (rows["due"].astype(np.uint64) & np.uint64(~DEAD_BIT & 0xFFFFFFFFFFFFFFFF)).astype(
+            np.int64
+        ).astype("datetime64[ms]")
+        out["attempts"] = hdr["attempts"]
+        out["epoch"] = hdr["epoch"]
+        dl = hdr["deadline"].astype("datetime64[ms]")
+        dl[hdr["deadline"] == 0] = np.datetime64("NaT")
+        out["deadline"] = dl
+        return out
+
+    def __repr__(self) -> str:
+        flavour = "var" if self.spec.var else "fixed"
+        return f"<armdb.Queue {self.name!r} ({flavour})>"
+
+
+SNAPSHOT_DTYPE = np.dtype(
+    [
+        ("id", "<u8"),
+        ("state", "u1"),
+        ("due", "datetime64[ms]"),
+        ("attempts", "<u2"),
+        ("epoch", "<u4"),
+        ("deadline", "datetime64[ms]"),
+    ]
+)
+
+
+def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any]:
+    """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
+    if not isinstance(spec, QueueSpec):
+        raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
+    if config is None:
+        config = QueueConfig.balanced().build()
+    if not isinstance(config, QueueConfig):
+        raise ConfigError("open_queue takes a built QueueConfig: QueueConfig.balanced()...build()")
+    with db._lock:
+        db.check_open()
+        if spec.name in db._queues:
+            raise QueueAlreadyOpen(
+                f"queue {spec.name!r} is already open in this Db; share the handle you have"
+            )
+        if spec.name in db._maps or spec.payload_name in db._maps:
+            raise ConfigError(f"{spec.name!r} is open as a map; a name holds one collection")
+        q: Queue[Any] = Queue(db, spec, config)
+        q._open()
+        db._queues[spec.name] = q
+        assert q._headers is not None
+        db.register_store(spec.name, q._headers)
+        return q
+
+
+# -- background: retention sweeper and the async wake worker -------------------------------------------
+
+
+def _sweep_tick(db: Db) -> None:
+    with db._lock:
+        queues = list(db._queues.values())
+    for q in queues:
+        if not db.closed:
+            q._sweep(raise_errors=False)
+
+
+class Waker(threading.Thread):
+    """Resolves ``await queue.due()`` futures from one thread (Q19).
+
+    Each waiter is registered with the time it may sleep (bounded by the queue's
+    ``wakeup_recheck``); the thread wakes at the earliest such time, or at once on
+    a push (``poke``), and resolves the futures with ``loop.call_soon_threadsafe``.
+    The coroutine then re-checks and registers again if nothing is due.  At
+    shutdown every waiter gets ``DbClosed``.
+    """
+
+    def __init__(self, db: Db) -> None:
+        super().__init__(name="armdb-wake", daemon=True)
+        self._db_path = db.path
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[float, Queue[Any], asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.stop_event = threading.Event()
+
+    def register(self, q: Queue[Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], wait: float) -> None:
+        with self._cond:
+            if self.stop_event.is_set():
+                fut.set_exception(DbClosed(f"database {self._db_path!r}"))
+                return
+            self._waiters.append((time.monotonic() + wait, q, loop, fut))
+            self._cond.notify()
+
+    def poke(self) -> None:
+        with self._cond:
+            if self._waiters:
+                for i, (_, q, loop, fut) in enumerate(self._waiters):
+                    self._waiters[i] = (0.0, q, loop, fut)
+                self._cond.notify()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        with self._cond:
+            self._cond.notify()
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                if self.stop_event.is_set():
+                    waiters, self._waiters = self._waiters, []
+                    break
+                now = time.monotonic()
+                ready = [w for w in self._waiters if w[0] <= now]
+                self._waiters = [w for w in self._waiters if w[0] > now]
+                if not ready:
+                    timeout = min((w[0] for w in self._waiters), default=now + 3600) - now
+                    self._cond.wait(max(0.0, timeout))
+                    continue
+            for _, _q, loop, fut in ready:
+                try:
+                    loop.call_soon_threadsafe(self._resolve, fut, None)
+                except RuntimeError:  # the loop was closed; nobody is waiting any more
+                    pass
+        for _, _q, loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(self._resolve, fut, DbClosed(f"database {self._db_path!r}"))
+            except RuntimeError:
+                pass
+
+
+def start_queue_workers(db: Db, worker_cls: Callable[..., Any]) -> list[Any]:
+    """The TTL sweeper (a periodic worker) and the async wake worker, not yet started."""
+    db._waker = Waker(db)
+    return [worker_cls("armdb-ttl", db, SWEEP_PERIOD, _sweep_tick), db._waker]
+
+
+__all__ = ["Lease", "LeaseToken", "Queue", "QueueSpec", "QueueStats", "State", "queue"]
