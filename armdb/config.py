@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 QUEUE_GROW_STEP = 100_000
+MAX_ATTEMPTS = 0xFFFF
 MIN_FILE_SIZE = 64 * 1024
 KEY_LEN = 32
 
@@ -279,8 +280,11 @@ class QueueConfigBuilder:
         payload = v.get("payload_config", Config())
         if not isinstance(payload, Config):
             raise ConfigError("payload_config takes a built Config: Config.balanced()...build()")
+        attempts = _int(v.get("max_attempts", 5), "max_attempts", 1)
+        if attempts > MAX_ATTEMPTS:
+            raise ConfigError(f"max_attempts must be at most {MAX_ATTEMPTS} (a u16 in the row header), got {attempts}")
         return QueueConfig(
-            max_attempts=_int(v.get("max_attempts", 5), "max_attempts", 1),
+            max_attempts=attempts,
             backoff_secs=backoff_t,
             lease_timeout=_positive(v.get("lease_timeout", 30.0), "lease_timeout"),
             max_depth=depth,

@@ -215,6 +215,9 @@ class Db:
                 fs.write_file_atomic(meta, encode_meta())
             fs.makedirs(os.path.join(self.path, COLLECTIONS))
             self.seqmap = SeqMap(self.path)
+            from .txlog import TxLog
+
+            self.txlog = TxLog.open(self)
             self._closed = False
         except BaseException:
             self._dirlock.release()
@@ -277,11 +280,19 @@ class Db:
         for q in queues:
             q._on_db_close()
         errors: list[BaseException] = []
+        try:
+            self.txlog.checkpoint()  # syncs every store, then trims the applied log
+        except BaseException as e:
+            errors.append(e)
         for s in stores:
             try:
                 s.close()
             except BaseException as e:  # close every store even if one fails
                 errors.append(e)
+        try:
+            self.txlog.close()
+        except BaseException as e:
+            errors.append(e)
         if self._dirlock is not None:
             self._dirlock.release()
             self._dirlock = None
@@ -307,15 +318,35 @@ class Db:
         """Next global sequence number for a Bitcask record."""
         return self.seqmap.next("gsn")
 
-    def open_bitcask(self, name: str, config: Config) -> BitcaskStore:
-        """Open the Bitcask store behind a map or a var queue's payload (internal)."""
+    def open_bitcask(self, name: str, config: Config, *, register: bool = True) -> BitcaskStore:
+        """Open the Bitcask store behind a map or a var queue's payload (internal).
+
+        Logged rows still owed to this collection (it is encrypted, so replay at
+        open had to wait for its key) are applied before it is returned.
+        """
         from .bitcask import BitcaskStore
 
         store = BitcaskStore.open(self.collection_dir(name), config, self.gsn)
-        self.seqmap.advance("gsn", store.max_gsn)
-        with self._lock:
-            self._stores[name] = store
+        try:
+            self.seqmap.advance("gsn", store.max_gsn)
+            txlog = getattr(self, "txlog", None)
+            if register and txlog is not None:
+                for key, value, gsn in txlog.take_pending(name):
+                    store.apply(key, value, gsn)
+        except BaseException:
+            store.close()
+            raise
+        if register:
+            with self._lock:
+                self._stores[name] = store
         return store
+
+    def sync_all_stores(self) -> None:
+        """fsync/msync every open collection (log checkpoint)."""
+        with self._lock:
+            stores = list(self._stores.values())
+        for s in stores:
+            s.sync_now() if hasattr(s, "sync_now") else s.sync()
 
     def register_store(self, name: str, store: Any) -> None:
         with self._lock:
@@ -343,7 +374,8 @@ class Db:
             if name in self._queues or self.is_queue_dir(name):
                 raise ConfigError(f"{name!r} is a queue; a queue's collections cannot be opened as maps")
             store = self.open_bitcask(name, config or Config())
-            m = Map(store, self.check_open)
+            stream = self.schema is not None and self.schema.is_source(name)
+            m = Map(store, self.check_open, name=name, stream_source=stream)
             self._maps[name] = m
             return m
 

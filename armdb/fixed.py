@@ -219,6 +219,31 @@ class FixedShard:
         _fail.point("fixed.after_slot_write")
         return v
 
+    def ensure_capacity(self, slots: int) -> None:
+        """Grow the file (in whole grow steps) until it holds ``slots`` slots (replay)."""
+        if slots <= self.capacity:
+            return
+        step = self.config.grow_step
+        new = -(-slots // step) * step
+        old = self.capacity
+        self.mapped.flush()
+        self._map(new, grow_file=True)
+        status = np.zeros(new, dtype=np.uint8)
+        status[:old] = self.status
+        self.status = status
+        self._build_free_list()
+
+    def replay_write(self, slot: int, status: int, body: bytes, version: int) -> None:
+        """Write a logged slot image with its logged version (transaction-log replay).
+
+        Unlike :meth:`write` and :meth:`free` it does not touch the free stack; the
+        replaying code closes the store afterwards and the next open rebuilds it.
+        """
+        self._check_writable()
+        _k.write_slot(self.slots, self.versions, slot, status, body, version)
+        self.status[slot] = status
+        self._wrote(slot)
+
     def repair_torn(self, slot: int) -> None:
         """Rewrite a torn slot as deleted so that ``check`` is clean again (S4)."""
         _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0)
@@ -321,6 +346,10 @@ class FixedStore:
     def sync(self) -> None:
         for s in self.shards:
             s.sync()
+
+    def sync_now(self) -> None:
+        for s in self.shards:
+            s.sync_now()
 
     def close(self) -> None:
         for s in self.shards:

@@ -419,9 +419,9 @@ class Queue(Generic[T]):
         self._headers: FixedStore | None = None
         self._shards: list[_Shard] = []
         self._counter_lock = threading.Lock()
-        self.pushes = self.acks = self.nacks = self.dead_lettered = self.expired_leases = 0
-        self.payload_writes = 0
-        self.orphans_collected = 0
+        self._pushes = self._acks = self._nacks = self._dead_lettered = self._expired_leases = 0
+        self._payload_writes = 0
+        self._orphans_collected = 0
         self._retry: list[int] = []
         self._retry_overflow = False
         self._retention_paused = False
@@ -518,7 +518,7 @@ class Queue(Generic[T]):
                 _fail.point("queue.orphan_sweep.mid")
         if orphans:
             log.info("queue %s: collected %d orphan payload bodies", self.name, len(orphans))
-        self.orphans_collected += len(orphans)
+        self._orphans_collected += len(orphans)
         self._retry.clear()
         self._retry_overflow = False
 
@@ -581,7 +581,7 @@ class Queue(Generic[T]):
         if self._payload is not None:
             self._payload.put(self._key_bytes(seq), body)
             with self._counter_lock:
-                self.payload_writes += 1
+                self._payload_writes += 1
             _fail.point("queue.var_push.after_body")
             row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, seq, now)
         else:
@@ -596,7 +596,7 @@ class Queue(Generic[T]):
                 raise
             sh.live.insert(now + delay_ms, seq, slot, 0)
         with self._counter_lock:
-            self.pushes += 1
+            self._pushes += 1
         self._notify()
         return seq
 
@@ -692,7 +692,7 @@ class Queue(Generic[T]):
             if expired and attempts >= self.config.max_attempts:
                 self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
                 with self._counter_lock:
-                    self.expired_leases += 1
+                    self._expired_leases += 1
                 return False
             attempts += 1
             epoch = (epoch + 1) & 0xFFFFFFFF
@@ -700,7 +700,7 @@ class Queue(Generic[T]):
             sh.live.set_deadline(due, seq, deadline)
         if expired:
             with self._counter_lock:
-                self.expired_leases += 1
+                self._expired_leases += 1
         return (due, seq, shard_no, attempts, epoch, extra)
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
@@ -710,7 +710,11 @@ class Queue(Generic[T]):
         sh.live.remove(due, seq)
         sh.dead.insert(dkey, seq, slot, 0)
         with self._counter_lock:
-            self.dead_lettered += 1
+            self._dead_lettered += 1
+        self._note_dead(now)
+
+    def _note_dead(self, now: int) -> None:
+        """A row was dead-lettered at ``now``: bring the next retention pass forward."""
         if self.config.dead_retention is not None:
             first = now + int(self.config.dead_retention * 1000)
             if first < self._next_retention:
@@ -751,6 +755,10 @@ class Queue(Generic[T]):
             nacked or dead-lettered since; nothing changes.
         """
         self._check()
+        if self._payload is not None:
+            # Header removal and body delete share one log commit (Q14).
+            self._db.tx().ack(self, token).commit()
+            return
         sh, slot, _hdr = self._settle_begin(token)
         try:
             sh.fixed.free(slot)
@@ -758,11 +766,7 @@ class Queue(Generic[T]):
         finally:
             sh.lock.release()
         with self._counter_lock:
-            self.acks += 1
-        if self._payload is not None:
-            # The header is gone first, so a crash here leaves an invisible orphan body,
-            # collected by the next open's orphan pass; never a header without a body.
-            self._delete_body(token.seq)
+            self._acks += 1
 
     def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:
         """Give a leased row back: ready again at ``now + backoff`` (or ``now + delay``),
@@ -779,6 +783,10 @@ class Queue(Generic[T]):
         delay_ms = None if delay is None else to_ms(delay, "delay")
         if delay_ms is not None and delay_ms < 0:
             raise ConfigError(f"delay must not be negative, got {delay!r}")
+        if self._payload is not None:
+            # A var queue's transitions go through the transaction log (Q7, Q14).
+            self._db.tx().nack(self, token, delay=delay, dead=dead).commit()
+            return
         sh, slot, hdr = self._settle_begin(token)
         try:
             _state, flags, attempts, epoch, deadline, pid, pushed = hdr
@@ -798,7 +806,7 @@ class Queue(Generic[T]):
         finally:
             sh.lock.release()
         with self._counter_lock:
-            self.nacks += 1
+            self._nacks += 1
         self._notify()
 
     # -- counts and waiting (Q18, Q19) ------------------------------------------------------------
@@ -901,14 +909,6 @@ class Queue(Generic[T]):
         if self._retry or self._retry_overflow:
             self._next_retention = 0
 
-    def _delete_body(self, seq: int) -> None:
-        assert self._payload is not None
-        try:
-            self._payload.delete(self._key_bytes(seq))
-        except Exception as e:
-            log.warning("queue %s: deleting body %d failed (%s); will retry", self.name, seq, e)
-            self._remember_retry(seq)
-
     def _remember_retry(self, seq: int) -> None:
         if len(self._retry) < RETRY_LIST_CAP:
             self._retry.append(seq)
@@ -995,17 +995,17 @@ class Queue(Generic[T]):
             version_vector_bytes=sum(s.versions.nbytes for s in shards),
             header_file_logical_bytes=sum(s.logical_bytes() for s in shards),
             header_file_physical_bytes=sum(s.physical_bytes() for s in shards),
-            payload_writes=self.payload_writes,
+            payload_writes=self._payload_writes,
             compaction_bytes=0,  # FixedStore updates in place and never compacts (Q15)
             payload_compaction_bytes=int(pstats.get("compaction_bytes", 0)),
-            pushes=self.pushes,
-            acks=self.acks,
-            nacks=self.nacks,
-            dead_lettered=self.dead_lettered,
-            expired_leases=self.expired_leases,
+            pushes=self._pushes,
+            acks=self._acks,
+            nacks=self._nacks,
+            dead_lettered=self._dead_lettered,
+            expired_leases=self._expired_leases,
             repaired_on_open=self._headers.repaired_on_open,
             retention_retry_pending=len(self._retry),
-            orphans_collected=self.orphans_collected,
+            orphans_collected=self._orphans_collected,
         )
 
     def snapshot(self) -> np.ndarray:

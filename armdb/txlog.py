@@ -1,0 +1,391 @@
+"""The transaction log: one CRC-protected record per commit, appended before it is applied (SPEC T2-T5).
+
+Files: ``<db>/txlog/NNNNNNNN.log``.  A file starts with a 32-byte header
+(``b"ARMTXLG1"``, format version, file number, CRC); records follow, each
+8-byte aligned::
+
+    u32 magic 0x314E5854 ("TXN1") | u32 flags (bit 0: body sealed) | u64 txid
+    | u32 body_len | u32 crc32 (over the 20 bytes before it and the body) | body | pad
+
+The body is msgpack: a list of absolute rows (``docs/transactions.md``)::
+
+    ["F", collection, shard, slot, version, status, slot_body]   # a FixedStore slot write
+    ["B", collection, key, value_or_None, gsn]                     # a Bitcask record
+
+With ``TxConfig(log_encryption_key=...)`` the body is sealed with AES-256-GCM,
+the txid as associated data.
+
+Recovery (``replay``): records are read in order.  A record that fails its
+magic, length or CRC with no valid record after it is a torn tail: an
+uncommitted transaction; it is cut off.  One with a valid record after it is
+corruption and raises ``CorruptionError``.  Each FixedStore row is applied only
+where its version is newer than the slot's (S3); each Bitcask row only where
+its gsn is above the shard's highest (``BitcaskStore.apply``).  Rows for an
+encrypted collection wait until that collection is opened with its key.
+
+Checkpoint: once no commit is between its append and the end of its apply, the
+stores are synced and the log file is replaced by an empty one; this runs when
+the file passes ``CHECKPOINT_BYTES`` and at close.
+
+Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
+count; it is held for the append only, never across an apply.  ``_sync_lock``
+serialises ``fdatasync`` calls: a durable commit waits for a sync that covers its
+record, so several committing threads share one sync (group commit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import threading
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from . import _fail, _fs
+from ._crypto import Sealer
+from .errors import CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
+
+if TYPE_CHECKING:
+    from .db import Db
+
+log = logging.getLogger("armdb")
+
+DIR = "txlog"
+FILE_MAGIC = b"ARMTXLG1"
+FORMAT_VERSION = 1
+_FILE_HEAD = struct.Struct("<8sIIQ")  # magic, version, flags, file number; then crc32, pad to 32
+FILE_HEADER_SIZE = 32
+REC_MAGIC = 0x314E5854
+_REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
+REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
+FLAG_SEALED = 1
+CHECKPOINT_BYTES = 4 << 20
+MAX_BODY = 1 << 30
+_NAME_RE = re.compile(r"^(\d{8})\.log$")
+
+
+def _file_header(number: int) -> bytes:
+    head = _FILE_HEAD.pack(FILE_MAGIC, FORMAT_VERSION, 0, number)
+    head += struct.pack("<I", zlib.crc32(head))
+    return head + bytes(FILE_HEADER_SIZE - len(head))
+
+
+def _check_file_header(raw: bytes, path: str) -> int:
+    if len(raw) < FILE_HEADER_SIZE or raw[:8] != FILE_MAGIC:
+        raise FormatError(f"{path}: not an armdb transaction log; point armdb at its own directory")
+    magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
+    if struct.unpack_from("<I", raw, _FILE_HEAD.size)[0] != zlib.crc32(raw[: _FILE_HEAD.size]):
+        raise FormatError(f"{path}: transaction log header fails its CRC; restore it from a backup")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{path}: transaction log format {version} is not supported; upgrade armdb")
+    return int(number)
+
+
+def encode_record(txid: int, body: bytes, flags: int) -> bytes:
+    head = _REC_HEAD.pack(REC_MAGIC, flags, txid, len(body))
+    crc = zlib.crc32(body, zlib.crc32(head))
+    raw = head + struct.pack("<I", crc) + body
+    return raw + bytes(-len(raw) % 8)
+
+
+def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]], int, int | None]:
+    """Parse records from ``start``.
+
+    Returns ``(records, end_of_valid, bad_offset)`` where each record is
+    ``(txid, flags, body)``; ``bad_offset`` is where the first bad record starts,
+    or None when the file ends cleanly.
+    """
+    out: list[tuple[int, int, bytes]] = []
+    pos = start
+    n = len(raw)
+    while pos < n:
+        rec = _parse_one(raw, pos)
+        if rec is None:
+            return out, pos, pos
+        txid, flags, body, end = rec
+        out.append((txid, flags, body))
+        pos = end
+    return out, pos, None
+
+
+def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
+    if pos + REC_HEAD_SIZE > len(raw):
+        return None
+    magic, flags, txid, blen = _REC_HEAD.unpack_from(raw, pos)
+    if magic != REC_MAGIC or blen > MAX_BODY:
+        return None
+    end = pos + REC_HEAD_SIZE + blen
+    if end > len(raw):
+        return None
+    (crc,) = struct.unpack_from("<I", raw, pos + _REC_HEAD.size)
+    body = raw[pos + REC_HEAD_SIZE : end]
+    if zlib.crc32(body, zlib.crc32(raw[pos : pos + _REC_HEAD.size])) != crc:
+        return None
+    return txid, flags, body, end + (-(end - pos) % 8)
+
+
+def _valid_record_after(raw: bytes, pos: int) -> int | None:
+    """The offset of a valid record somewhere after ``pos`` (8-byte aligned), if any."""
+    p = pos + 8
+    magic = struct.pack("<I", REC_MAGIC)
+    while True:
+        p = raw.find(magic, p)
+        if p < 0:
+            return None
+        if (p - FILE_HEADER_SIZE) % 8 == 0 and _parse_one(raw, p) is not None:
+            return p
+        p += 1
+
+
+class TxLog:
+    """The Db's transaction log."""
+
+    def __init__(self, db: Db) -> None:
+        self.db = db
+        self.dir = os.path.join(db.path, DIR)
+        key = db.tx_config.log_encryption_key
+        self.sealer: Sealer | None = Sealer(key) if key is not None else None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._sync_lock = threading.Lock()
+        self._fd = -1
+        self._path = ""
+        self._number = 0
+        self._end = 0
+        self._synced_end = 0
+        self._inflight = 0
+        self._next_txid = 1
+        self.poisoned: BaseException | None = None
+        self.pending: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
+        self._retained: list[str] = []  # replayed files kept while rows are still owed
+        self.commits = 0
+        self.syncs = 0
+        self.replayed = 0
+
+    # -- open / replay ---------------------------------------------------------------
+    @classmethod
+    def open(cls, db: Db) -> TxLog:
+        tl = cls(db)
+        tl._open()
+        return tl
+
+    def _open(self) -> None:
+        fs = _fs.FS
+        fs.makedirs(self.dir)
+        files = sorted(
+            (int(m.group(1)), name) for name in fs.listdir(self.dir) if (m := _NAME_RE.match(name))
+        )
+        records: list[tuple[int, int, bytes]] = []
+        for i, (number, name) in enumerate(files):
+            path = os.path.join(self.dir, name)
+            raw = fs.read_file(path)
+            if len(raw) < FILE_HEADER_SIZE and i == len(files) - 1:
+                # A log file whose header never reached the disk holds no commit.
+                continue
+            _check_file_header(raw, path)
+            recs, end, bad = parse_records(raw, FILE_HEADER_SIZE)
+            if bad is not None:
+                after = _valid_record_after(raw, bad)
+                if after is not None or i != len(files) - 1:
+                    raise CorruptionError(
+                        f"{path}: transaction log record at offset {bad} is damaged but later records are "
+                        f"intact; refusing to guess. Restore the database from a backup"
+                    )
+                log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
+            records.extend(recs)
+        self._replay(records)
+        # Start a fresh, empty log (the old files are removed by _reset once the
+        # replayed rows are synced into their stores).
+        self._number = files[-1][0] + 1 if files else 1
+        old = [os.path.join(self.dir, name) for _, name in files]
+        if self.pending:
+            # Rows for encrypted collections are still owed: keep the old files
+            # until those collections are opened with their keys.
+            self._retained, old = old, []
+        self._start_file(old)
+        if records:
+            self._next_txid = max(r[0] for r in records) + 1
+
+    def _decode(self, txid: int, flags: int, body: bytes) -> list[Any]:
+        if flags & FLAG_SEALED:
+            if self.sealer is None:
+                raise EncryptionKeyRequired(
+                    "the transaction log holds sealed records that must be replayed; open the Db with "
+                    "TxConfig(log_encryption_key=...) set to the key it was written with"
+                )
+            try:
+                body = self.sealer.open(body, txid.to_bytes(8, "little"), what="transaction log record")
+            except CorruptionError:
+                raise WrongKey(
+                    "the transaction log key does not open the logged records; give the key the log was "
+                    "written with"
+                ) from None
+        rows = msgpack.unpackb(body, raw=False)
+        if not isinstance(rows, list):
+            raise CorruptionError(f"transaction {txid}: body is not a list of rows")
+        return rows
+
+    def _replay(self, records: list[tuple[int, int, bytes]]) -> None:
+        if not records:
+            return
+        decoded = [self._decode(txid, flags, body) for txid, flags, body in records]
+        from .replay import Replayer
+
+        with Replayer(self.db) as rp:
+            for i, rows in enumerate(decoded):
+                if i == len(decoded) // 2:
+                    _fail.point("recovery.mid_replay")
+                for row in rows:
+                    rp.apply(row)
+            self.pending = rp.deferred
+        self.replayed = len(decoded)
+        log.info("replayed %d logged transaction(s)", len(decoded))
+
+    def _start_file(self, old: list[str]) -> None:
+        fs = _fs.FS
+        path = os.path.join(self.dir, f"{self._number:08d}.log")
+        fd = fs.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            fs.pwrite(fd, _file_header(self._number), 0)
+            fs.fsync(fd)
+            fs.fsync_dir(self.dir)
+        except BaseException:
+            fs.close(fd)
+            raise
+        for p in old:
+            fs.unlink(p)
+        if old:
+            fs.fsync_dir(self.dir)
+        if self._fd >= 0:
+            fs.close(self._fd)
+        self._fd, self._path = fd, path
+        self._end = self._synced_end = FILE_HEADER_SIZE
+
+    def take_pending(self, collection: str) -> list[tuple[bytes, bytes | None, int]]:
+        """Rows owed to an encrypted collection that is being opened now."""
+        with self._lock:
+            return self.pending.pop(collection, [])
+
+    # -- commit --------------------------------------------------------------------------
+    def needs_key(self) -> bool:
+        return self.sealer is None
+
+    def append(self, rows: list[Any]) -> tuple[int, int]:
+        """Append one commit record; returns ``(txid, end offset)``.  Caller must call
+        :meth:`done` after applying (or failing to apply) it."""
+        body = msgpack.packb(rows, use_bin_type=True)
+        with self._lock:
+            if self.poisoned is not None:
+                raise StorageError(
+                    f"{self._path}: an earlier log sync failed ({self.poisoned}); reopen the database"
+                )
+            txid = self._next_txid
+            flags = 0
+            if self.sealer is not None:
+                body = self.sealer.seal(body, txid.to_bytes(8, "little"))
+                flags |= FLAG_SEALED
+            raw = encode_record(txid, body, flags)
+            try:
+                _fs.FS.pwrite(self._fd, raw, self._end)
+            except OSError as e:
+                try:
+                    _fs.FS.ftruncate(self._fd, self._end)
+                except OSError:
+                    self.poisoned = e
+                raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e
+            self._next_txid = txid + 1
+            self._end += len(raw)
+            self._inflight += 1
+            self.commits += 1
+            end = self._end
+        _fail.point("txlog.after_append")
+        return txid, end
+
+    def sync_to(self, end: int) -> None:
+        """Make the log durable up to ``end`` (group commit: one sync serves every
+        record appended before it started)."""
+        if self._synced_end >= end:
+            return
+        with self._sync_lock:
+            if self._synced_end >= end:
+                return
+            with self._lock:
+                target = self._end
+                fd = self._fd
+            try:
+                _fs.FS.fdatasync(fd)
+            except OSError as e:
+                self.poisoned = e  # never retried (S12)
+                raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
+            self.syncs += 1
+            if target > self._synced_end:
+                self._synced_end = target
+        _fail.point("txlog.after_sync")
+
+    def done(self) -> None:
+        """A commit finished applying (or gave up): maybe checkpoint."""
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+            big = self._end > CHECKPOINT_BYTES and not self.pending
+        if big:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Sync every store, then start an empty log file (trim applied records)."""
+        with self._lock:
+            while self._inflight:
+                self._idle.wait()
+            if self._end == FILE_HEADER_SIZE or self.pending or self.poisoned is not None:
+                return
+            self.db.sync_all_stores()
+            old = [self._path, *self._retained]
+            self._retained = []
+            self._number += 1
+            self._start_file(old)
+        _fail.point("txlog.after_trim")
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self.poisoned is None:
+                self.checkpoint()
+        finally:
+            with self._lock:
+                _fs.FS.close(self._fd)
+                self._fd = -1
+
+    def stats(self) -> dict[str, int]:
+        return {"commits": self.commits, "syncs": self.syncs, "replayed": self.replayed, "bytes": self._end}
+
+
+def check_dir(path: str) -> list[str]:
+    """Read-only check of ``<db>/txlog`` for ``armdb.check``."""
+    fs = _fs.FS
+    findings: list[str] = []
+    if not fs.exists(path):
+        return findings
+    names = fs.listdir(path)
+    logs = [n for n in names if _NAME_RE.match(n)]
+    for n in names:
+        if n.endswith(".tmp"):
+            findings.append(f"{os.path.join(path, n)}: leftover temporary file")
+    for i, name in enumerate(logs):
+        p = os.path.join(path, name)
+        raw = fs.read_file(p)
+        try:
+            _check_file_header(raw, p)
+        except FormatError as e:
+            findings.append(str(e))
+            continue
+        _, _, bad = parse_records(raw, FILE_HEADER_SIZE)
+        if bad is not None:
+            findings.append(f"{p}: damaged record at offset {bad}")
+    return findings
+

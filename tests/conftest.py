@@ -1,0 +1,78 @@
+"""Shared fixtures: a fake clock, a temp database that is always closed, child runners."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import armdb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeClock:
+    """A settable wall clock in milliseconds (SPEC D7)."""
+
+    def __init__(self, start_ms: int = 1_700_000_000_000) -> None:
+        self.ms = start_ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+    def advance(self, seconds: float) -> None:
+        self.ms += int(round(seconds * 1000))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "db"
+
+
+@pytest.fixture
+def db(db_path: Path, clock: FakeClock) -> Iterator[armdb.Db]:
+    d = armdb.Db.open(db_path, clock=clock)
+    try:
+        yield d
+    finally:
+        d.shutdown()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("ARMDB_FAILPOINT", None)
+    env.update(extra)
+    return env
+
+
+def run_child(code: str, *, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with armdb importable; returns the result."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def spawn_child(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``code`` in a child with line-buffered stdout (for kill -9 tests)."""
+    return subprocess.Popen(
+        [sys.executable, "-u", "-c", textwrap.dedent(code)],
+        env=env or child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
