@@ -15,6 +15,7 @@ except ImportError as _e:  # pragma: no cover - exercised only on a broken insta
     ) from _e
 
 from . import errors
+from .check import CheckReport, check
 from ._fail import failpoints
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArmdbError",
+    "CheckReport",
     "Config",
     "ConfigError",
     "CorruptionError",

@@ -61,7 +61,7 @@ class MappedFile:
         end = min(self.length, offset + length)
         if end <= start:
             return
-        self.fs._msync(self, start, end - start)
+        FS._msync(self, start, end - start)  # the installed file system, looked up now
 
     def close(self) -> None:
         """Drop the map.  The pages are unmapped once no array view refers to them."""
@@ -170,8 +170,11 @@ class RealFS:
             self.pwrite(fd, data, 0)
             if sync:
                 self.fsync(fd)
-        finally:
+        except BaseException:
             self.close(fd)
+            self.unlink(tmp)
+            raise
+        self.close(fd)
         _fail.point("meta.after_tmp_write")
         self.rename(tmp, path)
         if sync:

@@ -208,6 +208,10 @@ class Db:
         fs.makedirs(self.path)
         self._dirlock = DirLock(self.path)
         try:
+            for name in (META_FILE, "seqmap"):
+                tmp = os.path.join(self.path, name + ".tmp")
+                if fs.exists(tmp):  # a crash between tmp write and rename
+                    fs.unlink(tmp)
             meta = os.path.join(self.path, META_FILE)
             if fs.exists(meta):
                 check_meta(fs.read_file(meta), meta)
@@ -362,6 +366,7 @@ class Db:
         ConfigError
             Invalid name, a name used by a queue, or a config that is not a built ``Config``.
         """
+        self.check_open()
         from .maps import Map
 
         validate_name(name)
@@ -387,9 +392,9 @@ class Db:
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""
+        self.check_open()
         from .tx import Tx
 
-        self.check_open()
         return Tx(self)
 
     def stats(self) -> dict[str, Any]:

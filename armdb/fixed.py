@@ -142,7 +142,9 @@ class FixedShard:
             _fail.point("fixed.after_grow")
         old_versions = getattr(self, "versions", None)
         self.mapped = fs.mmap(self._fd, length)
-        self.slots = self.mapped.array[HEADER_PAGE:].reshape(capacity, self.slot_size)
+        # A plain ndarray view of the np.memmap: indexing an np.memmap subclass costs
+        # microseconds per access (__array_finalize__), which the hot path cannot pay.
+        self.slots = np.asarray(self.mapped.array[HEADER_PAGE:]).reshape(capacity, self.slot_size)
         versions = np.zeros(capacity, dtype=np.uint32)
         if old_versions is not None:
             versions[: old_versions.shape[0]] = old_versions

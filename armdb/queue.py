@@ -455,6 +455,10 @@ class Queue(Generic[T]):
                     f"shard_count={hcfg.shard_count}. The count is fixed at creation: leave it unset"
                 )
         else:
+            if fs.exists(hdir):
+                for leftover in fs.listdir(hdir):
+                    if leftover.endswith(".tmp"):  # a crash between tmp write and rename
+                        fs.unlink(os.path.join(hdir, leftover))
             if fs.exists(hdir) and fs.listdir(hdir):
                 raise ConfigError(f"{self.name!r} is already a collection of another kind; choose another name")
             shard_count = hcfg.shard_count or 1

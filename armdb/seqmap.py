@@ -21,7 +21,7 @@ import zlib
 import msgpack
 
 from . import _fail, _fs
-from .errors import FormatError
+from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
 MAGIC = b"ARMSEQ01"
@@ -83,7 +83,13 @@ class SeqMap:
     def _reserve(self, name: str, end: int) -> None:
         reserved = dict(self._reserved)
         reserved[name] = end
-        _fs.FS.write_file_atomic(self.path, encode(reserved))
+        try:
+            _fs.FS.write_file_atomic(self.path, encode(reserved))
+        except OSError as e:
+            raise StorageError(
+                f"{self.path}: reserving ids failed ({e}); nothing was written. Check the disk, "
+                f"then retry or reopen the database"
+            ) from e
         _fail.point("seqmap.after_write")
         self._reserved = reserved
         self.flushes += 1

@@ -1,0 +1,35 @@
+"""Stubs for the compiled ``armdb._core.fixed`` (see fixed.pyx)."""
+
+import numpy as np
+import numpy.typing as npt
+
+FREE: int
+OCCUPIED: int
+DELETED: int
+TORN: int
+RING_BITS: int
+RING_MASK: int
+RING_HALF: int
+OLDER: int
+EQUAL: int
+NEWER: int
+STALE: int
+
+def crc32(data: bytes | npt.NDArray[np.uint8], crc: int = 0) -> int: ...
+def slot_crc(meta: int, body: bytes | npt.NDArray[np.uint8]) -> int: ...
+def ring_next(version: int) -> int: ...
+def compare(a: int, b: int) -> int: ...
+def compare_many(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32], out: npt.NDArray[np.int8]) -> None: ...
+def validate(
+    slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], status: npt.NDArray[np.uint8]
+) -> tuple[int, int]: ...
+def write_slot(
+    slots: npt.NDArray[np.uint8],
+    versions: npt.NDArray[np.uint32],
+    i: int,
+    status: int,
+    body: bytes | npt.NDArray[np.uint8],
+    version: int = 0,
+) -> int: ...
+def zero_slot(slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], i: int) -> None: ...
+def occupied_slots(status: npt.NDArray[np.uint8]) -> npt.NDArray[np.intp]: ...

@@ -1,0 +1,373 @@
+"""``armdb.check``: a read-only consistency check of a closed database (SPEC D6, RELIABILITY I9).
+
+Like ``PRAGMA integrity_check`` or diskcache's ``Cache.check``, it reads every file
+the library wrote and reports what does not add up, one readable line per problem.
+It never repairs: recovery is the job of the next ``Db.open`` (torn slots are freed,
+torn Bitcask tails truncated, orphan bodies collected), and tests call ``check``
+after every reopen to prove that recovery left a clean store.
+
+What it checks:
+
+* the database: ``db.meta`` (magic, version, CRC) and ``seqmap`` (magic, version,
+  CRC); leftover ``*.tmp`` files anywhere under the directory (an interrupted
+  tmp + rename that recovery should have cleaned up);
+* every queue (a collection with ``queue.meta``): the meta file, one
+  ``shard-NNN/fixed.data`` per stored shard with a matching header page and slot
+  geometry, every slot's CRC (``armdb.fixed.check_shard_file``), and each occupied
+  slot's row: a valid state, the dead key class (bit 63 of the due word) set exactly
+  on DEAD rows, a lease deadline on LEASED rows, a row id that is not duplicated in
+  any shard and lies below the id block reserved in ``seqmap`` (T5), and for a var
+  queue a payload id equal to the row id and an existing ``<name>.payload`` store;
+* every other collection is a Bitcask store, checked by ``armdb.bitcask.check_dir``;
+* the transaction log ``txlog/``, checked by ``armdb.txlog.check_dir``.
+
+Locking: ``check`` takes the directory lock exactly like ``Db.open`` (so it raises
+``DbLocked`` while the database is open anywhere) and releases it before returning.
+Taking the lock rewrites the pid in ``LOCK``, as every open does; nothing else is
+ever written, created, truncated or renamed.  All file access goes through
+``armdb._fs`` like the rest of the library.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _fs
+from ._core import fixed as _k
+from .db import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
+from .errors import FormatError
+from .fixed import FILE_NAME as FIXED_FILE
+from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header
+from .seqmap import FILE_NAME as SEQMAP_FILE
+from .seqmap import decode as decode_seqmap
+
+__all__ = ["CheckReport", "check"]
+
+TXLOG_DIR = "txlog"  # armdb.txlog.DIR, imported lazily with the module
+
+#: At most this many examples are named in one finding (slots, ids).
+_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The result of :func:`check`.
+
+    Attributes
+    ----------
+    ok : bool
+        ``True`` when nothing was found.
+    findings : list of str
+        One readable line per problem, each naming the file it concerns.
+    """
+
+    ok: bool
+    findings: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "armdb.check: OK (no findings)"
+        lines = [f"armdb.check: {len(self.findings)} finding(s)"]
+        lines += [f"  - {f}" for f in self.findings]
+        return "\n".join(lines)
+
+
+def check(path: str | os.PathLike[str]) -> CheckReport:
+    """Check a database that is not open, without changing it (D6).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The database directory.
+
+    Returns
+    -------
+    CheckReport
+        ``report.ok`` and ``report.findings`` (readable lines; empty when ok).  A
+        path that is not an armdb database gives a report that is not ok.
+
+    Raises
+    ------
+    DbLocked
+        The database is open, in this process or another one.
+    """
+    directory = os.path.abspath(os.fspath(path))
+    fs = _fs.FS
+    if not fs.isdir(directory):
+        return CheckReport(False, [f"{directory}: no such database directory"])
+    if not fs.exists(os.path.join(directory, META_FILE)):
+        # Not ours (or never opened): do not even create a LOCK file in it.
+        return CheckReport(False, [f"{directory}: not an armdb database ({META_FILE} is missing)"])
+    lock = DirLock(directory)
+    try:
+        findings = _Checker(directory).run()
+    finally:
+        lock.release()
+    return CheckReport(not findings, findings)
+
+
+class _Checker:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.fs = _fs.FS
+        self.findings: list[str] = []
+        self.reserved: dict[str, int] | None = None
+
+    def add(self, line: str) -> None:
+        self.findings.append(line)
+
+    def rel(self, path: str) -> str:
+        """A path as shown in findings: relative to the database when inside it."""
+        inside = path.startswith(self.directory + os.sep)
+        return os.path.relpath(path, self.directory) if inside else path
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            return self.fs.read_file(path)
+        except OSError as e:
+            self.add(f"{self.rel(path)}: cannot read ({e})")
+            return None
+
+    # -- the database ------------------------------------------------------------------
+    def run(self) -> list[str]:
+        meta = os.path.join(self.directory, META_FILE)
+        raw = self.read(meta)
+        if raw is not None:
+            try:
+                check_meta(raw, meta)
+            except FormatError as e:
+                self.add(str(e))
+        seqmap = os.path.join(self.directory, SEQMAP_FILE)
+        if self.fs.exists(seqmap):
+            raw = self.read(seqmap)
+            if raw is not None:
+                try:
+                    self.reserved = decode_seqmap(raw, seqmap)
+                except FormatError as e:
+                    self.add(str(e))
+        else:
+            self.reserved = {}  # created on the first id handed out
+        self.find_tmp(self.directory)
+        self.check_txlog(os.path.join(self.directory, TXLOG_DIR))
+        cdir = os.path.join(self.directory, COLLECTIONS)
+        if self.fs.isdir(cdir):
+            names = self.fs.listdir(cdir)
+            queues: dict[str, dict[str, Any] | None] = {}
+            for name in names:
+                d = os.path.join(cdir, name)
+                if not self.fs.isdir(d):
+                    if not name.endswith(".tmp"):  # tmp files are reported by find_tmp
+                        self.add(f"{self.rel(d)}: unexpected file among the collections")
+                    continue
+                if not NAME_RE.fullmatch(name):
+                    self.add(f"{self.rel(d)}: {name!r} is not a valid collection name")
+                if self.fs.exists(os.path.join(d, QUEUE_META)):
+                    queues[name] = self.check_queue(d, name)
+            for name in names:
+                d = os.path.join(cdir, name)
+                if name in queues or not self.fs.isdir(d):
+                    continue
+                if self.fs.exists(os.path.join(d, QUEUE_META + ".tmp")):
+                    self.add(
+                        f"{self.rel(d)}: creation of queue {name!r} was interrupted "
+                        f"({QUEUE_META}.tmp without {QUEUE_META})"
+                    )
+                    continue
+                if name.endswith(".payload"):
+                    owner = name[: -len(".payload")]
+                    owner_meta = queues.get(owner)
+                    if owner not in queues:
+                        self.add(f"{self.rel(d)}: payload store of queue {owner!r}, which does not exist")
+                    elif owner_meta is not None and not owner_meta.get("var"):
+                        self.add(f"{self.rel(d)}: payload store of {owner!r}, which is a fixed queue")
+                self.check_bitcask(d)
+        return self.findings
+
+    def find_tmp(self, directory: str) -> None:
+        """Report every ``*.tmp`` file: a tmp + rename that was never finished or cleaned.
+
+        Bitcask collections are left to ``bitcask.check_dir``, which reports its own.
+        """
+        cdir = os.path.join(self.directory, COLLECTIONS)
+        for entry in self.fs.listdir(directory):
+            p = os.path.join(directory, entry)
+            if self.fs.isdir(p):
+                if directory == cdir and not self.fs.exists(os.path.join(p, QUEUE_META)):
+                    continue  # a Bitcask collection: bitcask.check_dir reports its own
+                if directory == self.directory and entry == TXLOG_DIR:
+                    continue  # txlog.check_dir reports its own
+                self.find_tmp(p)
+            elif entry.endswith(".tmp"):
+                self.add(f"{self.rel(p)}: leftover temporary file (an interrupted atomic write)")
+
+    # -- transaction log ----------------------------------------------------------------------
+    def check_txlog(self, d: str) -> None:
+        if not self.fs.isdir(d):
+            return
+        try:
+            from . import txlog
+        except ImportError as e:
+            self.add(f"{self.rel(d)}: cannot check the transaction log (armdb.txlog: {e})")
+            return
+        try:
+            found = txlog.check_dir(d)
+        except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
+            self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
+            return
+        self.findings.extend(str(f) for f in found)
+
+    # -- Bitcask collections ---------------------------------------------------------------
+    def check_bitcask(self, d: str) -> None:
+        try:
+            from . import bitcask
+        except ImportError as e:
+            self.add(f"{self.rel(d)}: cannot check this Bitcask collection (armdb.bitcask: {e})")
+            return
+        check_dir = getattr(bitcask, "check_dir", None)
+        if check_dir is None:
+            self.add(
+                f"{self.rel(d)}: cannot check this Bitcask collection (armdb.bitcask.check_dir is missing)"
+            )
+            return
+        try:
+            found = check_dir(d)
+        except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
+            self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
+            return
+        self.findings.extend(str(f) for f in found)
+
+    # -- queues -------------------------------------------------------------------------------
+    def check_queue(self, d: str, name: str) -> dict[str, Any] | None:
+        from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, State, _decode_meta
+
+        meta_path = os.path.join(d, QUEUE_META)
+        raw = self.read(meta_path)
+        if raw is None:
+            return None
+        try:
+            meta = _decode_meta(raw, meta_path)
+        except FormatError as e:
+            self.add(str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - CRC matched but the body is not what we wrote
+            self.add(f"{self.rel(meta_path)}: undecodable body ({type(e).__name__}: {e})")
+            return None
+        try:
+            var = meta["var"]
+            shard_count = meta["shard_count"]
+            key_size = meta["key_size"]
+            value_size = meta["value_size"]
+        except (KeyError, TypeError):
+            self.add(
+                f"{self.rel(meta_path)}: missing fields (has {sorted(meta) if isinstance(meta, dict) else meta!r})"
+            )
+            return None
+        if not isinstance(var, bool) or not isinstance(shard_count, int) or shard_count < 1:
+            self.add(f"{self.rel(meta_path)}: bad var flag {var!r} or shard count {shard_count!r}")
+            return None
+        if (
+            key_size != KEY_SIZE
+            or not isinstance(value_size, int)
+            or (value_size != HEADER_SIZE if var else value_size <= HEADER_SIZE)
+        ):
+            self.add(
+                f"{self.rel(meta_path)}: slot geometry {key_size}+{value_size} is impossible for a "
+                f"{'var' if var else 'fixed'} queue"
+            )
+            return None
+
+        expected = [f"shard-{i:03d}" for i in range(shard_count)]
+        for entry in self.fs.listdir(d):
+            if entry.startswith("shard-") and entry not in expected:
+                self.add(
+                    f"{self.rel(os.path.join(d, entry))}: shard folder beyond the stored count {shard_count}"
+                )
+
+        seen: dict[int, tuple[int, int]] = {}  # row id -> (shard, slot) of its first sighting
+        dups: list[str] = []
+        max_seq = 0
+        rows_total = 0
+        for i, sdir in enumerate(expected):
+            path = os.path.join(d, sdir, FIXED_FILE)
+            rel = self.rel(path)
+            if not self.fs.exists(path):
+                self.add(f"{rel}: missing (the queue stores {shard_count} shard(s))")
+                continue
+            self.findings.extend(check_shard_file(path, key_size, value_size))
+            data = self.read(path)
+            if data is None:
+                continue
+            try:
+                slot_size, _ks, _vs, shard_no = decode_header(data[:HEADER_PAGE], path)
+            except FormatError:
+                continue  # already reported by check_shard_file
+            if shard_no != i:
+                self.add(f"{rel}: header says shard {shard_no}, but it is in folder {sdir}")
+            n = (len(data) - HEADER_PAGE) // slot_size
+            tail = data[HEADER_PAGE + n * slot_size :]
+            if tail.strip(b"\0"):
+                self.add(f"{rel}: a partial slot at the end of the file holds data")
+            if n <= 0:
+                continue
+            slots = np.frombuffer(data, np.uint8, n * slot_size, HEADER_PAGE).reshape(n, slot_size).copy()
+            status = np.zeros(n, np.uint8)
+            _k.validate(slots, np.zeros(n, np.uint32), status)
+            occ = np.flatnonzero(status == OCCUPIED)
+            if occ.size == 0:
+                continue
+            rows_total += int(occ.size)
+            rows = slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+            due = rows["due"].astype(np.uint64)
+            seq = rows["seq"].astype(np.uint64)
+            hdr = rows["header"]
+            state = hdr["state"]
+            dead_key = (due & np.uint64(DEAD_BIT)) != 0
+            self.rows_problem(
+                rel, occ, state > State.DEAD, "hold an unknown state (not READY, LEASED or DEAD)"
+            )
+            self.rows_problem(
+                rel, occ, dead_key & (state != State.DEAD), "are in the dead key class but not DEAD"
+            )
+            self.rows_problem(rel, occ, ~dead_key & (state == State.DEAD), "are DEAD but keyed as live rows")
+            self.rows_problem(
+                rel,
+                occ,
+                (state == State.LEASED) & (hdr["deadline"] == 0),
+                "are LEASED without a lease deadline",
+            )
+            self.rows_problem(rel, occ, seq == 0, "have row id 0, which is never handed out")
+            if var:
+                self.rows_problem(
+                    rel, occ, hdr["payload_id"] != seq, "point at a payload id other than their row id"
+                )
+            for slot, s in zip(occ.tolist(), seq.tolist()):
+                if s in seen:
+                    fs_, fsl = seen[s]
+                    dups.append(f"id {s} in shard {fs_} slot {fsl} and shard {i} slot {slot}")
+                else:
+                    seen[s] = (i, slot)
+            max_seq = max(max_seq, int(seq.max()))
+        if dups:
+            self.add(f"{self.rel(d)}: {len(dups)} row id(s) stored twice ({'; '.join(dups[:_EXAMPLES])})")
+        if self.reserved is not None and max_seq:
+            end = self.reserved.get("q:" + name, 1)
+            if max_seq >= end:
+                self.add(
+                    f"{self.rel(d)}: row id {max_seq} is not below the ids reserved in seqmap ({end}); "
+                    f"a later push could reuse an id"
+                )
+        if var and rows_total and not self.fs.isdir(os.path.join(os.path.dirname(d), name + ".payload")):
+            self.add(
+                f"{self.rel(d)}: var queue holds {rows_total} row(s) but its payload store {name}.payload is missing"
+            )
+        return meta
+
+    def rows_problem(self, rel: str, occ: np.ndarray, bad: np.ndarray, what: str) -> None:
+        bad = np.asarray(bad, dtype=bool)
+        k = int(bad.sum())
+        if k:
+            self.add(f"{rel}: {k} row(s) {what} (slots {occ[bad][:_EXAMPLES].tolist()})")
