@@ -39,7 +39,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import msgpack
 import numpy as np
@@ -289,9 +289,11 @@ def _is_instance(value: Any, tp: type) -> bool:
 # -- leases ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseToken:
-    """Proof of one lease: bound to the handle, the row key and the lease epoch (Q13)."""
+class LeaseToken(NamedTuple):
+    """Proof of one lease: bound to the handle, the row key and the lease epoch (Q13).
+
+    Immutable and hashable; a NamedTuple because the hot path creates one per lease.
+    """
 
     handle: int
     shard: int
@@ -300,9 +302,9 @@ class LeaseToken:
     epoch: int
 
 
-@dataclass(frozen=True, slots=True)
-class Lease(Generic[T]):
-    """One leased row (Q11)."""
+class Lease(NamedTuple, Generic[T]):
+    """One leased row (Q11): ``id``, ``payload``, ``attempt`` (1 for the first
+    delivery), ``deadline`` (UTC) and ``token``."""
 
     id: int
     payload: T
@@ -368,6 +370,26 @@ class _Shard:
         self.lock = fixed.lock
         self.live = KeyIndex()
         self.dead = KeyIndex()
+        # Counters since open, changed only under ``lock`` (summed by Queue.stats).
+        self.pushes = self.acks = self.nacks = self.dead_lettered = self.expired_leases = 0
+        # Reused output buffers of the lease scan (grown on demand, used under ``lock``).
+        self.buf_due = np.empty(16, np.uint64)
+        self.buf_seq = np.empty(16, np.uint64)
+        self.buf_slot = np.empty(16, np.uint32)
+        self.buf_dl = np.empty(16, np.int64)
+
+    def scan(self, now: int, want: int) -> int:
+        """Run the skip-scan into this shard's buffers (caller holds ``lock``)."""
+        if self.buf_due.shape[0] < want:
+            size = max(want, 2 * self.buf_due.shape[0])
+            self.buf_due = np.empty(size, np.uint64)
+            self.buf_seq = np.empty(size, np.uint64)
+            self.buf_slot = np.empty(size, np.uint32)
+            self.buf_dl = np.empty(size, np.int64)
+        if want == self.buf_due.shape[0]:
+            return int(self.live.scan(now, self.buf_due, self.buf_seq, self.buf_slot, self.buf_dl))
+        return int(self.live.scan(now, self.buf_due[:want], self.buf_seq[:want], self.buf_slot[:want],
+                                  self.buf_dl[:want]))
 
 
 def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: int,
@@ -418,8 +440,9 @@ class Queue(Generic[T]):
         self._payload: BitcaskStore | None = None
         self._headers: FixedStore | None = None
         self._shards: list[_Shard] = []
-        self._counter_lock = threading.Lock()
-        self._pushes = self._acks = self._nacks = self._dead_lettered = self._expired_leases = 0
+        self._counter_lock = threading.Lock()  # guards the counters below (per-shard ones live on _Shard)
+        self._gen = 0  # bumped by every push and nack under _cond: waiters detect missed wakeups
+        self._nwaiters = 0
         self._payload_writes = 0
         self._orphans_collected = 0
         self._retry: list[int] = []
@@ -599,16 +622,22 @@ class Queue(Generic[T]):
                 sh.fixed.unalloc(slot)
                 raise
             sh.live.insert(now + delay_ms, seq, slot, 0)
-        with self._counter_lock:
-            self._pushes += 1
+            sh.pushes += 1
         self._notify()
         return seq
 
     def _notify(self) -> None:
+        """Wake blocking and async waiters at once (Q19).
+
+        The generation bump comes first, so a waiter that checked before it and
+        registers after it sees the new generation and does not sleep.
+        """
         with self._cond:
-            self._cond.notify_all()
-        waker = getattr(self._db, "_waker", None)
-        if waker is not None:
+            self._gen += 1
+            if self._nwaiters:
+                self._cond.notify_all()
+        waker = self._db._waker
+        if waker is not None and waker.has_waiters():
             waker.poke()
 
     # -- lease (Q9-Q11) ---------------------------------------------------------------------------
@@ -665,15 +694,12 @@ class Queue(Generic[T]):
     def _scan(self, now: int, want: int) -> list[tuple[int, int, int, int]]:
         """Phase 1: candidate keys from every shard, merged in key order."""
         cands: list[tuple[int, int, int, int]] = []
-        buf_due = np.empty(want, np.uint64)
-        buf_seq = np.empty(want, np.uint64)
-        buf_slot = np.empty(want, np.uint32)
-        buf_dl = np.empty(want, np.int64)
         for i, sh in enumerate(self._shards):
             with sh.lock:
-                k = sh.live.scan(now, buf_due, buf_seq, buf_slot, buf_dl)
-            for j in range(k):
-                cands.append((int(buf_due[j]), int(buf_seq[j]), i, int(buf_slot[j])))
+                k = sh.scan(now, want)
+                if k:
+                    cands.extend(zip(sh.buf_due[:k].tolist(), sh.buf_seq[:k].tolist(), [i] * k,
+                                     sh.buf_slot[:k].tolist()))
         if len(self._shards) > 1:
             cands.sort()
             del cands[want:]
@@ -695,16 +721,14 @@ class Queue(Generic[T]):
             extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
             if expired and attempts >= self.config.max_attempts:
                 self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
-                with self._counter_lock:
-                    self._expired_leases += 1
+                sh.expired_leases += 1
                 return False
             attempts += 1
             epoch = (epoch + 1) & 0xFFFFFFFF
             sh.fixed.write(slot, _pack_row(due, seq, State.LEASED, flags, attempts, epoch, deadline, pid, pushed, extra))
             sh.live.set_deadline(due, seq, deadline)
-        if expired:
-            with self._counter_lock:
-                self._expired_leases += 1
+            if expired:
+                sh.expired_leases += 1
         return (due, seq, shard_no, attempts, epoch, extra)
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
@@ -713,8 +737,7 @@ class Queue(Generic[T]):
         sh.fixed.write(slot, _pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
         sh.live.remove(due, seq)
         sh.dead.insert(dkey, seq, slot, 0)
-        with self._counter_lock:
-            self._dead_lettered += 1
+        sh.dead_lettered += 1
         self._note_dead(now)
 
     def _note_dead(self, now: int) -> None:
@@ -767,10 +790,9 @@ class Queue(Generic[T]):
         try:
             sh.fixed.free(slot)
             sh.live.remove(token.due, token.seq)
+            sh.acks += 1
         finally:
             sh.lock.release()
-        with self._counter_lock:
-            self._acks += 1
 
     def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:
         """Give a leased row back: ready again at ``now + backoff`` (or ``now + delay``),
@@ -807,10 +829,9 @@ class Queue(Generic[T]):
                                                pid, pushed, extra))
                 sh.live.remove(token.due, token.seq)
                 sh.live.insert(due, token.seq, slot, 0)
+            sh.nacks += 1
         finally:
             sh.lock.release()
-        with self._counter_lock:
-            self._nacks += 1
         self._notify()
 
     # -- counts and waiting (Q18, Q19) ------------------------------------------------------------
@@ -868,6 +889,7 @@ class Queue(Generic[T]):
         """
         limit = time.monotonic() + to_seconds(timeout, "timeout")
         while True:
+            gen = self._gen
             wait = self._wait_seconds()
             if wait == 0:
                 return True
@@ -877,7 +899,12 @@ class Queue(Generic[T]):
             with self._cond:
                 if self._closed:
                     raise DbClosed(f"queue {self.name!r} (its Db was closed while waiting)")
-                self._cond.wait(min(remaining, typing.cast(float, wait)))
+                if self._gen == gen:  # no push since we looked: sleep
+                    self._nwaiters += 1
+                    try:
+                        self._cond.wait(min(remaining, typing.cast(float, wait)))
+                    finally:
+                        self._nwaiters -= 1
 
     async def due(self) -> None:
         """Resolve when a row is due (advisory, like :meth:`wait_due_timeout`).
@@ -889,11 +916,12 @@ class Queue(Generic[T]):
         """
         loop = asyncio.get_running_loop()
         while True:
+            gen = self._gen
             wait = self._wait_seconds()
             if wait == 0:
                 return
             fut: asyncio.Future[None] = loop.create_future()
-            self._db._waker.register(self, loop, fut, typing.cast(float, wait))
+            self._db._waker.register(self, loop, fut, typing.cast(float, wait), gen)
             await fut
 
     # -- retention (Q22-Q25) --------------------------------------------------------------------------
@@ -1002,11 +1030,11 @@ class Queue(Generic[T]):
             payload_writes=self._payload_writes,
             compaction_bytes=0,  # FixedStore updates in place and never compacts (Q15)
             payload_compaction_bytes=int(pstats.get("compaction_bytes", 0)),
-            pushes=self._pushes,
-            acks=self._acks,
-            nacks=self._nacks,
-            dead_lettered=self._dead_lettered,
-            expired_leases=self._expired_leases,
+            pushes=sum(sh.pushes for sh in self._shards),
+            acks=sum(sh.acks for sh in self._shards),
+            nacks=sum(sh.nacks for sh in self._shards),
+            dead_lettered=sum(sh.dead_lettered for sh in self._shards),
+            expired_leases=sum(sh.expired_leases for sh in self._shards),
             repaired_on_open=self._headers.repaired_on_open,
             retention_retry_pending=len(self._retry),
             orphans_collected=self._orphans_collected,
@@ -1112,13 +1140,19 @@ class Waker(threading.Thread):
         self._waiters: list[tuple[float, Queue[Any], asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.stop_event = threading.Event()
 
-    def register(self, q: Queue[Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], wait: float) -> None:
+    def register(self, q: Queue[Any], loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], wait: float,
+                 gen: int) -> None:
         with self._cond:
             if self.stop_event.is_set():
                 fut.set_exception(DbClosed(f"database {self._db_path!r}"))
                 return
             self._waiters.append((time.monotonic() + wait, q, loop, fut))
+            if q._gen != gen:  # a push came between the caller's check and now
+                self._waiters[-1] = (0.0, q, loop, fut)
             self._cond.notify()
+
+    def has_waiters(self) -> bool:
+        return bool(self._waiters)
 
     def poke(self) -> None:
         with self._cond:

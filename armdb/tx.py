@@ -242,14 +242,25 @@ class Tx:
                     fn()
                 _fail.point("txlog.after_apply")
             except BaseException as e:
+                reason = f"a logged transaction failed to apply ({e}); reopen the database"
                 for q in {s.queue for s in steps if isinstance(s, (_Push, _Settle))}:
                     q._retention_paused = True  # Q25
+                # Later writes to these stores would take versions and gsns that make
+                # replay skip the logged rows: refuse them until the reopen replays.
+                for fixed_shard, bitcask in self._participants(steps, stream_dest):
+                    if fixed_shard is not None and fixed_shard.poisoned is None:
+                        fixed_shard.poisoned = e
+                    if bitcask is not None:
+                        bitcask.poison(reason)
                 raise TxFailedAfterLog(
                     f"the transaction was logged but applying it failed ({e}); reopen the database "
                     f"to finish it"
                 ) from e
             finally:
                 db.txlog.done()
+        for _, bitcask in self._participants(steps, stream_dest):
+            if bitcask is not None:
+                bitcask.maybe_compact()  # a rotation under our locks deferred its compaction
         for q, n in plan.payload_writes.items():
             with q._counter_lock:
                 q._payload_writes += n
@@ -277,6 +288,23 @@ class Tx:
                 raise EncryptionKeyRequired(
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
+
+    def _participants(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> list[tuple[Any, Any]]:
+        """(FixedShard or None, BitcaskStore or None) pairs of every store the commit writes."""
+        out: list[tuple[Any, Any]] = []
+        for s in steps:
+            if isinstance(s, (_Push, _Settle)):
+                q = s.queue
+                out.extend((sh.fixed, None) for sh in q._shards)
+                if q._payload is not None:
+                    out.append((None, q._payload))
+            elif isinstance(s, _MapWrite):
+                out.append((None, s.map.store))
+        for q in stream_dest:
+            out.extend((sh.fixed, None) for sh in q._shards)
+            if q._payload is not None:
+                out.append((None, q._payload))
+        return out
 
     def _lock_order(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> list[tuple[tuple[str, int], Any]]:
         locks: dict[tuple[str, int], Any] = {}
@@ -388,8 +416,7 @@ class Tx:
         def apply() -> None:
             sh.fixed.write(slot, row, version)
             sh.live.insert(due, s.seq, slot, 0)
-            with q._counter_lock:
-                q._pushes += 1
+            sh.pushes += 1
 
         plan.apply.append(apply)
 
@@ -424,8 +451,7 @@ class Tx:
             def apply_ack() -> None:
                 sh.fixed.free(slot, version)
                 sh.live.remove(token.due, token.seq)
-                with q._counter_lock:
-                    q._acks += 1
+                sh.acks += 1
 
             plan.apply.insert(len(plan.apply) - (1 if q._payload is not None else 0), apply_ack)
             return
@@ -440,9 +466,8 @@ class Tx:
                 sh.fixed.write(slot, row, version)
                 sh.live.remove(token.due, token.seq)
                 sh.dead.insert(dkey, token.seq, slot, 0)
-                with q._counter_lock:
-                    q._nacks += 1
-                    q._dead_lettered += 1
+                sh.nacks += 1
+                sh.dead_lettered += 1
                 q._note_dead(now)
 
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
@@ -456,8 +481,7 @@ class Tx:
             sh.fixed.write(slot, row, version)
             sh.live.remove(token.due, token.seq)
             sh.live.insert(due, token.seq, slot, 0)
-            with q._counter_lock:
-                q._nacks += 1
+            sh.nacks += 1
 
         plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
         plan.apply.append(apply_nack)

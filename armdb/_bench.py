@@ -1,0 +1,843 @@
+"""Workloads behind ``python -m armdb bench`` (SPEC C3 and the targets of section 8).
+
+Each :class:`Case` is one system running one workload.  A repeat runs in a fresh
+temporary directory; the table shows the median of the repeats, and every ratio
+is computed from figures taken in the same run, so the machine's speed cancels out.
+
+Durability is matched honestly.  Rows marked "process-crash safe" survive a killed
+process but may lose their last writes on power loss: armdb without fsync, SQLite
+in WAL mode with ``synchronous=NORMAL``, litequeue (which sets the same).  Rows marked
+"power-loss safe" sync every operation: armdb with ``sync_interval(0)`` (each write
+msyncs its page), SQLite with ``synchronous=FULL``, persist-queue (``SQLiteAckQueue``,
+which commits every call in WAL mode at the default ``FULL``), and a raw
+``pwrite`` + ``fdatasync`` of 64 bytes, the physical limit of the disk.
+
+The raw baseline goes through ``armdb._fs.FS`` like every other file access in the
+package (the file-system seam); ``RealFS.pwrite`` and ``fdatasync`` are one-line
+wrappers over ``os.pwrite`` and ``os.fdatasync``, a fraction of a microsecond
+against a sync of a hundred or more.
+
+To add a workload (transactions, once ``db.tx()`` exists): write a function
+``(directory, sizes) -> float`` and append :class:`Case` rows to :data:`CASES`; the
+first row of a workload with ``reference=True`` is what the ratio column divides by.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import os
+import platform
+import sqlite3
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import _fs
+from .config import QUEUE_GROW_STEP, Config, FixedConfig, QueueConfig
+from .db import Db
+from .queue import Queue, QueueSpec, queue
+
+log = logging.getLogger("armdb")
+
+__all__ = ["CASES", "FULL", "QUICK", "TINY", "Case", "CaseResult", "Sizes", "main", "run", "run_case"]
+
+# -- sizes -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work one repeat does."""
+
+    cycle_ops: int  # push→lease→ack cycles, no fsync
+    durable_ops: int  # durable pushes (one thread)
+    durable_cycle_ops: int  # durable cycles
+    thread_ops: int  # durable pushes shared by the threads
+    threads: int
+    outstanding: int  # unexpired leases ahead of the ready rows in lease_scan
+    scan_samples: int  # single leases timed per lease_scan repeat
+    open_rows: int  # live rows for the cold-open workload
+    repeats: int  # of each fast workload
+    durable_repeats: int  # of each durable workload (disk timing is noisier)
+    warmup: int = 200
+
+
+QUICK = Sizes(cycle_ops=8_000, durable_ops=300, durable_cycle_ops=100, thread_ops=400, threads=8,
+              outstanding=10_000, scan_samples=25, open_rows=100_000, repeats=3,
+              durable_repeats=5)
+FULL = Sizes(cycle_ops=30_000, durable_ops=1_000, durable_cycle_ops=300, thread_ops=2_000, threads=8,
+             outstanding=10_000, scan_samples=100, open_rows=1_000_000, repeats=5,
+             durable_repeats=7)
+TINY = Sizes(cycle_ops=50, durable_ops=5, durable_cycle_ops=3, thread_ops=16, threads=4,
+             outstanding=200, scan_samples=3, open_rows=500, repeats=1,
+             durable_repeats=1, warmup=5)
+
+# -- durability classes --------------------------------------------------------------------------
+
+NO_SYNC = "process-crash safe"
+SYNCED = "power-loss safe"
+
+# -- shared workload pieces ------------------------------------------------------------------------
+
+FixedPing = np.dtype([("doc", "<u8"), ("flags", "<u4")])
+BenchFixed = queue("bench_fixed", payload=FixedPing)
+BenchVar = queue("bench_var", payload=dict, var=True)
+LONG_LEASE = 3600.0  # seconds: leases that never expire during a run
+_PING = struct.Struct("<QI")
+
+
+def body(i: int) -> dict[str, Any]:
+    """The var workloads' payload: a dict that msgpack packs into 100 bytes."""
+    return {"doc_id": i, "reason": "edited", "tags": ["search", "reindex"], "text": "x" * 26, "priority": 3}
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def open_armdb(path: str, spec: QueueSpec, *, durable: bool = False) -> tuple[Db, Queue[Any]]:
+    """A Db and a queue configured as the benchmarks use them.
+
+    ``durable=False``: no fsync at all (header and payload stores).  ``durable=True``:
+    the header store syncs on every write (``sync_interval(0)``).
+    """
+    header = FixedConfig.balanced().grow_step(QUEUE_GROW_STEP)
+    header = header.sync_interval(0) if durable else header.enable_fsync(False)
+    cfg = QueueConfig.balanced().lease_timeout(LONG_LEASE).header_config(header.build())
+    if spec.var:
+        cfg = cfg.payload_config(Config.balanced().enable_fsync(durable).build())
+    db = Db.open(path)
+    try:
+        return db, db.open_queue(spec, cfg.build())
+    except BaseException:
+        db.close()
+        raise
+
+
+def _fixed_payload(i: int) -> tuple[int, int]:
+    return (i, 1)
+
+
+def _timed_rate(n: int, fn: Callable[[int], None]) -> float:
+    """Operations per second of ``fn(i)`` for ``i in range(n)``."""
+    gc.collect()
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    return n / (time.perf_counter() - t0)
+
+
+# -- armdb workloads ----------------------------------------------------------------------------------
+
+
+def armdb_cycle(path: str, n: int, spec: QueueSpec, *, durable: bool = False, warmup: int = 200) -> float:
+    """push → lease(1) → ack, ``n`` times; cycles per second."""
+    db, q = open_armdb(path, spec, durable=durable)
+    make: Callable[[int], Any] = body if spec.var else _fixed_payload
+    try:
+        def cycle(i: int) -> None:
+            q.push(make(i))
+            (lease,) = q.lease(1)
+            q.ack(lease.token)
+
+        for i in range(warmup):
+            cycle(i)
+        return _timed_rate(n, cycle)
+    finally:
+        db.shutdown()
+
+
+def armdb_durable_push(path: str, n: int, *, threads: int = 1, warmup: int = 200) -> float:
+    """Pushes per second with a sync on every write, from ``threads`` threads."""
+    db, q = open_armdb(path, BenchFixed, durable=True)
+    try:
+        def push(i: int) -> None:
+            q.push(_fixed_payload(i))
+
+        for i in range(warmup):
+            push(i)
+        return _threaded_rate(n, threads, push)
+    finally:
+        db.shutdown()
+
+
+def _threaded_rate(n: int, threads: int, op: Callable[[int], None]) -> float:
+    """Operations per second of ``op`` run ``n`` times in total by ``threads`` threads."""
+    if threads <= 1:
+        return _timed_rate(n, op)
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+
+    def worker(ids: range) -> None:
+        start.wait()
+        try:
+            for i in ids:
+                op(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller after join
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, args=(range(t, n, threads),)) for t in range(threads)]
+    for t in pool:
+        t.start()
+    gc.collect()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return n / elapsed
+
+
+def armdb_lease_scan(path: str, outstanding: int, samples: int) -> float:
+    """Median µs of one ``lease(1)`` that must skip ``outstanding`` unexpired leases."""
+    db, q = open_armdb(path, BenchFixed)
+    try:
+        for i in range(outstanding):
+            q.push(_fixed_payload(i))
+        leased = 0
+        while leased < outstanding:
+            leased += len(q.lease(min(1000, outstanding - leased)))
+        for i in range(samples):
+            q.push(_fixed_payload(outstanding + i))
+        times = []
+        gc.collect()
+        for _ in range(samples):
+            t0 = time.perf_counter_ns()
+            got = q.lease(1)
+            times.append((time.perf_counter_ns() - t0) / 1000)
+            assert len(got) == 1
+        return statistics.median(times)
+    finally:
+        db.shutdown()
+
+
+def armdb_cold_open(path: str, rows: int, repeats: int = 1) -> float:
+    """Seconds to open a Db and a queue holding ``rows`` live rows (best of ``repeats``)."""
+    db, q = open_armdb(path, BenchFixed)
+    try:
+        for i in range(rows):
+            q.push(_fixed_payload(i))
+    finally:
+        db.shutdown()
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        gc.collect()
+        t0 = time.perf_counter()
+        db, q = open_armdb(path, BenchFixed)
+        elapsed = time.perf_counter() - t0
+        try:
+            assert q.len() == rows
+        finally:
+            db.shutdown()
+        best = min(best, elapsed)
+    return best
+
+
+def armdb_idle_shard_bytes(path: str) -> int:
+    """RAM of one idle queue shard's version vector (``QueueStats.version_vector_bytes``)."""
+    db, q = open_armdb(path, BenchFixed)
+    try:
+        s = q.stats()
+        return s.version_vector_bytes // s.shards
+    finally:
+        db.shutdown()
+
+
+# -- raw SQLite ------------------------------------------------------------------------------------------
+
+
+class SqliteQueue:
+    """A queue table the way one writes it by hand: WAL, a state index, one commit per op."""
+
+    SCHEMA = (
+        (
+            "CREATE TABLE q (id INTEGER PRIMARY KEY, due INTEGER NOT NULL, state INTEGER NOT NULL, "
+            "attempts INTEGER NOT NULL DEFAULT 0, deadline INTEGER, body BLOB)"
+        ),
+        "CREATE INDEX q_state ON q (state, due, id)",
+    )
+    LEASE = (
+        "UPDATE q SET state = 1, attempts = attempts + 1, deadline = ? "
+        "WHERE id = (SELECT id FROM q WHERE state = 0 AND due <= ? ORDER BY due, id LIMIT 1) "
+        "RETURNING id, body, attempts"
+    )
+
+    def __init__(self, path: str, synchronous: str) -> None:
+        # isolation_level=None: autocommit, so every statement is its own transaction.
+        self.conn = sqlite3.connect(os.path.join(path, "q.sqlite"), isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute(f"PRAGMA synchronous={synchronous}")
+        for stmt in self.SCHEMA:
+            self.conn.execute(stmt)
+
+    def push(self, body: bytes, due: int) -> int:
+        cur = self.conn.execute("INSERT INTO q (due, state, body) VALUES (?, 0, ?)", (due, body))
+        return int(cur.lastrowid or 0)
+
+    def lease(self, now: int, timeout_ms: int = int(LONG_LEASE * 1000)) -> tuple[int, bytes, int] | None:
+        rows = self.conn.execute(self.LEASE, (now + timeout_ms, now)).fetchall()
+        return rows[0] if rows else None
+
+    def ack(self, job_id: int) -> None:
+        self.conn.execute("DELETE FROM q WHERE id = ?", (job_id,))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def sqlite_cycle(path: str, n: int, synchronous: str, var: bool, warmup: int = 200) -> float:
+    q = SqliteQueue(path, synchronous)
+    try:
+        def cycle(i: int) -> None:
+            q.push(msgpack.packb(body(i)) if var else _PING.pack(i, 1), _now_ms())
+            row = q.lease(_now_ms())
+            assert row is not None
+            if var:
+                msgpack.unpackb(row[1])
+            q.ack(row[0])
+
+        for i in range(warmup):
+            cycle(i)
+        return _timed_rate(n, cycle)
+    finally:
+        q.close()
+
+
+def sqlite_durable_push(path: str, n: int, warmup: int = 200) -> float:
+    q = SqliteQueue(path, "FULL")
+    try:
+        def push(i: int) -> None:
+            q.push(_PING.pack(i, 1), _now_ms())
+
+        for i in range(warmup):
+            push(i)
+        return _timed_rate(n, push)
+    finally:
+        q.close()
+
+
+def sqlite_lease_scan(path: str, outstanding: int, samples: int) -> float:
+    q = SqliteQueue(path, "NORMAL")
+    try:
+        now = _now_ms()
+        q.conn.execute("BEGIN")
+        q.conn.executemany(
+            "INSERT INTO q (due, state, attempts, deadline, body) VALUES (?, 1, 1, ?, ?)",
+            ((now - outstanding + i, now + int(LONG_LEASE * 1000), _PING.pack(i, 1)) for i in range(outstanding)),
+        )
+        q.conn.execute("COMMIT")
+        for i in range(samples):
+            q.push(_PING.pack(outstanding + i, 1), now)
+        times = []
+        gc.collect()
+        for _ in range(samples):
+            t0 = time.perf_counter_ns()
+            row = q.lease(_now_ms())
+            times.append((time.perf_counter_ns() - t0) / 1000)
+            assert row is not None
+        return statistics.median(times)
+    finally:
+        q.close()
+
+
+# -- raw fdatasync -----------------------------------------------------------------------------------------
+
+
+def raw_fdatasync(path: str, n: int, *, threads: int = 1, warmup: int = 50) -> float:
+    """``pwrite`` of 64 bytes + ``fdatasync`` per op into a preallocated (sparse) file."""
+    fs = _fs.FS
+    fd = fs.open(os.path.join(path, "raw.data"), os.O_RDWR | os.O_CREAT)
+    record = b"\xa5" * 64
+    try:
+        fs.ftruncate(fd, (n + warmup + 1) * 64)
+
+        def op(i: int) -> None:
+            fs.pwrite(fd, record, (warmup + i) * 64)
+            fs.fdatasync(fd)
+
+        for i in range(warmup):
+            fs.pwrite(fd, record, i * 64)
+            fs.fdatasync(fd)
+        return _threaded_rate(n, threads, op)
+    finally:
+        fs.close(fd)
+
+
+# -- litequeue and persist-queue ----------------------------------------------------------------------------
+
+
+def litequeue_cycle(path: str, n: int, var: bool, warmup: int = 200) -> float:
+    from litequeue import LiteQueue
+
+    q = LiteQueue(os.path.join(path, "lq.sqlite"))
+    try:
+        def cycle(i: int) -> None:
+            q.put(msgpack.packb(body(i)) if var else _PING.pack(i, 1))
+            msg = q.pop()
+            assert msg is not None
+            if var:
+                msgpack.unpackb(msg.data)
+            q.done(msg.message_id)
+
+        for i in range(warmup):
+            cycle(i)
+        return _timed_rate(n, cycle)
+    finally:
+        q.close()
+
+
+def litequeue_lease_scan(path: str, outstanding: int, samples: int) -> float:
+    from litequeue import LiteQueue
+
+    q = LiteQueue(os.path.join(path, "lq.sqlite"))
+    try:
+        # The state 10,000 pops would leave (rows locked, i.e. leased), built in one
+        # statement: each pop sorts every ready row, so popping them one by one is
+        # quadratic and would dominate the run.
+        with q.transaction():
+            for i in range(outstanding):
+                q.put(_PING.pack(i, 1))
+            q.conn.execute(f"UPDATE {q.table} SET status = 1, lock_time = ? WHERE status = 0", (time.time_ns(),))
+        for i in range(samples):
+            q.put(_PING.pack(outstanding + i, 1))
+        times = []
+        gc.collect()
+        for _ in range(samples):
+            t0 = time.perf_counter_ns()
+            msg = q.pop()
+            times.append((time.perf_counter_ns() - t0) / 1000)
+            assert msg is not None
+        return statistics.median(times)
+    finally:
+        q.close()
+
+
+def _persist_queue(path: str) -> Any:
+    from persistqueue import SQLiteAckQueue
+
+    return SQLiteAckQueue(os.path.join(path, "pq"), auto_commit=True)
+
+
+def persistqueue_cycle(path: str, n: int, warmup: int = 20) -> float:
+    q = _persist_queue(path)
+    try:
+        def cycle(i: int) -> None:
+            q.put(_PING.pack(i, 1))
+            item = q.get(block=False, raw=True)
+            q.ack(id=item["pqid"])
+
+        for i in range(warmup):
+            cycle(i)
+        return _timed_rate(n, cycle)
+    finally:
+        q.close()
+
+
+def persistqueue_durable_push(path: str, n: int, warmup: int = 20) -> float:
+    q = _persist_queue(path)
+    try:
+        def push(i: int) -> None:
+            q.put(_PING.pack(i, 1))
+
+        for i in range(warmup):
+            push(i)
+        return _timed_rate(n, push)
+    finally:
+        q.close()
+
+
+def persistqueue_lease_scan(path: str, outstanding: int, samples: int) -> float:
+    """persist-queue's ``get`` (which fsyncs its status update) past unacked rows.
+
+    Building 10,000 unacked rows through ``put``/``get`` would take 20,000 synced
+    commits, so the state is inserted in one transaction on the queue's own
+    connection, with the status ``get`` gives a row (unack).
+    """
+    from persistqueue.sqlackqueue import AckStatus
+
+    q = _persist_queue(path)
+    try:
+        with q.tran_lock, q._putter as conn:
+            conn.executemany(
+                f"INSERT INTO {q._table_name} (data, timestamp, status) VALUES (?, ?, ?)",
+                ((q._serializer.dumps(_PING.pack(i, 1)), time.time(), AckStatus.unack) for i in range(outstanding)),
+            )
+        for i in range(samples):
+            q.put(_PING.pack(outstanding + i, 1))
+        times = []
+        gc.collect()
+        for _ in range(samples):
+            t0 = time.perf_counter_ns()
+            item = q.get(block=False, raw=True)
+            times.append((time.perf_counter_ns() - t0) / 1000)
+            assert item is not None
+        return statistics.median(times)
+    finally:
+        q.close()
+
+
+# -- the case table -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One system on one workload.
+
+    ``run(directory, sizes)`` does one repeat in a fresh directory and returns the
+    figure in ``unit``.  ``higher_is_better`` says how to read it; ``requires``
+    names the module a peer needs (missing: the row says how to install it).
+    """
+
+    workload: str
+    system: str
+    durability: str
+    unit: str
+    run: Callable[[str, Sizes], float]
+    higher_is_better: bool = True
+    reference: bool = False
+    requires: str | None = None
+    repeats: int | None = None  # a fixed count (e.g. an expensive build), else from Sizes
+
+    def repeats_in(self, sizes: Sizes) -> int:
+        if self.repeats is not None:
+            return self.repeats
+        return sizes.durable_repeats if self.durability.startswith(SYNCED) else sizes.repeats
+
+
+LITEQUEUE = "litequeue"
+PERSISTQUEUE = "persistqueue"
+INSTALL_HINT = "pip install -e '.[bench]'"
+
+CASES: list[Case] = [
+    # push → lease → ack with no fsync: fixed payload.
+    Case("cycle/fixed", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "cycles/s",
+         lambda d, s: armdb_cycle(d, s.cycle_ops, BenchFixed, warmup=s.warmup), reference=True),
+    Case("cycle/fixed", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
+         lambda d, s: sqlite_cycle(d, s.cycle_ops, "NORMAL", False, s.warmup)),
+    Case("cycle/fixed", "litequeue", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
+         lambda d, s: litequeue_cycle(d, s.cycle_ops, False, s.warmup), requires=LITEQUEUE),
+    # push → lease → ack with a 100-byte msgpack body.
+    Case("cycle/var-100B", "armdb var queue", f"{NO_SYNC} (no fsync)", "cycles/s",
+         lambda d, s: armdb_cycle(d, s.cycle_ops, BenchVar, warmup=s.warmup), reference=True),
+    Case("cycle/var-100B", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
+         lambda d, s: sqlite_cycle(d, s.cycle_ops, "NORMAL", True, s.warmup)),
+    Case("cycle/var-100B", "litequeue", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
+         lambda d, s: litequeue_cycle(d, s.cycle_ops, True, s.warmup), requires=LITEQUEUE),
+    # One lease that must skip 10,000 unexpired leases.
+    Case("lease_scan/10k_outstanding", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "µs/lease",
+         lambda d, s: armdb_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False, reference=True),
+    Case("lease_scan/10k_outstanding", "sqlite3 WAL + state index", f"{NO_SYNC} (synchronous=NORMAL)", "µs/lease",
+         lambda d, s: sqlite_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False),
+    Case("lease_scan/10k_outstanding", "litequeue", f"{NO_SYNC} (synchronous=NORMAL)", "µs/lease",
+         lambda d, s: litequeue_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False,
+         requires=LITEQUEUE),
+    Case("lease_scan/10k_outstanding", "persist-queue SQLiteAckQueue", f"{SYNCED} (fsync per op)", "µs/lease",
+         lambda d, s: persistqueue_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False,
+         requires=PERSISTQUEUE),
+    # Durable push: every operation reaches the disk before the call returns.
+    Case("push/durable", "armdb fixed queue", f"{SYNCED} (msync per push)", "pushes/s",
+         lambda d, s: armdb_durable_push(d, s.durable_ops, warmup=s.warmup), reference=True),
+    Case("push/durable", "sqlite3 WAL", f"{SYNCED} (synchronous=FULL)", "pushes/s",
+         lambda d, s: sqlite_durable_push(d, s.durable_ops, s.warmup)),
+    Case("push/durable", "persist-queue SQLiteAckQueue", f"{SYNCED} (fsync per op)", "pushes/s",
+         lambda d, s: persistqueue_durable_push(d, s.durable_ops, min(20, s.warmup)), requires=PERSISTQUEUE),
+    Case("push/durable", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
+         lambda d, s: raw_fdatasync(d, s.durable_ops, warmup=min(50, s.warmup))),
+    # The same with 8 threads: what group commit could win.
+    Case("push/durable-8-threads", "armdb fixed queue", f"{SYNCED} (msync per push)", "pushes/s",
+         lambda d, s: armdb_durable_push(d, s.thread_ops, threads=s.threads, warmup=s.warmup), reference=True),
+    Case("push/durable-8-threads", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
+         lambda d, s: raw_fdatasync(d, s.thread_ops, threads=s.threads, warmup=min(50, s.warmup))),
+    # Durable cycles, to place persist-queue (it fsyncs every call).
+    Case("cycle/durable", "armdb fixed queue", f"{SYNCED} (msync per op)", "cycles/s",
+         lambda d, s: armdb_cycle(d, s.durable_cycle_ops, BenchFixed, durable=True, warmup=min(20, s.warmup)),
+         reference=True),
+    Case("cycle/durable", "sqlite3 WAL", f"{SYNCED} (synchronous=FULL)", "cycles/s",
+         lambda d, s: sqlite_cycle(d, s.durable_cycle_ops, "FULL", False, min(20, s.warmup))),
+    Case("cycle/durable", "persist-queue SQLiteAckQueue", f"{SYNCED} (fsync per op)", "cycles/s",
+         lambda d, s: persistqueue_cycle(d, s.durable_cycle_ops, min(20, s.warmup)), requires=PERSISTQUEUE),
+    # Opening a queue full of live rows (index rebuild from the header file).
+    Case("cold_open", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "s",
+         lambda d, s: armdb_cold_open(d, s.open_rows, repeats=2), higher_is_better=False, reference=True,
+         repeats=1),
+]
+
+
+# -- running ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaseResult:
+    """The figures of one case (``values`` empty when it did not run; ``status`` says why)."""
+
+    case: Case
+    values: list[float] = field(default_factory=list)
+    status: str = "ok"
+    elapsed_s: float = 0.0
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.case
+        return {
+            "workload": c.workload, "system": c.system, "durability": c.durability, "unit": c.unit,
+            "higher_is_better": c.higher_is_better, "reference": c.reference, "status": self.status,
+            "values": self.values, "median": self.median, "elapsed_s": round(self.elapsed_s, 3),
+        }
+
+
+def peer_available(module: str | None) -> bool:
+    if module is None:
+        return True
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def run_case(case: Case, sizes: Sizes) -> CaseResult:
+    """Run every repeat of ``case``, each in a fresh temporary directory; never raises."""
+    result = CaseResult(case)
+    for _ in range(case.repeats_in(sizes)):
+        run_repeat(result, sizes)
+    return result
+
+
+def run_repeat(result: CaseResult, sizes: Sizes) -> None:
+    """One more repeat of ``result.case`` in a fresh directory, unless it cannot run.
+
+    A missing peer or an earlier failure leaves the result as it is; an exception
+    becomes the row's status (one broken peer must not end the run).
+    """
+    case = result.case
+    if result.status != "ok":
+        return
+    if not peer_available(case.requires):
+        result.status = f"not installed: {INSTALL_HINT}"
+        return
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="armdb-bench-") as d:
+            result.values.append(float(case.run(d, sizes)))
+    except Exception as e:  # noqa: BLE001 - reported in the table instead
+        log.warning("bench %s / %s failed: %r", case.workload, case.system, e)
+        result.status = f"error: {type(e).__name__}: {e}"
+        result.values.clear()
+    finally:
+        result.elapsed_s += time.perf_counter() - started
+
+
+def select(cases: Sequence[Case], only: str | None) -> list[Case]:
+    return [c for c in cases if only is None or only in c.workload]
+
+
+def run(sizes: Sizes, cases: Sequence[Case] = CASES, progress: Callable[[int, int, str], None] | None = None
+        ) -> list[CaseResult]:
+    """Run ``cases``; ``progress(done, total, label)`` after each repeat.
+
+    Repeats are interleaved within a workload (repeat 1 of every system, then
+    repeat 2, ...), so that a burst of background load on a shared machine lands
+    on all the systems being compared rather than on one of them.
+    """
+    results = [CaseResult(c) for c in cases]
+    total = sum(c.repeats_in(sizes) for c in cases)
+    done = 0
+    workloads = list(dict.fromkeys(c.workload for c in cases))
+    for workload in workloads:
+        group = [r for r in results if r.case.workload == workload]
+        for i in range(max(r.case.repeats_in(sizes) for r in group)):
+            for r in group:
+                if i >= r.case.repeats_in(sizes):
+                    continue
+                label = f"{r.case.workload} / {r.case.system}"
+                if progress:
+                    progress(done, total, label)
+                run_repeat(r, sizes)
+                done += 1
+                if progress:
+                    progress(done, total, label)
+    return results
+
+
+# -- reporting ---------------------------------------------------------------------------------------------------------
+
+
+def _fmt_value(v: float, unit: str) -> str:
+    if unit == "s":
+        return f"{v:.3f}"
+    if unit.startswith("µs"):
+        return f"{v:,.1f}"
+    return f"{v:,.0f}"
+
+
+def speedup(ref: CaseResult, other: CaseResult) -> float | None:
+    """How many times faster the reference (armdb) row is than ``other``."""
+    a, b = ref.median, other.median
+    if a is None or b is None or a <= 0 or b <= 0:
+        return None
+    return a / b if ref.case.higher_is_better else b / a
+
+
+def markdown_table(results: Sequence[CaseResult]) -> str:
+    """The results as a markdown table; ratios divide within a workload."""
+    lines = [
+        "| workload | system | durability | median | unit | min – max | armdb speed ÷ this |",
+        "|---|---|---|---:|---|---:|---:|",
+    ]
+    refs: dict[str, CaseResult] = {}
+    for r in results:
+        if r.case.reference and r.case.workload not in refs:
+            refs[r.case.workload] = r
+    for r in results:
+        c = r.case
+        if r.values:
+            med = _fmt_value(r.median or 0.0, c.unit)
+            rng = f"{_fmt_value(min(r.values), c.unit)} – {_fmt_value(max(r.values), c.unit)}"
+            ref = refs.get(c.workload)
+            ratio = speedup(ref, r) if ref is not None and ref is not r else None
+            ratio_s = "reference" if ref is r else (f"{ratio:.2f}×" if ratio is not None else "n/a")
+        else:
+            med, rng, ratio_s = r.status, "", ""
+        lines.append(f"| {c.workload} | {c.system} | {c.durability} | {med} | {c.unit} | {rng} | {ratio_s} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One section-8 target judged from this run's figures."""
+
+    name: str
+    goal: str
+    measured: str
+    met: bool | None  # None: could not be judged (a figure is missing)
+
+
+def _find(results: Sequence[CaseResult], workload: str, system_prefix: str) -> float | None:
+    for r in results:
+        if r.case.workload == workload and r.case.system.startswith(system_prefix) and r.values:
+            return r.median
+    return None
+
+
+def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_rows: int) -> list[Target]:
+    """Judge the SPEC section 8 targets from figures of this run."""
+    out: list[Target] = []
+    scan = _find(results, "lease_scan/10k_outstanding", "armdb")
+    scan_sql = _find(results, "lease_scan/10k_outstanding", "sqlite3")
+    if scan is not None:
+        faster = scan_sql is not None and scan < scan_sql
+        peer = f", SQLite {scan_sql:,.1f} µs" if scan_sql is not None else ""
+        out.append(Target("lease_scan/10k_outstanding", "≤ 20 µs and faster than raw SQLite",
+                          f"{scan:,.1f} µs{peer}", scan <= 20 and faster))
+    for workload, floor, times in (("cycle/fixed", 200_000, 15), ("cycle/var-100B", 80_000, 6)):
+        a = _find(results, workload, "armdb")
+        s = _find(results, workload, "sqlite3")
+        if a is not None:
+            ratio = a / s if s else None
+            ratio_s = f" = {ratio:.2f}× SQLite NORMAL" if ratio is not None else ""
+            out.append(Target(workload, f"≥ {floor:,} cycles/s (≥ {times}× raw SQLite)",
+                              f"{a:,.0f} cycles/s{ratio_s}", a >= floor and (ratio is None or ratio >= times)))
+    d = _find(results, "push/durable", "armdb")
+    raw = _find(results, "push/durable", "raw")
+    if d is not None and raw is not None:
+        out.append(Target("push/durable, one thread", "≥ 0.8× raw fdatasync",
+                          f"{d:,.0f}/s vs {raw:,.0f}/s = {d / raw:.2f}×", d / raw >= 0.8))
+    d8 = _find(results, "push/durable-8-threads", "armdb")
+    if d is not None and d8 is not None:
+        out.append(Target("durable, 8 threads (group commit)", "≥ 4× the one-thread durable rate",
+                          f"{d8:,.0f}/s vs {d:,.0f}/s = {d8 / d:.2f}× (direct pushes, each syncing alone: no group commit on this path)",
+                          d8 / d >= 4))
+    if idle_shard_bytes is not None:
+        out.append(Target("RAM per idle queue shard", "exactly 400,000 bytes", f"{idle_shard_bytes:,} bytes",
+                          idle_shard_bytes == 400_000))
+    secs = _find(results, "cold_open", "armdb")
+    if secs is not None:
+        # Judged only at the target's size; a smaller run is reported, not judged.
+        out.append(Target("cold open", "≤ 2 s with 1M live rows", f"{secs:.3f} s with {open_rows:,} rows",
+                          secs <= 2.0 if open_rows >= 1_000_000 else None))
+    return out
+
+
+def targets_table(ts: Sequence[Target]) -> str:
+    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
+    for t in ts:
+        met = "yes" if t.met else ("not judged" if t.met is None else "no")
+        lines.append(f"| {t.name} | {t.goal} | {t.measured} | {met} |")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "sqlite": sqlite3.sqlite_version,
+        "numpy": np.__version__,
+    }
+
+
+def main(*, quick: bool = False, json_path: str | None = None, only: str | None = None,
+         sizes: Sizes | None = None) -> int:
+    """``python -m armdb bench``: run, print the markdown tables, optionally write JSON."""
+    from .cli import ProgressBar
+
+    sizes = sizes or (QUICK if quick else FULL)
+    cases = select(CASES, only)
+    if not cases:
+        print(f"armdb bench: no workload matches {only!r}", file=sys.stderr)
+        return 2
+    bar = ProgressBar(sum(c.repeats_in(sizes) for c in cases), "bench")
+    started = time.perf_counter()
+    results = run(sizes, cases, lambda done, total, label: bar.update(done, label))
+    bar.close(bar.total, "done")
+    idle = None
+    if only is None:
+        with tempfile.TemporaryDirectory(prefix="armdb-bench-") as d:
+            idle = armdb_idle_shard_bytes(d)
+    ts = targets(results, idle, sizes.open_rows)
+    elapsed = time.perf_counter() - started
+    info = machine_info()
+    print(f"armdb bench{' --quick' if quick else ''}: {info['cpus']} CPUs, Python {info['python']}, "
+          f"SQLite {info['sqlite']}; median of {sizes.repeats} repeats ({sizes.durable_repeats} for power-loss "
+          f"safe rows), each in a fresh directory "
+          f"(cold_open: one build of {sizes.open_rows:,} rows, best of 2 opens); {elapsed:.0f} s")
+    print()
+    print(markdown_table(results))
+    print()
+    print(targets_table(ts))
+    missing = sorted({r.case.requires for r in results if r.status.startswith("not installed") and r.case.requires})
+    if missing:
+        print()
+        print(f"Peers not installed ({', '.join(missing)}): {INSTALL_HINT}")
+    if json_path:
+        doc = {
+            "command": "python -m armdb bench" + (" --quick" if quick else ""),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": info,
+            "sizes": sizes.__dict__,
+            "results": [r.to_dict() for r in results],
+            "targets": [t.__dict__ for t in ts],
+            "idle_shard_bytes": idle,
+            "elapsed_s": elapsed,
+        }
+        Path(json_path).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"\nraw figures written to {json_path}")
+    return 0

@@ -1,0 +1,532 @@
+"""The ``python -m armdb`` command line (SPEC C1-C3).
+
+``demo``
+    A small producer/worker pipeline on a fresh directory (C1).
+``stats DIR``
+    Read-only statistics of every queue in a database that is not open elsewhere (C2).
+``bench``
+    armdb's queue benchmarks beside SQLite-based peers, in one run (C3); the
+    workloads live in :mod:`armdb._bench`.
+
+This is the one module of the package that prints: it is the user interface.
+Progress bars go to stderr, results to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TextIO
+
+import numpy as np
+
+from . import _fs
+from .config import QueueConfig
+from .db import COLLECTIONS, META_FILE, QUEUE_META, Db
+from .errors import ArmdbError, DbLocked
+from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
+from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
+
+__all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
+
+
+# -- small text helpers --------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line progress bar redrawn in place with ``\\r`` (at most ten times a second).
+
+    Parameters
+    ----------
+    total : int
+        The count that means "finished".
+    label : str
+        Printed before the bar.
+    stream : TextIO, optional
+        Where to draw; stderr by default, so that stdout stays clean for results.
+    """
+
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self._last_draw = 0.0
+        self._last_len = 0
+
+    def update(self, done: int, extra: str = "", *, force: bool = False) -> None:
+        """Redraw with ``done`` of ``total`` finished and an optional note."""
+        now = time.monotonic()
+        if not force and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        frac = min(1.0, done / self.total)
+        filled = round(frac * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"{self.label} [{bar}] {done}/{self.total} {frac:4.0%}"
+        if extra:
+            line += f"  {extra}"
+        pad = max(0, self._last_len - len(line))
+        self.stream.write("\r" + line + " " * pad)
+        self.stream.flush()
+        self._last_len = len(line)
+
+    def close(self, done: int | None = None, extra: str = "") -> None:
+        """Draw the final state and end the line."""
+        if done is not None:
+            self.update(done, extra, force=True)
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[bool] | None = None) -> str:
+    """Rows as an aligned plain-text table (numbers with thousands separators).
+
+    ``right[i]`` right-aligns column ``i``; by default every column but the first is
+    right-aligned.
+    """
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [len(h) for h in header]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    if right is None:
+        right = [i > 0 for i in range(len(header))]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)).rstrip()
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def _cell(v: object) -> str:
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return str(v)
+
+
+def format_stats(stats: QueueStats) -> str:
+    """A :class:`QueueStats` as a two-column aligned table (the text form of ``_repr_html_``)."""
+    rows = [(k, v) for k, v in stats.to_dict().items() if k != "name"]
+    return f"queue {stats.name}\n" + format_table(("stat", "value"), rows)
+
+
+# -- demo (C1) ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DemoJob:
+    """The demo's payload: a document to index."""
+
+    doc_id: int
+    text: str
+    poison: bool
+
+
+DemoJobs = queue("demo_jobs", payload=DemoJob, var=True)
+
+DEMO_MAX_ATTEMPTS = 3
+DEMO_BACKOFF = [0.05, 0.1]
+DEMO_FAIL_RATE = 0.10
+DEMO_POISON_EVERY = 400
+DEMO_PRODUCERS = 2
+DEMO_WORKERS = 4
+DEMO_TIMEOUT = 120.0
+
+
+@dataclass
+class DemoTally:
+    """What the workers saw; guarded by ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pushed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+
+    @property
+    def settled(self) -> int:
+        return self.done + self.dead
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    jobs: int
+    tally: DemoTally
+    elapsed: float
+    stats: QueueStats
+    path: str
+    preexisting: int = 0  # live rows already in the queue (a reused --dir)
+
+
+def is_poison(doc_id: int) -> bool:
+    """Every 400th job (ids 199, 599, ...) is poison: it fails until dead-lettered."""
+    return doc_id % DEMO_POISON_EVERY == DEMO_POISON_EVERY // 2 - 1
+
+
+def _demo_fails(job: DemoJob, attempt: int) -> bool:
+    """Poison jobs fail every attempt; about 10% of the others fail their first one."""
+    if job.poison:
+        return True
+    return attempt == 1 and random.Random(job.doc_id).random() < DEMO_FAIL_RATE
+
+
+def _demo_process(job: DemoJob) -> int:
+    """Stand-in for real work: checksum the document."""
+    return zlib.crc32(job.text.encode())
+
+
+def _demo_producer(q: Queue[DemoJob], ids: range, tally: DemoTally) -> None:
+    try:
+        for i in ids:
+            q.push(DemoJob(i, f"document {i}: " + "lorem ipsum " * 4, is_poison(i)))
+            with tally.lock:
+                tally.pushed += 1
+    except BaseException as e:  # noqa: BLE001 - the main thread re-raises it
+        with tally.lock:
+            tally.errors.append(e)
+
+
+def _demo_worker(q: Queue[DemoJob], total: int, tally: DemoTally, stop: threading.Event) -> None:
+    try:
+        while not stop.is_set():
+            leases = q.lease(8)
+            if not leases:
+                q.wait_due_timeout(timedelta(milliseconds=50))
+                continue
+            for lease in leases:
+                if _demo_fails(lease.payload, lease.attempt):
+                    q.nack(lease.token)  # dead-letters once attempts reach max_attempts
+                    with tally.lock:
+                        if lease.attempt >= DEMO_MAX_ATTEMPTS:
+                            tally.dead += 1
+                        else:
+                            tally.retried += 1
+                else:
+                    _demo_process(lease.payload)
+                    q.ack(lease.token)
+                    with tally.lock:
+                        tally.done += 1
+            with tally.lock:
+                if tally.settled >= total:
+                    stop.set()
+    except BaseException as e:  # noqa: BLE001 - the main thread re-raises it
+        with tally.lock:
+            tally.errors.append(e)
+        stop.set()
+
+
+def run_demo(path: str, jobs: int, *, progress: bool = True) -> DemoResult:
+    """Run the demo pipeline on ``path`` and return what happened.
+
+    Two producer threads push ``jobs`` :class:`DemoJob` rows; four workers lease
+    them eight at a time and ack them.  About 10% fail their first attempt and are
+    nacked (retried after a short backoff); every 400th job is poison and fails
+    until it is dead-lettered after three attempts.
+    """
+    config = (
+        QueueConfig.balanced()
+        .max_attempts(DEMO_MAX_ATTEMPTS)
+        .backoff_secs(DEMO_BACKOFF)
+        .lease_timeout(timedelta(seconds=30))
+        .wakeup_recheck(timedelta(milliseconds=100))
+        .build()
+    )
+    tally = DemoTally()
+    stop = threading.Event()
+    with Db.open(path) as db:
+        q = db.open_queue(DemoJobs, config)
+        preexisting = q.len()
+        total = jobs + preexisting  # a reused --dir may hold rows from an interrupted run
+        bar = ProgressBar(total, "demo") if progress else None
+        start = time.perf_counter()
+        producers = [
+            threading.Thread(target=_demo_producer, args=(q, range(p, jobs, DEMO_PRODUCERS), tally), name=f"producer-{p}")
+            for p in range(DEMO_PRODUCERS)
+        ]
+        workers = [
+            threading.Thread(target=_demo_worker, args=(q, total, tally, stop), name=f"worker-{w}")
+            for w in range(DEMO_WORKERS)
+        ]
+        for t in producers + workers:
+            t.start()
+        deadline = time.monotonic() + DEMO_TIMEOUT
+        while not stop.wait(0.05):
+            if bar is not None:
+                bar.update(tally.settled, _demo_note(tally))
+            if time.monotonic() > deadline:
+                stop.set()
+                with tally.lock:
+                    tally.errors.append(TimeoutError(f"demo did not finish within {DEMO_TIMEOUT:.0f} s"))
+        for t in producers + workers:
+            t.join()
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.close(tally.settled, _demo_note(tally))
+        stats = q.stats()
+    if tally.errors:
+        raise tally.errors[0]
+    return DemoResult(jobs, tally, elapsed, stats, path, preexisting)
+
+
+def _demo_note(t: DemoTally) -> str:
+    return f"pushed {t.pushed}  done {t.done}  retried {t.retried}  dead {t.dead}"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        print("armdb demo: --jobs must be at least 1", file=sys.stderr)
+        return 2
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.mkdtemp(prefix="armdb-demo-")
+        path = os.path.join(tmp, "db")
+    else:
+        path = args.dir
+    try:
+        try:
+            result = run_demo(path, args.jobs)
+        except DbLocked as e:
+            print(f"armdb demo: {e}", file=sys.stderr)
+            return 1
+        t = result.tally
+        print(format_stats(result.stats))
+        print()
+        rate = result.jobs / result.elapsed if result.elapsed > 0 else float("inf")
+        print(
+            f"demo: {result.jobs:,} jobs: done {t.done:,}, retried {t.retried:,}, "
+            f"dead-lettered {t.dead:,}, elapsed {result.elapsed:.2f} s, {rate:,.0f} jobs/s"
+        )
+        where = "a temporary directory, now removed" if tmp else path
+        print(f"demo: database in {where}")
+        if result.preexisting:
+            print(f"demo: the queue already held {result.preexisting:,} live rows from an earlier run; "
+                  f"they were processed too and are included in the counts")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+# -- stats (C2) --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueFileStats:
+    """What ``stats DIR`` reads from one queue's files (no handle needed)."""
+
+    name: str
+    flavour: str
+    shards: int
+    live: int
+    ready: int
+    leased: int
+    expired: int
+    delayed: int
+    dead: int
+    torn: int
+    slots_allocated: int
+    header_file_logical_bytes: int
+    header_file_physical_bytes: int
+    payload_bytes: int
+
+
+def inspect_queue(db_path: str, name: str, now_ms: int | None = None) -> QueueFileStats:
+    """Count a queue's rows by state from its ``fixed.data`` files, read-only.
+
+    Queue declarations live in code, so the command line cannot call
+    ``db.open_queue``; it reads the header store instead.  A slot counts when its
+    status is occupied and its CRC holds (the kernel's own validation); torn slots
+    are counted apart.  ``leased`` includes expired leases, as ``QueueStats`` does;
+    ``expired`` says how many of them are past their deadline.
+    """
+    fs = _fs.FS
+    qdir = os.path.join(db_path, COLLECTIONS, name)
+    meta = _decode_meta(fs.read_file(os.path.join(qdir, QUEUE_META)), os.path.join(qdir, QUEUE_META))
+    now = int(time.time_ns() // 1_000_000) if now_ms is None else now_ms
+    counts = {"ready": 0, "leased": 0, "expired": 0, "delayed": 0, "dead": 0, "torn": 0}
+    slots = logical = physical = 0
+    shard_dirs = collection_shards(qdir)
+    for sdir in shard_dirs:
+        path = os.path.join(sdir, FILE_NAME)
+        if not fs.exists(path):
+            continue
+        logical += fs.file_size(path)
+        physical += fs.physical_size(path)
+        raw = fs.read_file(path)
+        slot_size, _key_size, _value_size, _shard = decode_header(raw[:HEADER_PAGE], path)
+        n = max(0, (len(raw) - HEADER_PAGE) // slot_size)
+        slots += n
+        if n == 0:
+            continue
+        table = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size)
+        status = _slot_status(table)
+        counts["torn"] += int((status == TORN).sum())
+        occupied = np.flatnonzero(status == 1)
+        rows = table[occupied, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        due = rows["due"].astype(np.uint64)
+        dead = (due & np.uint64(DEAD_BIT)) != 0
+        state = rows["header"]["state"]
+        deadline = rows["header"]["deadline"].astype(np.int64)
+        leased = ~dead & (state == State.LEASED)
+        waiting = ~dead & ~leased
+        counts["dead"] += int(dead.sum())
+        counts["leased"] += int(leased.sum())
+        counts["expired"] += int((leased & (deadline <= now)).sum())
+        counts["ready"] += int((waiting & (due <= np.uint64(now))).sum())
+        counts["delayed"] += int((waiting & (due > np.uint64(now))).sum())
+    payload_bytes = 0
+    pdir = os.path.join(db_path, COLLECTIONS, name + ".payload")
+    if meta.get("var") and fs.isdir(pdir):
+        payload_bytes = _tree_bytes(pdir)
+    return QueueFileStats(
+        name=name,
+        flavour="var" if meta.get("var") else "fixed",
+        shards=len(shard_dirs),
+        live=counts["ready"] + counts["leased"] + counts["delayed"],
+        ready=counts["ready"],
+        leased=counts["leased"],
+        expired=counts["expired"],
+        delayed=counts["delayed"],
+        dead=counts["dead"],
+        torn=counts["torn"],
+        slots_allocated=slots,
+        header_file_logical_bytes=logical,
+        header_file_physical_bytes=physical,
+        payload_bytes=payload_bytes,
+    )
+
+
+def _tree_bytes(path: str) -> int:
+    """Total size of the files under ``path``."""
+    fs = _fs.FS
+    total = 0
+    for entry in fs.listdir(path):
+        full = os.path.join(path, entry)
+        total += _tree_bytes(full) if fs.isdir(full) else fs.file_size(full)
+    return total
+
+
+def _slot_status(table: np.ndarray) -> np.ndarray:
+    """Per-slot status (free / occupied / deleted / torn) from the CRC-checking kernel."""
+    from ._core import fixed as kernels
+
+    slots = np.ascontiguousarray(table)
+    if not slots.flags.writeable:
+        slots = slots.copy()
+    versions = np.zeros(slots.shape[0], dtype=np.uint32)
+    status = np.zeros(slots.shape[0], dtype=np.uint8)
+    kernels.validate(slots, versions, status)
+    return status
+
+
+def queue_names(db_path: str) -> list[str]:
+    """Names of the queues in a database directory: folders holding a ``queue.meta``."""
+    fs = _fs.FS
+    cdir = os.path.join(db_path, COLLECTIONS)
+    if not fs.isdir(cdir):
+        return []
+    return [n for n in fs.listdir(cdir) if fs.exists(os.path.join(cdir, n, QUEUE_META))]
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    path = args.dir
+    if not _fs.FS.exists(os.path.join(path, META_FILE)):
+        print(f"armdb stats: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
+        return 1
+    try:
+        db = Db.open(path)
+    except DbLocked as e:
+        print(f"armdb stats: {e}", file=sys.stderr)
+        return 1
+    try:
+        names = queue_names(db.path)
+        if not names:
+            print(f"{db.path}: no queues")
+            return 0
+        print(f"database {db.path}")
+        for name in names:
+            s = inspect_queue(db.path, name, db.clock())
+            print()
+            print(f"queue {s.name} ({s.flavour}, {s.shards} shard{'s' if s.shards != 1 else ''})")
+            rows = [
+                ("live", s.live),
+                ("ready", s.ready),
+                ("leased", s.leased),
+                ("  of which expired", s.expired),
+                ("delayed", s.delayed),
+                ("dead", s.dead),
+                ("torn slots", s.torn),
+                ("slots allocated", s.slots_allocated),
+                ("header file logical bytes", s.header_file_logical_bytes),
+                ("header file physical bytes", s.header_file_physical_bytes),
+            ]
+            if s.flavour == "var":
+                rows.append(("payload file bytes", s.payload_bytes))
+            print(format_table(("stat", "value"), rows))
+    finally:
+        db.shutdown()
+    return 0
+
+
+# -- bench (C3) --------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import _bench
+
+    return _bench.main(quick=args.quick, json_path=args.json, only=args.only)
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m armdb", description="armdb command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a small producer/worker pipeline (SPEC C1)")
+    demo.add_argument("--dir", help="database directory (default: a fresh temporary directory)")
+    demo.add_argument("--jobs", type=int, default=2000, help="number of jobs (default 2000)")
+    demo.set_defaults(func=_cmd_demo)
+
+    stats = sub.add_parser("stats", help="print the stats of every queue in a database (SPEC C2)")
+    stats.add_argument("dir", help="database directory")
+    stats.set_defaults(func=_cmd_stats)
+
+    bench = sub.add_parser("bench", help="benchmark armdb beside SQLite-based queues (SPEC C3)")
+    bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")
+    bench.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
+    bench.add_argument("--only", metavar="SUBSTR", help="run only workloads whose name contains SUBSTR")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ArmdbError as e:
+        print(f"armdb {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
