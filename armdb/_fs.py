@@ -147,6 +147,30 @@ class RealFS:
         finally:
             os.close(fd)
 
+    def data_extents(self, fd: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Byte ranges in ``[start, end)`` that hold data (holes of a sparse file skipped).
+
+        Falls back to the whole range where the file system cannot tell.
+        """
+        out: list[tuple[int, int]] = []
+        pos = start
+        try:
+            while pos < end:
+                try:
+                    data = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno == errno.ENXIO:  # no data after pos
+                        break
+                    raise
+                if data >= end:
+                    break
+                hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+                out.append((data, hole))
+                pos = hole
+        except (OSError, AttributeError):
+            return [(start, end)]
+        return out
+
     def file_size(self, path: str) -> int:
         return os.stat(path).st_size
 

@@ -124,7 +124,7 @@ class FixedShard:
             target = max(step, -(-capacity // step) * step)
             self._map(target, grow_file=HEADER_PAGE + target * self.slot_size != size)
             self.status = np.zeros(self.capacity, dtype=np.uint8)
-            occupied, torn = _k.validate(self.slots, self.versions, self.status)
+            occupied, torn = self._validate(fs)
             self.occupied = occupied
             self._build_free_list()
             if torn:
@@ -133,6 +133,23 @@ class FixedShard:
             fs.close(fd)
             self._fd = -1
             raise
+
+    def _validate(self, fs: _fs.RealFS) -> tuple[int, int]:
+        """CRC-check every slot that holds data (S4).
+
+        Slots inside holes of the sparse file are all zero, hence free (S11); they are
+        skipped without reading, so opening a mostly empty queue touches no page of it.
+        """
+        occupied = torn = 0
+        size = self.slot_size
+        for lo, hi in fs.data_extents(self._fd, HEADER_PAGE, HEADER_PAGE + self.capacity * size):
+            a = (lo - HEADER_PAGE) // size
+            b = min(self.capacity, -(-(hi - HEADER_PAGE) // size))
+            if b > a:
+                o, t = _k.validate(self.slots[a:b], self.versions[a:b], self.status[a:b])
+                occupied += o
+                torn += t
+        return occupied, torn
 
     def _map(self, capacity: int, *, grow_file: bool) -> None:
         fs = _fs.FS

@@ -92,6 +92,7 @@ class _Plan:
     apply: list[Any] = field(default_factory=list)  # callables run after the log append
     allocated: list[tuple[Any, int]] = field(default_factory=list)  # (FixedShard, slot) to undo
     payload_writes: dict[Queue[Any], int] = field(default_factory=dict)
+    bitcask: set[Any] = field(default_factory=set)  # Bitcask stores written
 
 
 class Tx:
@@ -258,9 +259,8 @@ class Tx:
                 ) from e
             finally:
                 db.txlog.done()
-        for _, bitcask in self._participants(steps, stream_dest):
-            if bitcask is not None:
-                bitcask.maybe_compact()  # a rotation under our locks deferred its compaction
+        for bitcask in plan.bitcask:
+            bitcask.maybe_compact()  # a rotation under our locks deferred its compaction
         for q, n in plan.payload_writes.items():
             with q._counter_lock:
                 q._payload_writes += n
@@ -407,6 +407,7 @@ class Tx:
             key = q._key_bytes(s.seq)
             gsn = self._db.gsn()
             plan.rows.append(["B", q.spec.payload_name, key, s.body, gsn])
+            plan.bitcask.add(q._payload)
             plan.apply.append(lambda st=q._payload, k=key, b=s.body, g=gsn: st.write_locked(k, b, g))
             plan.payload_writes[q] = plan.payload_writes.get(q, 0) + 1
         else:
@@ -446,6 +447,7 @@ class Tx:
                 key = q._key_bytes(token.seq)
                 gsn = self._db.gsn()
                 plan.rows.append(["B", q.spec.payload_name, key, None, gsn])
+                plan.bitcask.add(q._payload)
                 plan.apply.append(lambda st=q._payload, k=key, g=gsn: st.write_locked(k, None, g))
 
             def apply_ack() -> None:
@@ -496,6 +498,7 @@ class Tx:
         state[k] = s.raw_value is not None
         gsn = self._db.gsn()
         plan.rows.append(["B", s.map.name, s.raw_key, s.raw_value, gsn])
+        plan.bitcask.add(store)
         m, raw_key, raw_value = s.map, s.raw_key, s.raw_value
         plan.apply.append(lambda: m._tx_write(raw_key, raw_value, gsn))
 
