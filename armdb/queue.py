@@ -200,12 +200,42 @@ def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
 # -- payload codecs ----------------------------------------------------------------------
 
 
+_STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
+                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
+
+
+def _struct_for(dt: np.dtype) -> struct.Struct | None:
+    """A struct that packs a tuple exactly as NumPy would, for plain little-endian numeric
+    fields laid out back to back; None for anything else (NumPy does those)."""
+    fields = [dt] if dt.names is None else [dt.fields[n][0] for n in dt.names]  # type: ignore[index]
+    offsets = [0] if dt.names is None else [dt.fields[n][1] for n in dt.names]  # type: ignore[index]
+    codes = []
+    pos = 0
+    for f, off in zip(fields, offsets):
+        if f.subdtype is not None or f.char not in _STRUCT_CODES or off != pos or f.byteorder == ">":
+            return None
+        codes.append(_STRUCT_CODES[f.char])
+        pos += f.itemsize
+    st = struct.Struct("<" + "".join(codes))
+    return st if st.size == dt.itemsize else None
+
+
 class _FixedCodec:
     def __init__(self, dtype: np.dtype) -> None:
         self.dtype = dtype
         self.size = dtype.itemsize
+        self._struct = _struct_for(dtype) if dtype.names is not None else None
+        self._nfields = len(dtype.names) if dtype.names is not None else 0
 
     def encode(self, value: Any) -> bytes:
+        st = self._struct
+        if st is not None and type(value) is tuple and len(value) == self._nfields:
+            # Fast path for the common case; a value struct cannot take goes to NumPy,
+            # which gives the error message (or accepts what struct is strict about).
+            try:
+                return st.pack(*value)
+            except struct.error:
+                pass
         dt = self.dtype
         if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
             return value.tobytes()
@@ -568,13 +598,13 @@ class Queue(Generic[T]):
         return self._shards[seq % len(self._shards)]
 
     def _header(self, sh: _Shard, slot: int) -> tuple[int, int, int, int, int, int, int]:
-        return typing.cast(
-            tuple, _HEADER.unpack_from(sh.fixed.slots[slot, 8 + KEY_SIZE : 8 + KEY_SIZE + HEADER_SIZE])
-        )
+        fx = sh.fixed
+        return typing.cast(tuple, _HEADER.unpack_from(fx.flat, slot * fx.slot_size + 8 + KEY_SIZE))
 
     def _payload_bytes(self, sh: _Shard, slot: int) -> bytes:
-        start = 8 + KEY_SIZE + HEADER_SIZE
-        return sh.fixed.slots[slot, start : start + self._codec.size].tobytes()  # type: ignore[union-attr]
+        fx = sh.fixed
+        start = slot * fx.slot_size + 8 + KEY_SIZE + HEADER_SIZE
+        return fx.flat[start : start + self._codec.size].tobytes()  # type: ignore[union-attr]
 
     @staticmethod
     def _key_bytes(seq: int) -> bytes:
