@@ -15,11 +15,10 @@ except ImportError as _e:  # pragma: no cover - exercised only on a broken insta
     ) from _e
 
 from . import errors
-from .check import CheckReport, check
 from ._fail import failpoints
+from .check import CheckReport, check
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
-from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .errors import (
     ArmdbError,
     ConfigError,
@@ -38,6 +37,7 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
+from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 
 __version__ = "0.1.0"
 
@@ -53,23 +53,23 @@ __all__ = [
     "EncryptionKeyRequired",
     "FixedConfig",
     "FormatError",
+    "Lease",
+    "LeaseToken",
     "PayloadTypeError",
+    "Queue",
     "QueueAlreadyOpen",
     "QueueConfig",
     "QueueFull",
+    "QueueSpec",
+    "QueueStats",
     "SchemaMismatch",
     "StaleToken",
+    "State",
     "StorageError",
     "StreamSourceRequiresTx",
     "TxConfig",
     "TxFailedAfterLog",
     "WrongKey",
-    "Lease",
-    "LeaseToken",
-    "Queue",
-    "QueueSpec",
-    "QueueStats",
-    "State",
     "errors",
     "failpoints",
     "queue",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from .errors import ConfigError
 
@@ -32,4 +32,4 @@ def to_ms(value: object, name: str) -> int:
 
 def ms_to_datetime(ms: int) -> datetime:
     """Persisted milliseconds as a timezone-aware UTC datetime."""
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)

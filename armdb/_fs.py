@@ -30,7 +30,7 @@ from . import _fail
 
 PAGE = _mmap.PAGESIZE
 
-__all__ = ["FS", "RealFS", "MappedFile", "use", "PAGE"]
+__all__ = ["FS", "PAGE", "MappedFile", "RealFS", "use"]
 
 
 class MappedFile:
@@ -41,7 +41,7 @@ class MappedFile:
         self.fd = fd
         self.length = length
         # np.memmap wants a file object; a non-owning one around our fd is enough.
-        with open(fd, "r+b", closefd=False) as fobj:  # noqa: SIM115 - the map outlives it
+        with open(fd, "r+b", closefd=False) as fobj:
             self.array: np.memmap = np.memmap(fobj, dtype=np.uint8, mode="r+", shape=(length,))
 
     def write(self, offset: int, data: bytes) -> None:

@@ -647,8 +647,7 @@ class _Ingest:
         for off, gsn_word, klen, vlen, rsize, kf in records:
             key = kf if unseal is None else unseal(kf, gsn_word, off, f.path)
             seq = gsn_word & SEQ_MASK
-            if seq > hi:
-                hi = seq
+            hi = max(hi, seq)
             cur = get(key)
             if cur is None:
                 latest[key] = (fid, off, rsize, gsn_word, None)

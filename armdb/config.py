@@ -16,14 +16,14 @@ from ._clock import to_seconds
 from .errors import ConfigError
 
 __all__ = [
-    "FixedConfig",
-    "FixedConfigBuilder",
+    "QUEUE_GROW_STEP",
     "Config",
     "ConfigBuilder",
-    "TxConfig",
+    "FixedConfig",
+    "FixedConfigBuilder",
     "QueueConfig",
     "QueueConfigBuilder",
-    "QUEUE_GROW_STEP",
+    "TxConfig",
 ]
 
 QUEUE_GROW_STEP = 100_000

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 __all__ = [
     "ArmdbError",
-    "DbLocked",
-    "DbClosed",
     "ConfigError",
+    "CorruptionError",
+    "DbClosed",
+    "DbLocked",
+    "EncryptionKeyRequired",
     "FormatError",
-    "SchemaMismatch",
+    "PayloadTypeError",
     "QueueAlreadyOpen",
     "QueueFull",
+    "SchemaMismatch",
     "StaleToken",
-    "PayloadTypeError",
-    "EncryptionKeyRequired",
-    "WrongKey",
-    "CorruptionError",
     "StorageError",
-    "TxFailedAfterLog",
     "StreamSourceRequiresTx",
+    "TxFailedAfterLog",
+    "WrongKey",
 ]
 
 

@@ -289,8 +289,7 @@ class FixedShard:
         self.slot_writes += 1
         if self._dirty_lo < 0 or off < self._dirty_lo:
             self._dirty_lo = off
-        if off + self.slot_size > self._dirty_hi:
-            self._dirty_hi = off + self.slot_size
+        self._dirty_hi = max(self._dirty_hi, off + self.slot_size)
         if self.config.enable_fsync and time.monotonic() - self._last_sync >= self.config.sync_interval:
             self._sync_locked()
 

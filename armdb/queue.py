@@ -774,29 +774,37 @@ class Queue(Generic[T]):
         """A row was dead-lettered at ``now``: bring the next retention pass forward."""
         if self.config.dead_retention is not None:
             first = now + int(self.config.dead_retention * 1000)
-            if first < self._next_retention:
-                self._next_retention = first
+            self._next_retention = min(self._next_retention, first)
 
     # -- settle (Q13, Q14) ------------------------------------------------------------------------
-    def _settle_begin(self, token: object) -> tuple[_Shard, int, tuple[int, ...]]:
-        """Validate a token under its shard lock (caller must release ``sh.lock``)."""
+    def _token_shard(self, token: object) -> _Shard:
+        """The shard a token points into, after the checks that need no lock (Q13)."""
         if not isinstance(token, LeaseToken):
             raise StaleToken(f"expected a LeaseToken from Queue.lease(), got {type(token).__name__}")
-        if token.handle != self._handle:
+        if token.handle != self._handle or not 0 <= token.shard < len(self._shards):
             raise StaleToken(
                 f"this token was issued by another queue handle (another queue, or before a reopen); "
                 f"lease the row again from queue {self.name!r}"
             )
-        sh = self._shards[token.shard]
+        return self._shards[token.shard]
+
+    def _validate_locked(self, sh: _Shard, token: LeaseToken) -> tuple[int, tuple[int, ...]]:
+        """The row's slot and header if ``token`` still holds its lease (caller holds ``sh.lock``)."""
+        cur = sh.live.get(token.due, token.seq)
+        if cur is None:
+            raise StaleToken(f"row {token.seq} was already acked, nacked or dead-lettered; nothing changed")
+        slot = cur[0]
+        hdr = self._header(sh, slot)
+        if hdr[0] != State.LEASED or hdr[3] != token.epoch:
+            raise StaleToken(f"row {token.seq} was leased again since this token was issued; nothing changed")
+        return slot, hdr
+
+    def _settle_begin(self, token: object) -> tuple[_Shard, int, tuple[int, ...]]:
+        """Validate a token under its shard lock (caller must release ``sh.lock``)."""
+        sh = self._token_shard(token)
         sh.lock.acquire()
         try:
-            cur = sh.live.get(token.due, token.seq)
-            if cur is None:
-                raise StaleToken(f"row {token.seq} was already acked, nacked or dead-lettered; nothing changed")
-            slot = cur[0]
-            hdr = self._header(sh, slot)
-            if hdr[0] != State.LEASED or hdr[3] != token.epoch:
-                raise StaleToken(f"row {token.seq} was leased again since this token was issued; nothing changed")
+            slot, hdr = self._validate_locked(sh, typing.cast(LeaseToken, token))
         except BaseException:
             sh.lock.release()
             raise

@@ -63,8 +63,8 @@ class Replayer:
     def _fixed_store(self, name: str) -> FixedStore:
         fx = self._fixed.get(name)
         if fx is None:
-            from .queue import _decode_meta
             from .db import QUEUE_META
+            from .queue import _decode_meta
 
             d = self.db.collection_dir(name)
             meta_path = os.path.join(d, QUEUE_META)

@@ -145,13 +145,13 @@ class Tx:
         self._steps.append(_Settle(self._queue_arg(queue), token, False, delay_ms, dead))
         return self
 
-    def put(self, map: Map, key: Any, value: Any) -> Tx:  # noqa: A002 - SPEC names it map
+    def put(self, map: Map, key: Any, value: Any) -> Tx:
         self._open_step()
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), value, encode_value(value)))
         return self
 
-    def delete(self, map: Map, key: Any) -> Tx:  # noqa: A002
+    def delete(self, map: Map, key: Any) -> Tx:
         self._open_step()
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), None, None))
@@ -424,21 +424,9 @@ class Tx:
     def _plan_settle(self, s: _Settle, plan: _Plan, now: int) -> None:
         q = s.queue
         token = s.token
-        if not isinstance(token, LeaseToken):
-            raise StaleToken(f"expected a LeaseToken from Queue.lease(), got {type(token).__name__}")
-        if token.handle != q._handle:
-            raise StaleToken(
-                f"this token was issued by another queue handle (another queue, or before a reopen); "
-                f"lease the row again from queue {q.name!r}"
-            )
-        sh = q._shards[token.shard]
-        cur = sh.live.get(token.due, token.seq)
-        if cur is None:
-            raise StaleToken(f"row {token.seq} was already acked, nacked or dead-lettered; nothing was written")
-        slot = cur[0]
-        state, flags, attempts, epoch, deadline, pid, pushed = q._header(sh, slot)
-        if state != State.LEASED or epoch != token.epoch:
-            raise StaleToken(f"row {token.seq} was leased again since this token was issued; nothing was written")
+        sh = q._token_shard(token)
+        slot, hdr = q._validate_locked(sh, token)
+        _state, flags, attempts, epoch, deadline, pid, pushed = hdr
         version = _k.ring_next(int(sh.fixed.versions[slot]))
         coll = q.name
         if s.ack:

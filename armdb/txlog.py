@@ -322,8 +322,7 @@ class TxLog:
                 self.poisoned = e  # never retried (S12)
                 raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
             self.syncs += 1
-            if target > self._synced_end:
-                self._synced_end = target
+            self._synced_end = max(self._synced_end, target)
         _fail.point("txlog.after_sync")
 
     def done(self) -> None:
