@@ -421,6 +421,9 @@ def test_t6_register_queue_classifies():
 
 
 def test_t6_replay_never_calls_emit(db_path, tmp_path):
+    # SPEC T8: rows applied straight to shards never reach the stream hook.  armdb has
+    # no replication; the one path that applies rows without a commit is log replay,
+    # and it must not emit.  Only the process that took the write emits.
     counter = tmp_path / "calls"
     code = f"""
     import armdb
@@ -607,3 +610,59 @@ def test_t2_outbox_atomic_under_sigkill(tmp_path):
                 assert (n in effects) != (n in docs), n
         rep = armdb.check(path)
         assert rep.ok, rep.findings
+
+
+def test_t7_stream_commit_holds_every_destination_shard(db_path):
+    """While a stream commit runs (here: blocked inside emit), direct operations on
+    every shard of its destination queue wait for it."""
+    import threading
+
+    entered = threading.Event()
+    release = threading.Event()
+
+    def emit(change):
+        entered.set()
+        assert release.wait(10)
+        return Job(int(change.key), "emitted")
+
+    reg = SchemaRegistry().change_stream("docs", VarQ, emit)
+    header = FixedConfig.balanced().shard_count(3).grow_step(64).build()
+    with armdb.Db.open(db_path, schema=reg) as d:
+        q = d.open_queue(VarQ, QueueConfig.balanced().header_config(header).build())
+        m = d.open_map("docs")
+        committer = threading.Thread(target=lambda: d.tx().put(m, 1, "a").commit())
+        committer.start()
+        assert entered.wait(10)
+        pushed: list[int] = []
+        pushers = [threading.Thread(target=lambda: pushed.append(q.push(Job(0, "direct")))) for _ in range(3)]
+        for t in pushers:
+            t.start()
+        time.sleep(0.3)
+        assert pushed == []  # every shard is held by the stream commit
+        release.set()
+        committer.join(10)
+        for t in pushers:
+            t.join(10)
+        assert len(pushed) == 3 and q.len() == 4
+
+
+def test_q23_retry_list_overflow_runs_full_orphan_pass(db, clock, monkeypatch):
+    import sys
+
+    qmod = sys.modules["armdb.queue"]  # the module; armdb.queue is the declaration function
+    monkeypatch.setattr(qmod, "RETRY_LIST_CAP", 2)
+    q = db.open_queue(VarQ, cfg(dead_retention=1))
+    for i in range(4):
+        q.push(Job(i, "x"))
+    for lz in q.lease(4):
+        q.nack(lz.token, dead=True)
+    clock.advance(2)
+    real = q._payload.delete
+    monkeypatch.setattr(q._payload, "delete", lambda key: (_ for _ in ()).throw(OSError(5, "injected EIO")))
+    with pytest.raises(OSError, match="injected"):
+        db.sweep_expired_now()
+    assert q.dead_len() == 0 and q._retry_overflow and q.stats().retention_retry_pending == 2
+    monkeypatch.setattr(q._payload, "delete", real)
+    db.sweep_expired_now()  # drains the list, then the overflow's full orphan pass
+    assert not q._retry_overflow and q.stats().retention_retry_pending == 0
+    assert len(q._payload) == 0 and q.stats().orphans_collected == 2
