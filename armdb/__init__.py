@@ -37,12 +37,14 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
+from .streams import Change, SchemaRegistry
 from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArmdbError",
+    "Change",
     "CheckReport",
     "Config",
     "ConfigError",
@@ -64,6 +66,7 @@ __all__ = [
     "QueueStats",
     "SchemaMismatch",
     "StaleToken",
+    "SchemaRegistry",
     "State",
     "StorageError",
     "StreamSourceRequiresTx",

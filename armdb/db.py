@@ -350,7 +350,7 @@ class Db:
         with self._lock:
             stores = list(self._stores.values())
         for s in stores:
-            s.sync_now() if hasattr(s, "sync_now") else s.sync()
+            s.sync_now()
 
     def register_store(self, name: str, store: Any) -> None:
         with self._lock:

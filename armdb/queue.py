@@ -26,6 +26,7 @@ never held together with a shard lock.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import itertools
@@ -285,7 +286,7 @@ class _VarCodec:
         if self.is_dataclass:
             if type(value) is not self.payload:
                 raise PayloadTypeError(
-                    f"payload must be a {self.payload.__name__} instance, not {type(value).__name__}"
+                    f"payload must be an instance of {self.payload.__name__}, not {type(value).__name__}"
                 )
             obj: Any = [getattr(value, f) for f in self.fields]
         else:
@@ -475,6 +476,12 @@ class Queue(Generic[T]):
         self._nwaiters = 0
         self._payload_writes = 0
         self._orphans_collected = 0
+        # LRU of raw var bodies (payload_config.cache_bytes): push fills it, lease reads
+        # it, ack and retention drop it.  Guarded by _cache_lock.
+        self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._cache_bytes = 0
+        self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
+        self._cache_lock = threading.Lock()
         self._retry: list[int] = []
         self._retry_overflow = False
         self._retention_paused = False
@@ -639,6 +646,7 @@ class Queue(Generic[T]):
             self._payload.put(self._key_bytes(seq), body)
             with self._counter_lock:
                 self._payload_writes += 1
+            self._cache_put(seq, body)
             _fail.point("queue.var_push.after_body")
             row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, seq, now)
         else:
@@ -655,6 +663,32 @@ class Queue(Generic[T]):
             sh.pushes += 1
         self._notify()
         return seq
+
+    def _cache_put(self, seq: int, body: bytes) -> None:
+        if self._cache_budget <= 0 or len(body) > self._cache_budget:
+            return
+        with self._cache_lock:
+            self._cache[seq] = body
+            self._cache_bytes += len(body)
+            while self._cache_bytes > self._cache_budget:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old)
+
+    def _cache_get(self, seq: int) -> bytes | None:
+        if not self._cache:
+            return None
+        with self._cache_lock:
+            body = self._cache.get(seq)
+            if body is not None:
+                self._cache.move_to_end(seq)
+            return body
+
+    def _cache_drop(self, seq: int) -> None:
+        if self._cache:
+            with self._cache_lock:
+                body = self._cache.pop(seq, None)
+                if body is not None:
+                    self._cache_bytes -= len(body)
 
     def _notify(self) -> None:
         """Wake blocking and async waiters at once (Q19).
@@ -712,7 +746,9 @@ class Queue(Generic[T]):
         dl = ms_to_datetime(deadline)
         for due, seq, shard_no, attempt, epoch, raw in out:
             if self._payload is not None:
-                body = self._payload.get(self._key_bytes(seq))
+                body = self._cache_get(seq)
+                if body is None:
+                    body = self._payload.get(self._key_bytes(seq))
                 if body is None:  # cannot happen: bodies are written before headers (Q15)
                     raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
                 payload = self._codec.decode(body)
@@ -1009,6 +1045,7 @@ class Queue(Generic[T]):
                 except Exception as e:
                     first_error = first_error or e
                 for seq in swept:
+                    self._cache_drop(seq)
                     _fail.point("queue.retention.after_delete")
                     if self._payload is not None:
                         try:
@@ -1092,9 +1129,10 @@ class Queue(Generic[T]):
         for sh in self._shards:
             with sh.lock:
                 slots = np.concatenate([sh.live.to_arrays()[2], sh.dead.to_arrays()[2]]).astype(np.intp)
-                raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy()
+                # Fancy indexing copies the rows out of the map while the lock is held.
+                raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE]
             parts.append(raw.view(ROW_DTYPE).reshape(-1))
-        rows = np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
         out = np.zeros(rows.shape[0], dtype=SNAPSHOT_DTYPE)
         hdr = rows["header"]
         out["id"] = rows["seq"]

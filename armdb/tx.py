@@ -353,6 +353,8 @@ class Tx:
                 raw = s.map.store.get_locked(s.raw_key)
                 old = None if raw is None else decode_value(raw)
             view[k] = s.value
+            if old is None and s.value is None:
+                continue  # deleting a missing key changes nothing, so it emits nothing (T1)
             for st in streams:
                 out = st.emit(Change(s.key, old, s.value))
                 if out is None:
@@ -409,6 +411,7 @@ class Tx:
             plan.rows.append(["B", q.spec.payload_name, key, s.body, gsn])
             plan.bitcask.add(q._payload)
             plan.apply.append(lambda st=q._payload, k=key, b=s.body, g=gsn: st.write_locked(k, b, g))
+            plan.apply.append(lambda: q._cache_put(s.seq, s.body))
             plan.payload_writes[q] = plan.payload_writes.get(q, 0) + 1
         else:
             row = _pack_row(due, s.seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
@@ -441,6 +444,7 @@ class Tx:
             def apply_ack() -> None:
                 sh.fixed.free(slot, version)
                 sh.live.remove(token.due, token.seq)
+                q._cache_drop(token.seq)
                 sh.acks += 1
 
             plan.apply.insert(len(plan.apply) - (1 if q._payload is not None else 0), apply_ack)

@@ -776,3 +776,19 @@ def test_reopen_keeps_rows_and_states(db_path, flavour):
         assert new > max(ids)
     rep = armdb.check(db_path)
     assert rep.ok, rep.findings
+
+
+def test_q6_payload_cache_serves_leases(db, monkeypatch):
+    qq = db.open_queue(VarQ, cfg(payload_config=Config.balanced().cache_bytes(1 << 20).build()))
+    ids = [qq.push(Job(i, "cached")) for i in range(5)]
+
+    def no_disk(key):
+        raise AssertionError("lease read the data file although the body was cached")
+
+    monkeypatch.setattr(qq._payload, "get", no_disk)
+    got = qq.lease(5)
+    assert [lz.payload for lz in got] == [Job(i, "cached") for i in range(5)]
+    monkeypatch.undo()
+    for lz in got:
+        qq.ack(lz.token)
+    assert len(qq._cache) == 0 and qq._cache_bytes == 0 and [lz.id for lz in got] == ids

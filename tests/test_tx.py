@@ -385,8 +385,9 @@ def test_t6_stream_emits_on_commit_and_sees_earlier_steps(db_path):
         m = d.open_map("docs")
         with pytest.raises(StreamSourceRequiresTx):
             m.put(1, "direct")
-        d.tx().put(m, 1, "a").put(m, 1, "b").delete(m, 2).commit()
-        assert [(c.key, c.old, c.new) for c in calls] == [(1, None, "a"), (1, "a", "b"), (2, None, None)]
+        d.tx().put(m, 1, "a").put(m, 1, "b").delete(m, 2).delete(m, 1).commit()
+        # Deleting the missing key 2 is a no-op and emits nothing; deleting 1 sees "b".
+        assert [(c.key, c.old, c.new) for c in calls] == [(1, None, "a"), (1, "a", "b"), (1, "b", None)]
         reasons = [lz.payload.reason for lz in q.lease(10)]
         assert reasons == ["None->a", "a->b"]
         assert q.stats().payload_writes == 2
