@@ -41,6 +41,9 @@ FORMAT_VERSION = 1
 HEADER_PAGE = 4096
 _HDR = struct.Struct("<8sIIIII")  # magic, version, slot_size, key_size, value_size, shard
 FILE_NAME = "fixed.data"
+REDO_NAME = "fixed.redo"
+REDO_MAGIC = b"ARMREDO1"
+_REDO_HDR = struct.Struct("<8sII")  # magic, version, slot_size; then crc32
 
 FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
 
@@ -94,6 +97,7 @@ class FixedShard:
         self._dirty_lo = -1
         self._dirty_hi = -1
         self._fd = -1
+        self._redo_fd = -1
         self._open()
 
     # -- open and grow -----------------------------------------------------------
@@ -125,14 +129,68 @@ class FixedShard:
             self._map(target, grow_file=HEADER_PAGE + target * self.slot_size != size)
             self.status = np.zeros(self.capacity, dtype=np.uint8)
             occupied, torn = self._validate(fs)
+            self._open_redo(fs)
+            if self._apply_redo():
+                torn -= 1
+                occupied = int(np.count_nonzero(self.status == OCCUPIED))
             self.occupied = occupied
             self._build_free_list()
             if torn:
                 log.warning("%s: %d torn slot(s) found on open; they are not served", self.path, torn)
         except BaseException:
+            if self._redo_fd >= 0:
+                fs.close(self._redo_fd)
+                self._redo_fd = -1
             fs.close(fd)
             self._fd = -1
             raise
+
+    # -- the redo record (crash-atomic in-place updates) -----------------------------
+    def _open_redo(self, fs: _fs.RealFS) -> None:
+        """Map ``fixed.redo``: one record of the slot image being written (docs/format.md)."""
+        path = os.path.join(self.directory, REDO_NAME)
+        exists = fs.exists(path)
+        fd = fs.open(path, os.O_RDWR | os.O_CREAT)
+        self._redo_fd = fd
+        length = -(-(_k.REDO_OFFSET + _k.REDO_HEAD + self.slot_size) // _fs.PAGE) * _fs.PAGE
+        size = fs.size(fd)
+        if not exists or size < _REDO_HDR.size + 4:
+            head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, self.slot_size)
+            fs.pwrite(fd, head + struct.pack("<I", zlib.crc32(head)), 0)
+            fs.ftruncate(fd, length)
+            fs.fsync(fd)
+            fs.fsync_dir(self.directory)
+        else:
+            raw = fs.pread(fd, _REDO_HDR.size + 4, 0)
+            magic, version, slot_size = _REDO_HDR.unpack_from(raw)
+            if magic != REDO_MAGIC or struct.unpack_from("<I", raw, _REDO_HDR.size)[0] != zlib.crc32(
+                raw[: _REDO_HDR.size]
+            ):
+                raise FormatError(f"{path}: not an armdb redo file; point armdb at its own directory")
+            if version != FORMAT_VERSION or slot_size != self.slot_size:
+                raise FormatError(f"{path}: redo file of version {version} / slot size {slot_size} does not "
+                                  f"match this store; upgrade armdb or restore the directory")
+            if size < length:
+                fs.ftruncate(fd, length)
+        self.redo_mapped = fs.mmap(fd, length)
+        self.redo = np.asarray(self.redo_mapped.array)
+
+    def _apply_redo(self) -> int:
+        """Finish an in-place update a crash cut short; returns how many torn slots it healed."""
+        rec = _k.redo_record(self.redo, self.slot_size)
+        if rec is None:
+            return 0
+        slot, image = rec
+        if slot >= self.capacity or self.status[slot] != TORN:
+            return 0  # the slot is intact: the write finished, or never began
+        st = _k.restore_slot(self.slots, self.versions, slot, image)
+        if st < 0:
+            return 0
+        self.status[slot] = st
+        self.repaired_on_open += 1
+        self._wrote(slot)
+        log.warning("%s: slot %d was torn by a crash mid-update; restored from the redo record", self.path, slot)
+        return 1
 
     def _validate(self, fs: _fs.RealFS) -> tuple[int, int]:
         """CRC-check every slot that holds data (S4).
@@ -220,7 +278,7 @@ class FixedShard:
     def write(self, slot: int, body: bytes, version: int = 0) -> int:
         """Write an occupied slot in place; returns its new version."""
         self._check_writable()
-        v = _k.write_slot(self.slots, self.versions, slot, OCCUPIED, body, version)
+        v = _k.write_slot(self.slots, self.versions, slot, OCCUPIED, body, version, self.redo)
         if self.status[slot] != OCCUPIED:
             self.status[slot] = OCCUPIED
             self.occupied += 1
@@ -231,7 +289,7 @@ class FixedShard:
     def free(self, slot: int, version: int = 0) -> int:
         """Mark a slot deleted (bumping its version) and push it on the free stack."""
         self._check_writable()
-        v = _k.write_slot(self.slots, self.versions, slot, DELETED, b"", version)
+        v = _k.write_slot(self.slots, self.versions, slot, DELETED, b"", version, self.redo)
         if self.status[slot] == OCCUPIED:
             self.occupied -= 1
         self.status[slot] = DELETED
@@ -262,13 +320,13 @@ class FixedShard:
         replaying code closes the store afterwards and the next open rebuilds it.
         """
         self._check_writable()
-        _k.write_slot(self.slots, self.versions, slot, status, body, version)
+        _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo)
         self.status[slot] = status
         self._wrote(slot)
 
     def repair_torn(self, slot: int) -> None:
         """Rewrite a torn slot as deleted so that ``check`` is clean again (S4)."""
-        _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0)
+        _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0, self.redo)
         self.status[slot] = DELETED
         self.repaired_on_open += 1
         self._wrote(slot)
@@ -285,6 +343,7 @@ class FixedShard:
 
     def _wrote(self, slot: int) -> None:
         off = HEADER_PAGE + slot * self.slot_size
+        self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
         self.mapped.wrote(off, self.slot_size)
         self.slot_writes += 1
         if self._dirty_lo < 0 or off < self._dirty_lo:
@@ -301,6 +360,7 @@ class FixedShard:
         if lo < 0:
             return
         try:
+            self.redo_mapped.flush()
             self.mapped.flush(lo, hi - lo)
         except OSError as e:
             # Never retried (S12): the kernel may already have dropped the dirty pages.
@@ -331,9 +391,12 @@ class FixedShard:
                     self._sync_locked()
         finally:
             self.mapped.close()
+            self.redo_mapped.close()
             self.slots = None  # type: ignore[assignment]
+            self.redo = None  # type: ignore[assignment]
             _fs.FS.close(self._fd)
-            self._fd = -1
+            _fs.FS.close(self._redo_fd)
+            self._fd = self._redo_fd = -1
 
     # -- inspection --------------------------------------------------------------------
     def logical_bytes(self) -> int:

@@ -96,6 +96,10 @@ HEADER_DTYPE = np.dtype(
 ROW_DTYPE = np.dtype([("due", ">u8"), ("seq", ">u8"), ("header", HEADER_DTYPE)])
 FLAG_DEAD_EXPLICIT = 1
 
+# Handle identities are unique across processes, not just within one: a random
+# per-process prefix, so a token carried over from a killed process (pickled, or
+# held by a long-lived peer) never matches a handle of the next process (Q13).
+_PROCESS_TAG = int.from_bytes(os.urandom(8), "big")
 _handle_ids = itertools.count(1)
 
 
@@ -463,7 +467,7 @@ class Queue(Generic[T]):
         self.spec = spec
         self.name = spec.name
         self.config = config
-        self._handle = next(_handle_ids)
+        self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())

@@ -30,6 +30,16 @@ def write_slot(
     status: int,
     body: bytes | npt.NDArray[np.uint8],
     version: int = 0,
+    redo: npt.NDArray[np.uint8] | None = None,
+) -> int: ...
+
+REDO_OFFSET: int
+REDO_HEAD: int
+REDO_MAGIC: int
+
+def redo_record(redo: npt.NDArray[np.uint8], slot_size: int) -> tuple[int, bytes] | None: ...
+def restore_slot(
+    slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], i: int, image: bytes
 ) -> int: ...
 def zero_slot(slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], i: int) -> None: ...
 def occupied_slots(status: npt.NDArray[np.uint8]) -> npt.NDArray[np.intp]: ...

@@ -207,21 +207,37 @@ def validate(uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t[::1] status)
     return occupied, torn
 
 
-def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int status,
-               const uint8_t[::1] body, uint32_t version=0):
-    """Write slot ``i`` in place: body, then meta and CRC.  Returns the new version.
+# Redo record (docs/format.md, "fixed.redo"): at REDO_OFFSET of the shard's redo map,
+#   u32 REDO_MAGIC | u32 slot | u32 image length | u32 crc32(the 12 bytes before it + image) | image
+# where the image is the complete slot (meta, crc, body).  write_slot composes the
+# new image there first and only then copies it into the slot, so a process killed
+# halfway through the in-place copy leaves a torn slot *and* a valid redo record of
+# what it was becoming; open restores it (S4) instead of losing the row.
+REDO_OFFSET = 64
+REDO_HEAD = 16
+REDO_MAGIC = 0x4F444552  # "REDO"
+cdef uint32_t _REDO_MAGIC = 0x4F444552
+cdef Py_ssize_t _REDO_OFFSET = 64
+cdef Py_ssize_t _REDO_HEAD = 16
 
-    The version is the next one on the ring after ``versions[i]``, or ``version`` when
-    given (transaction-log replay writes the logged version).  ``body`` shorter than
-    the slot is zero-padded.
+
+def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int status,
+               const uint8_t[::1] body, uint32_t version=0, uint8_t[::1] redo=None):
+    """Write slot ``i``: compose the image (in ``redo`` when given), then copy it in place.
+
+    Returns the new version: the next one on the ring after ``versions[i]``, or
+    ``version`` when given (transaction-log replay writes the logged version).
+    ``body`` shorter than the slot is zero-padded.
     """
-    cdef Py_ssize_t width = slots.shape[1] - 8, n = body.shape[0]
+    cdef Py_ssize_t size = slots.shape[1], width = size - 8, n = body.shape[0]
     if i < 0 or i >= slots.shape[0] or i >= versions.shape[0]:
         raise IndexError(f"slot {i} out of range")
     if n > width:
         raise ValueError(f"body of {n} bytes does not fit a {width}-byte slot body")
     if status < 0 or status > 2:
         raise ValueError("status must be FREE, OCCUPIED or DELETED")
+    if redo is not None and redo.shape[0] < REDO_OFFSET + REDO_HEAD + size:
+        raise ValueError("the redo map is smaller than one record")
     cdef uint32_t v = version & _MASK
     if v == 0:
         v = (versions[i] + 1) & _MASK
@@ -229,15 +245,55 @@ def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int 
             v = 1
     cdef uint32_t meta = (v << 2) | <uint32_t>status
     cdef uint8_t* row = &slots[i, 0]
+    cdef uint8_t* rec
+    cdef uint8_t* img
     with nogil:
+        if redo is None:
+            img = row
+        else:
+            rec = &redo[_REDO_OFFSET]
+            img = rec + _REDO_HEAD
         if n:
-            memcpy(row + 8, &body[0], n)
+            memcpy(img + 8, &body[0], n)
         if n < width:
-            memset(row + 8 + n, 0, width - n)
-        _store_u32(row + 4, _slot_crc(meta, row + 8, width))
-        _store_u32(row, meta)
+            memset(img + 8 + n, 0, width - n)
+        _store_u32(img + 4, _slot_crc(meta, img + 8, width))
+        _store_u32(img, meta)
+        if redo is not None:
+            _store_u32(rec, _REDO_MAGIC)
+            _store_u32(rec + 4, <uint32_t>i)
+            _store_u32(rec + 8, <uint32_t>size)
+            _store_u32(rec + 12, _crc_update(_crc_update(_ONES, rec, 12), img, size) ^ _ONES)
+            memcpy(row, img, size)
     versions[i] = v
     return v
+
+
+def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
+    """``(slot, image)`` of a valid redo record, or ``None`` (never written, or torn)."""
+    if redo.shape[0] < REDO_OFFSET + REDO_HEAD + slot_size:
+        return None
+    cdef const uint8_t* rec = &redo[_REDO_OFFSET]
+    if _load_u32(rec) != _REDO_MAGIC or _load_u32(rec + 8) != <uint32_t>slot_size:
+        return None
+    cdef uint32_t crc = _crc_update(_crc_update(_ONES, rec, 12), rec + _REDO_HEAD, slot_size) ^ _ONES
+    if crc != _load_u32(rec + 12):
+        return None
+    return _load_u32(rec + 4), bytes(redo[REDO_OFFSET + REDO_HEAD:REDO_OFFSET + REDO_HEAD + slot_size])
+
+
+def restore_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, const uint8_t[::1] image):
+    """Copy a complete slot image (from a redo record) into slot ``i``; returns its status,
+    or -1 when the image does not pass its own CRC."""
+    cdef Py_ssize_t size = slots.shape[1]
+    if i < 0 or i >= slots.shape[0] or image.shape[0] != size:
+        return -1
+    cdef uint32_t meta = _load_u32(&image[0])
+    if meta == 0 or (meta & 3) == 3 or _slot_crc(meta, &image[8], size - 8) != _load_u32(&image[4]):
+        return -1
+    memcpy(&slots[i, 0], &image[0], size)
+    versions[i] = meta >> 2
+    return <int>(meta & 3)
 
 
 def zero_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i):
