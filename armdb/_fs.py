@@ -132,7 +132,21 @@ class RealFS:
         return sorted(os.listdir(path))
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        """Create ``path`` and missing parents, fsyncing each new entry into its parent
+        directory so that the directory itself survives a power loss."""
+        path = os.path.abspath(path)
+        if os.path.isdir(path):
+            return
+        parent = os.path.dirname(path)
+        if parent != path:
+            self.makedirs(parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+            return
+        self.fsync_dir(parent)
 
     def rename(self, src: str, dst: str) -> None:
         os.replace(src, dst)

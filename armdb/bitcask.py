@@ -575,8 +575,12 @@ def _iter_hint(raw: bytes, path: str, data: _DataFile) -> Iterator[Scanned] | No
         return None
     try:
         head = _parse_header(raw, path, HINT_MAGIC, "hint")
-    except CorruptionError:
+    except CorruptionError:  # a hint is only a cache: scan the data file
         return None
+    except FormatError:
+        if raw[:8] == HINT_MAGIC:
+            raise  # a hint of a newer format: this armdb is too old for the directory (D5)
+        return None  # garbage where a hint should be: ignore the cache
     if head is None or head.fid != data.fid or head.nonce != data.nonce:
         return None
     tail = raw[-HINT_TRAILER.size :]
@@ -959,7 +963,10 @@ class BitcaskStore:
             try:
                 _parse_header(raw, path, HINT_MAGIC, "Bitcask hint")
             except CorruptionError:
-                pass  # a damaged hint is only a cache: the data file is scanned instead
+                pass
+            except FormatError:
+                if raw[:8] == HINT_MAGIC:
+                    raise  # written by a newer armdb (D5)  # a damaged hint is only a cache: the data file is scanned instead
             if fid in pending or fid not in headers:
                 plan.to_delete.append(path)
         live = [fid for fid in sorted(headers) if fid not in pending]
@@ -1931,6 +1938,14 @@ class BitcaskStore:
                 hint.abort()
             raise
         self._commit_round(sh, inputs, in_fids, out, copied, dropped, dead_keys)
+        # Records judged dead may be superseded only by unsynced appends in the active
+        # file: sync it before any input is deleted, or a power loss could take both
+        # the new record and the only synced old one.
+        with sh.lock:
+            if sh.dirty and self._poisoned is None:
+                self._fsync(fs.fdatasync, sh.active.fd, sh.active.path)
+                sh.dirty = False
+                sh.last_sync = time.monotonic()
         # Make the removal of all inputs atomic against a crash: record them first.
         marker = os.path.join(sh.sdir, PENDING_NAME)
         fs.write_file_atomic(marker, _encode_pending(sorted(in_fids)), sync=sync)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from . import _fs
 from ._clock import Clock, system_clock
 from .config import Config, TxConfig
-from .errors import ConfigError, DbClosed, DbLocked, FormatError
+from .errors import ConfigError, DbClosed, DbLocked, FormatError, as_storage_error
 from .seqmap import SeqMap
 
 if TYPE_CHECKING:
@@ -198,7 +198,10 @@ class Db:
         if clock is not None and not callable(clock):
             raise ConfigError("clock must be a callable returning wall-clock milliseconds")
         db = cls(os.fspath(path), tx_config, schema, clock)
-        db._open()
+        try:
+            db._open()
+        except OSError as e:
+            raise as_storage_error(e, f"opening database {db.path!r}") from e
         return db
 
     def _open(self) -> None:
@@ -221,7 +224,12 @@ class Db:
             self.seqmap = SeqMap(self.path)
             from .txlog import TxLog
 
-            self.txlog = TxLog.open(self)
+            self.txlog = TxLog(self)
+            try:
+                self.txlog._open()
+            except BaseException:
+                self.txlog.close_file()
+                raise
             self._closed = False
         except BaseException:
             self._dirlock.release()
@@ -301,7 +309,10 @@ class Db:
             self._dirlock.release()
             self._dirlock = None
         if errors:
-            raise errors[0]
+            e = errors[0]
+            if isinstance(e, OSError):
+                raise as_storage_error(e, f"closing database {self.path!r}") from e
+            raise e
 
     def shutdown(self) -> None:
         """Close, then join the background threads (flusher, TTL sweeper, wake worker)."""
@@ -378,7 +389,10 @@ class Db:
                 return self._maps[name]
             if name in self._queues or self.is_queue_dir(name):
                 raise ConfigError(f"{name!r} is a queue; a queue's collections cannot be opened as maps")
-            store = self.open_bitcask(name, config or Config())
+            try:
+                store = self.open_bitcask(name, config or Config())
+            except OSError as e:
+                raise as_storage_error(e, f"opening map {name!r}") from e
             stream = self.schema is not None and self.schema.is_source(name)
             m = Map(store, self.check_open, name=name, stream_source=stream)
             self._maps[name] = m

@@ -101,3 +101,15 @@ class TxFailedAfterLog(ArmdbError):
 
 class StreamSourceRequiresTx(ArmdbError):
     """A change-stream source map was written outside ``db.tx()``."""
+
+
+def as_storage_error(e: OSError, what: str) -> OSError:
+    """``e`` itself if it is already an armdb error, else a ``StorageError`` that says what failed."""
+    if isinstance(e, ArmdbError):
+        return e
+    return StorageError(
+        e.errno or 5,
+        f"{what} failed: {e.strerror or e}"
+        + (f" ({e.filename})" if e.filename else "")
+        + "; check the disk, its free space and permissions, then try again",
+    )

@@ -109,6 +109,12 @@ class FixedShard:
         self._fd = fd
         try:
             size = fs.size(fd)
+            if exists and size > 0 and self._unwritten_new_file(fs, fd, size):
+                # Created just before a power loss: the header page never reached the
+                # disk and no slot holds data.  Nothing was stored; initialise it again.
+                log.warning("%s: header page never written and no slot data; re-initialising", self.path)
+                fs.ftruncate(fd, 0)
+                size = 0
             if not exists or size == 0:
                 fs.pwrite(fd, encode_header(self.slot_size, self.key_size, self.value_size, self.index), 0)
                 fs.ftruncate(fd, HEADER_PAGE)
@@ -145,6 +151,23 @@ class FixedShard:
             self._fd = -1
             raise
 
+    @staticmethod
+    def _unwritten_new_file(fs: _fs.RealFS, fd: int, size: int) -> bool:
+        """True when the header page is invalid and nothing after it holds a byte."""
+        try:
+            decode_header(fs.pread(fd, HEADER_PAGE, 0), "")
+            return False
+        except FormatError:
+            pass
+        for lo, hi in fs.data_extents(fd, HEADER_PAGE, size):
+            pos = lo
+            while pos < hi:
+                n = min(hi - pos, 1 << 20)
+                if any(fs.pread(fd, n, pos)):
+                    return False
+                pos += n
+        return True
+
     # -- the redo record (crash-atomic in-place updates) -----------------------------
     def _open_redo(self, fs: _fs.RealFS) -> None:
         """Map ``fixed.redo``: one record of the slot image being written (docs/format.md)."""
@@ -154,6 +177,13 @@ class FixedShard:
         self._redo_fd = fd
         length = -(-(_k.REDO_OFFSET + _k.REDO_HEAD + self.slot_size) // _fs.PAGE) * _fs.PAGE
         size = fs.size(fd)
+        if exists and size >= _REDO_HDR.size + 4:
+            raw = fs.pread(fd, size, 0)
+            head_ok = raw[:8] == REDO_MAGIC and struct.unpack_from("<I", raw, _REDO_HDR.size)[0] == zlib.crc32(
+                raw[: _REDO_HDR.size]
+            )
+            if not head_ok and not any(raw[_k.REDO_OFFSET :]):
+                size = 0  # created just before a power loss: header and record never written
         if not exists or size < _REDO_HDR.size + 4:
             head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, self.slot_size)
             fs.pwrite(fd, head + struct.pack("<I", zlib.crc32(head)), 0)
@@ -244,8 +274,15 @@ class FixedShard:
         """Extend the file by ``grow_step`` complete slots and remap (caller holds the lock)."""
         old = self.capacity
         new = old + self.config.grow_step
-        self.mapped.flush()
-        self._map(new, grow_file=True)
+        try:
+            self.mapped.flush()
+            self._map(new, grow_file=True)
+        except OSError as e:
+            # A failed msync is never retried (S12), and a half-done remap cannot be trusted.
+            self.poisoned = e
+            raise StorageError(
+                f"{self.path}: growing the file failed ({e}); writes are refused until the database is reopened"
+            ) from e
         status = np.zeros(new, dtype=np.uint8)
         status[:old] = self.status
         self.status = status

@@ -59,6 +59,7 @@ from .errors import (
     QueueFull,
     SchemaMismatch,
     StaleToken,
+    as_storage_error,
 )
 from .fixed import FixedShard, FixedStore
 
@@ -538,6 +539,7 @@ class Queue(Generic[T]):
                 max_seq = max(max_seq, self._recover_shard(sh))
             db.seqmap.advance(self._seq_name, max_seq)
             if self._payload is not None:
+                self._drop_headers_without_body()
                 self._orphan_pass()
             self._schedule_retention()
         except BaseException:
@@ -570,6 +572,29 @@ class Queue(Generic[T]):
         sh.live = KeyIndex.from_arrays(due[~dead], seq[~dead], slots[~dead], deadline[~dead])
         sh.dead = KeyIndex.from_arrays(due[dead], seq[dead], slots[dead], np.zeros(int(dead.sum()), np.int64))
         return int(seq.max())
+
+    def _drop_headers_without_body(self) -> None:
+        """Free rows whose body is missing (I4): never serve a header without its body.
+
+        Process crashes cannot cause this (bodies are written before headers); a power
+        loss in the default (non-durable) mode can, because the header page and the body
+        append reach the disk independently.  Such a push was never durable; the row is
+        dropped, counted in ``repaired_on_open`` and logged.
+        """
+        assert self._payload is not None
+        present = {int.from_bytes(k, "big") for k in self._payload.keys()}
+        for sh in self._shards:
+            with sh.lock:
+                for idx in (sh.live, sh.dead):
+                    due, seq, slot, _ = idx.to_arrays()
+                    for d, q, sl in zip(due.tolist(), seq.tolist(), slot.tolist()):
+                        if q in present:
+                            continue
+                        sh.fixed.free(sl)
+                        idx.remove(d, q)
+                        sh.fixed.repaired_on_open += 1
+                        log.warning("queue %s: row %d has no body (lost by a power cut before its sync); "
+                                    "dropped", self.name, q)
 
     def _orphan_pass(self) -> None:
         """Delete bodies no header points at (a crash between body and header, Q15)."""
@@ -749,15 +774,7 @@ class Queue(Generic[T]):
         leases: list[Lease[T]] = []
         dl = ms_to_datetime(deadline)
         for due, seq, shard_no, attempt, epoch, raw in out:
-            if self._payload is not None:
-                body = self._cache_get(seq)
-                if body is None:
-                    body = self._payload.get(self._key_bytes(seq))
-                if body is None:  # cannot happen: bodies are written before headers (Q15)
-                    raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
-                payload = self._codec.decode(body)
-            else:
-                payload = self._codec.decode(raw)
+            payload = self._codec.decode(raw)  # the inline payload, or the var body read in _claim
             leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
         return leases
 
@@ -799,6 +816,17 @@ class Queue(Generic[T]):
             sh.live.set_deadline(due, seq, deadline)
             if expired:
                 sh.expired_leases += 1
+            if self._payload is not None:
+                # Read the body while the lease is certainly ours: once the lock is
+                # released the lease may expire, be re-leased and acked elsewhere, and
+                # the ack deletes the body.  (Lock order: header shard, then payload
+                # shard, as in a transaction.)
+                body = self._cache_get(seq)
+                if body is None:
+                    body = self._payload.get(self._key_bytes(seq))
+                if body is None:  # bodies are written before headers and dropped after (Q15)
+                    raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
+                extra = body
         return (due, seq, shard_no, attempts, epoch, extra)
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
@@ -1185,7 +1213,10 @@ def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any
         if spec.name in db._maps or spec.payload_name in db._maps:
             raise ConfigError(f"{spec.name!r} is open as a map; a name holds one collection")
         q: Queue[Any] = Queue(db, spec, config)
-        q._open()
+        try:
+            q._open()
+        except OSError as e:
+            raise as_storage_error(e, f"opening queue {spec.name!r}") from e
         db._queues[spec.name] = q
         assert q._headers is not None
         db.register_store(spec.name, q._headers)

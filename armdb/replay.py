@@ -48,8 +48,11 @@ class Replayer:
             try:
                 for sh in fx.shards:
                     sh.sync_now()
-                fx.close()
             except BaseException as ex:  # close everything even if one fails
+                errors.append(ex)
+            try:
+                fx.close()
+            except BaseException as ex:
                 errors.append(ex)
         for st in self._bitcask.values():
             if st is not None:

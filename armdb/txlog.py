@@ -183,14 +183,23 @@ class TxLog:
         for i, (number, name) in enumerate(files):
             path = os.path.join(self.dir, name)
             raw = fs.read_file(path)
-            if len(raw) < FILE_HEADER_SIZE and i == len(files) - 1:
-                # A log file whose header never reached the disk holds no commit.
-                continue
-            _check_file_header(raw, path)
+            try:
+                _check_file_header(raw, path)
+            except FormatError:
+                # A log file is created (O_TRUNC) just before its header is written: a
+                # crash or power loss can leave it empty, zero or torn.  With no valid
+                # record in it, it holds no commit, whatever its position (older ones are
+                # kept while encrypted collections are owed rows).
+                if _valid_record_after(raw, FILE_HEADER_SIZE - 8) is None:
+                    log.warning("%s: log file with an unwritten header and no record; ignored", path)
+                    continue
+                raise
             recs, end, bad = parse_records(raw, FILE_HEADER_SIZE)
             if bad is not None:
+                # A bad tail is torn in any file: in an older file it is the unsynced tail
+                # of a log that a checkpoint superseded (its records were applied and synced).
                 after = _valid_record_after(raw, bad)
-                if after is not None or i != len(files) - 1:
+                if after is not None:
                     raise CorruptionError(
                         f"{path}: transaction log record at offset {bad} is damaged but later records are "
                         f"intact; refusing to guess. Restore the database from a backup"
@@ -256,14 +265,15 @@ class TxLog:
         except BaseException:
             fs.close(fd)
             raise
-        for p in old:
-            fs.unlink(p)
-        if old:
-            fs.fsync_dir(self.dir)
         if self._fd >= 0:
             fs.close(self._fd)
         self._fd, self._path = fd, path
         self._end = self._synced_end = FILE_HEADER_SIZE
+        for p in old:
+            if fs.exists(p):
+                fs.unlink(p)
+        if old:
+            fs.fsync_dir(self.dir)
 
     def take_pending(self, collection: str) -> list[tuple[bytes, bytes | None, int]]:
         """Rows owed to an encrypted collection that is being opened now."""
@@ -340,7 +350,9 @@ class TxLog:
         with self._lock:
             while self._inflight:
                 self._idle.wait()
-            if self._end == FILE_HEADER_SIZE or self.pending or self.poisoned is not None:
+            if self.pending or self.poisoned is not None:
+                return
+            if self._end == FILE_HEADER_SIZE and not self._retained:
                 return
             self.db.sync_all_stores()
             old = [self._path, *self._retained]
@@ -348,6 +360,12 @@ class TxLog:
             self._number += 1
             self._start_file(old)
         _fail.point("txlog.after_trim")
+
+    def close_file(self) -> None:
+        """Close the descriptor without a checkpoint (a failed open)."""
+        if self._fd >= 0:
+            _fs.FS.close(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         if self._fd < 0:
