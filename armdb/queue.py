@@ -529,11 +529,19 @@ class Queue(Generic[T]):
             shard_count = hcfg.shard_count or 1
             fs.makedirs(hdir)
             fs.write_file_atomic(meta_path, _encode_meta(self.spec, shard_count, value_size))
-        self._headers = FixedStore(hdir, shard_count, KEY_SIZE, value_size, hcfg)
+        if self.spec.var:
+            # First, so that a missing or wrong key refuses the open before the header
+            # store is touched (it may create its redo file or extend to a grow step).
+            self._payload = db.open_bitcask(self.spec.payload_name, self.config.payload_config)
+        try:
+            self._headers = FixedStore(hdir, shard_count, KEY_SIZE, value_size, hcfg)
+        except BaseException:
+            if self._payload is not None:
+                self._payload.close()
+                db._stores.pop(self.spec.payload_name, None)
+            raise
         try:
             self._shards = [_Shard(s) for s in self._headers]
-            if self.spec.var:
-                self._payload = db.open_bitcask(self.spec.payload_name, self.config.payload_config)
             max_seq = 0
             for sh in self._shards:
                 max_seq = max(max_seq, self._recover_shard(sh))
@@ -546,6 +554,7 @@ class Queue(Generic[T]):
             self._headers.close()
             if self._payload is not None:
                 self._payload.close()
+                db._stores.pop(self.spec.payload_name, None)
             raise
 
     @property

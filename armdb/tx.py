@@ -212,11 +212,11 @@ class Tx:
                             )
                         if q not in stream_dest:
                             stream_dest.append(q)
+        self._check_keys(steps, stream_dest)  # before anything is written, ids included
         # Ids for explicit pushes fix their shards before locking.
         for s in steps:
             if isinstance(s, _Push):
                 s.seq = db.seqmap.next(s.queue._seq_name)
-        self._check_keys(steps, stream_dest)
         now = int(db.clock())
         with ExitStack() as locks:
             for _, lock in self._lock_order(steps, stream_dest):
