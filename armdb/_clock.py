@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,8 @@ def to_seconds(value: object, name: str) -> float:
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}")
         return float(value)
     raise ConfigError(f"{name} must be a datetime.timedelta or a number of seconds, not {type(value).__name__}")
 

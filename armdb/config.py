@@ -114,8 +114,8 @@ def _nonneg(value: object, name: str) -> float:
 
 def _positive(value: object, name: str) -> float:
     s = to_seconds(value, name)
-    if s <= 0:
-        raise ConfigError(f"{name} must be positive, got {s} s")
+    if s < 0.001:
+        raise ConfigError(f"{name} must be positive, at least 1 ms (times are kept in milliseconds), got {s} s")
     return s
 
 

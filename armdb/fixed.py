@@ -154,11 +154,17 @@ class FixedShard:
     @staticmethod
     def _unwritten_new_file(fs: _fs.RealFS, fd: int, size: int) -> bool:
         """True when the header page is invalid and nothing after it holds a byte."""
+        raw = fs.pread(fd, HEADER_PAGE, 0)
         try:
-            decode_header(fs.pread(fd, HEADER_PAGE, 0), "")
+            decode_header(raw, "")
             return False
         except FormatError:
             pass
+        if raw[:8] == MAGIC:
+            if len(raw) >= _HDR.size + 4 and struct.unpack_from("<I", raw, _HDR.size)[0] == zlib.crc32(raw[: _HDR.size]):
+                return False  # a complete header of another version: refuse it (D5)
+        elif not MAGIC.startswith(raw[:8].rstrip(b"\0")):
+            return False  # a foreign file: refuse it (D5)
         for lo, hi in fs.data_extents(fd, HEADER_PAGE, size):
             pos = lo
             while pos < hi:

@@ -75,6 +75,7 @@ MAX_FIXED_PAYLOAD = 4096
 KEY_SIZE = 16
 HEADER_SIZE = 32
 DEAD_BIT = 1 << 63
+MAX_DUE_MS = DEAD_BIT  # live due times stay below the dead key class
 RETRY_LIST_CAP = 1024
 SWEEP_PERIOD = 1.0
 META_MAGIC = b"ARMQUEU1"
@@ -670,8 +671,8 @@ class Queue(Generic[T]):
         """
         now = self._check()
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
-        if delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        if delay_ms < 0 or now + delay_ms >= MAX_DUE_MS:
+            raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {delay!r}")
         body = self._codec.encode(payload)
         cap = self.config.max_depth
         if cap is not None and self.len() >= cap:
@@ -758,8 +759,8 @@ class Queue(Generic[T]):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
         timeout = self.config.lease_timeout if lease_timeout is None else to_seconds(lease_timeout, "lease_timeout")
-        if timeout <= 0:
-            raise ConfigError(f"lease_timeout must be positive, got {lease_timeout!r}")
+        if timeout < 0.001:
+            raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
         now = self._check()
         deadline = now + int(round(timeout * 1000))
         out: list[tuple[int, int, int, int, int, bytes]] = []  # due, seq, shard, attempt, epoch, payload

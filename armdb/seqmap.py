@@ -74,6 +74,21 @@ class SeqMap:
             self._next[name] = n + 1
             return n
 
+    def draw(self, name: str) -> int:
+        """An id that is not yet reserved on disk: the caller must call
+        :meth:`reserve_through` before the id can reach a file (transactions draw
+        ids, then reserve only if they commit, so a refused commit writes nothing)."""
+        with self._lock:
+            n = self._next.get(name, 1)
+            self._next[name] = n + 1
+            return n
+
+    def reserve_through(self, name: str, n: int) -> None:
+        """Make sure ids up to ``n`` are covered by a persisted reservation."""
+        with self._lock:
+            if n >= self._reserved.get(name, 1):
+                self._reserve(name, max(n, self._next.get(name, 1)) + ID_BLOCK)
+
     def advance(self, name: str, at_least: int) -> None:
         """Make sure later ids for ``name`` are above ``at_least`` (ids found on disk)."""
         with self._lock:

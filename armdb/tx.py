@@ -103,6 +103,16 @@ class Tx:
         self._steps: list[Any] = []
         self._durable = db.tx_config.durable
         self._finished = False
+        self._drawn: dict[str, int] = {}  # seqmap name -> largest id drawn, reserved at commit
+
+    def _draw(self, name: str) -> int:
+        n = self._db.seqmap.draw(name)
+        if n > self._drawn.get(name, 0):
+            self._drawn[name] = n
+        return n
+
+    def _gsn(self) -> int:
+        return self._draw("gsn")
 
     # -- builder ------------------------------------------------------------------------
     def _queue_arg(self, queue: object) -> Queue[Any]:
@@ -124,8 +134,8 @@ class Tx:
         self._open_step()
         q = self._queue_arg(queue)
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
-        if delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        if delay_ms < 0 or delay_ms >= 1 << 62:
+            raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
         self._steps.append(_Push(q, q._codec.encode(payload), delay_ms, True))
         return self
 
@@ -216,7 +226,7 @@ class Tx:
         # Ids for explicit pushes fix their shards before locking.
         for s in steps:
             if isinstance(s, _Push):
-                s.seq = db.seqmap.next(s.queue._seq_name)
+                s.seq = self._draw(s.queue._seq_name)
         now = int(db.clock())
         with ExitStack() as locks:
             for _, lock in self._lock_order(steps, stream_dest):
@@ -230,6 +240,9 @@ class Tx:
                     shard.unalloc(slot)
                 raise
             try:
+                # Only a commit that goes ahead persists the id blocks it drew.
+                for name, n in self._drawn.items():
+                    db.seqmap.reserve_through(name, n)
                 _txid, end = db.txlog.append(plan.rows)
             except BaseException:
                 for shard, slot in reversed(plan.allocated):
@@ -362,7 +375,7 @@ class Tx:
                 q = self._db._queues[st.queue.name]
                 for payload in out if isinstance(out, list) else [out]:
                     body = q._codec.encode(payload)  # PayloadTypeError aborts the commit
-                    p = _Push(q, body, 0, False, self._db.seqmap.next(q._seq_name))
+                    p = _Push(q, body, 0, False, self._draw(q._seq_name))
                     extra.append(p)
         steps.extend(extra)
 
@@ -407,7 +420,7 @@ class Tx:
         if q._payload is not None:
             row = _pack_row(due, s.seq, State.READY, 0, 0, 0, 0, s.seq, now)
             key = q._key_bytes(s.seq)
-            gsn = self._db.gsn()
+            gsn = self._gsn()
             plan.rows.append(["B", q.spec.payload_name, key, s.body, gsn])
             plan.bitcask.add(q._payload)
             plan.apply.append(lambda st=q._payload, k=key, b=s.body, g=gsn: st.write_locked(k, b, g))
@@ -436,7 +449,7 @@ class Tx:
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, DELETED, b""])
             if q._payload is not None:
                 key = q._key_bytes(token.seq)
-                gsn = self._db.gsn()
+                gsn = self._gsn()
                 plan.rows.append(["B", q.spec.payload_name, key, None, gsn])
                 plan.bitcask.add(q._payload)
                 plan.apply.append(lambda st=q._payload, k=key, g=gsn: st.write_locked(k, None, g))
@@ -488,7 +501,7 @@ class Tx:
             state[k] = False
             return  # deleting a missing key is a no-op (T1)
         state[k] = s.raw_value is not None
-        gsn = self._db.gsn()
+        gsn = self._gsn()
         plan.rows.append(["B", s.map.name, s.raw_key, s.raw_value, gsn])
         plan.bitcask.add(store)
         m, raw_key, raw_value = s.map, s.raw_key, s.raw_value

@@ -85,6 +85,20 @@ def _check_file_header(raw: bytes, path: str) -> int:
     return int(number)
 
 
+def _torn_header(raw: bytes) -> bool:
+    """The header never fully reached the disk: empty, zero, or a cut-off magic.  A
+    foreign magic or a complete header of another version is not torn (FormatError)."""
+    head = raw[:FILE_HEADER_SIZE]
+    if not any(head):
+        return True
+    magic = head[:8]
+    if magic != FILE_MAGIC:
+        return FILE_MAGIC.startswith(magic.rstrip(b"\0"))
+    # The magic is ours: torn if the CRC fails (a complete header of another version
+    # passes its CRC and is refused as a newer format).
+    return struct.unpack_from("<I", head, _FILE_HEAD.size)[0] != zlib.crc32(head[: _FILE_HEAD.size]) if len(head) >= _FILE_HEAD.size + 4 else True
+
+
 def encode_record(txid: int, body: bytes, flags: int) -> bytes:
     head = _REC_HEAD.pack(REC_MAGIC, flags, txid, len(body))
     crc = zlib.crc32(body, zlib.crc32(head))
@@ -190,7 +204,7 @@ class TxLog:
                 # crash or power loss can leave it empty, zero or torn.  With no valid
                 # record in it, it holds no commit, whatever its position (older ones are
                 # kept while encrypted collections are owed rows).
-                if _valid_record_after(raw, FILE_HEADER_SIZE - 8) is None:
+                if _torn_header(raw) and _valid_record_after(raw, FILE_HEADER_SIZE - 8) is None:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
