@@ -91,6 +91,7 @@ class FixedShard:
         self.lock = threading.Lock()
         self.path = os.path.join(directory, FILE_NAME)
         self.poisoned: BaseException | None = None
+        self.sync_error: StorageError | None = None  # stashed by _wrote_or_stash
         self.repaired_on_open = 0
         self.slot_writes = 0
         self._last_sync = time.monotonic()
@@ -325,7 +326,7 @@ class FixedShard:
         if self.status[slot] != OCCUPIED:
             self.status[slot] = OCCUPIED
             self.occupied += 1
-        self._wrote(slot)
+        self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
         return v
 
@@ -338,7 +339,7 @@ class FixedShard:
         self.status[slot] = DELETED
         self._free[self._free_top] = slot
         self._free_top += 1
-        self._wrote(slot)
+        self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
         return v
 
@@ -383,6 +384,21 @@ class FixedShard:
 
     def torn_slots(self) -> np.ndarray:
         return np.flatnonzero(self.status == TORN)
+
+    def _wrote_or_stash(self, slot: int) -> None:
+        """``_wrote``, but a failed sync is kept for :meth:`raise_sync_error` instead of
+        raised: the slot is already changed, and the caller must first bring its own
+        bookkeeping (indexes) in line with it, then raise."""
+        try:
+            self._wrote(slot)
+        except StorageError as e:
+            self.sync_error = e
+
+    def raise_sync_error(self) -> None:
+        """Raise a sync failure stashed by the last write (caller holds the lock)."""
+        e, self.sync_error = self.sync_error, None
+        if e is not None:
+            raise e
 
     def _wrote(self, slot: int) -> None:
         off = HEADER_PAGE + slot * self.slot_size

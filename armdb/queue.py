@@ -700,6 +700,7 @@ class Queue(Generic[T]):
                 raise
             sh.live.insert(now + delay_ms, seq, slot, 0)
             sh.pushes += 1
+            sh.fixed.raise_sync_error()
         self._notify()
         return seq
 
@@ -784,9 +785,35 @@ class Queue(Generic[T]):
         leases: list[Lease[T]] = []
         dl = ms_to_datetime(deadline)
         for due, seq, shard_no, attempt, epoch, raw in out:
-            payload = self._codec.decode(raw)  # the inline payload, or the var body read in _claim
+            if self._payload is not None:
+                raw = self._body_for_lease(shard_no, due, seq, epoch)
+                if raw is None:
+                    continue  # the lease expired meanwhile and the row was settled elsewhere
+            payload = self._codec.decode(raw)
             leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
         return leases
+
+    def _body_for_lease(self, shard_no: int, due: int, seq: int, epoch: int) -> bytes | None:
+        """A leased row's body, read after the claim (never under the header lock: a
+        commit takes the payload shard's lock before the header shard's).
+
+        In between, the lease can expire and the row be re-leased and acked elsewhere,
+        which deletes the body.  A missing body is therefore corruption only if the row
+        still holds this lease; otherwise the row is simply no longer ours (None).
+        """
+        assert self._payload is not None
+        body = self._cache_get(seq)
+        if body is None:
+            body = self._payload.get(self._key_bytes(seq))
+        if body is not None:
+            return body
+        sh = self._shards[shard_no]
+        with sh.lock:
+            cur = sh.live.get(due, seq)
+            ours = cur is not None and self._header(sh, cur[0])[3] == epoch
+        if ours:  # bodies are written before headers and deleted after them (Q15)
+            raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
+        return None
 
     def _scan(self, now: int, want: int) -> list[tuple[int, int, int, int]]:
         """Phase 1: candidate keys from every shard, merged in key order."""
@@ -819,6 +846,7 @@ class Queue(Generic[T]):
             if expired and attempts >= self.config.max_attempts:
                 self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
                 sh.expired_leases += 1
+                sh.fixed.raise_sync_error()
                 return False
             attempts += 1
             epoch = (epoch + 1) & 0xFFFFFFFF
@@ -826,17 +854,7 @@ class Queue(Generic[T]):
             sh.live.set_deadline(due, seq, deadline)
             if expired:
                 sh.expired_leases += 1
-            if self._payload is not None:
-                # Read the body while the lease is certainly ours: once the lock is
-                # released the lease may expire, be re-leased and acked elsewhere, and
-                # the ack deletes the body.  (Lock order: header shard, then payload
-                # shard, as in a transaction.)
-                body = self._cache_get(seq)
-                if body is None:
-                    body = self._payload.get(self._key_bytes(seq))
-                if body is None:  # bodies are written before headers and dropped after (Q15)
-                    raise FormatError(f"queue {self.name!r}: row {seq} has no body; run armdb.check")
-                extra = body
+            sh.fixed.raise_sync_error()
         return (due, seq, shard_no, attempts, epoch, extra)
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
@@ -907,6 +925,7 @@ class Queue(Generic[T]):
             sh.fixed.free(slot)
             sh.live.remove(token.due, token.seq)
             sh.acks += 1
+            sh.fixed.raise_sync_error()
         finally:
             sh.lock.release()
 
@@ -946,6 +965,7 @@ class Queue(Generic[T]):
                 sh.live.remove(token.due, token.seq)
                 sh.live.insert(due, token.seq, slot, 0)
             sh.nacks += 1
+            sh.fixed.raise_sync_error()
         finally:
             sh.lock.release()
         self._notify()

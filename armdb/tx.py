@@ -255,6 +255,9 @@ class Tx:
                 for fn in plan.apply:
                     fn()
                 _fail.point("txlog.after_apply")
+                for fixed_shard, _ in self._participants(steps, stream_dest):
+                    if fixed_shard is not None:
+                        fixed_shard.raise_sync_error()  # applied in full; its sync failed
             except BaseException as e:
                 reason = f"a logged transaction failed to apply ({e}); reopen the database"
                 for q in {s.queue for s in steps if isinstance(s, (_Push, _Settle))}:
