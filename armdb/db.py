@@ -201,7 +201,7 @@ class Db:
         try:
             db._open()
         except OSError as e:
-            raise as_storage_error(e, f"opening database {db.path!r}") from e
+            raise as_storage_error(e, f"opening database {db.path!r}")
         return db
 
     def _open(self) -> None:
@@ -311,7 +311,7 @@ class Db:
         if errors:
             e = errors[0]
             if isinstance(e, OSError):
-                raise as_storage_error(e, f"closing database {self.path!r}") from e
+                raise as_storage_error(e, f"closing database {self.path!r}")
             raise e
 
     def shutdown(self) -> None:
@@ -392,7 +392,7 @@ class Db:
             try:
                 store = self.open_bitcask(name, config or Config())
             except OSError as e:
-                raise as_storage_error(e, f"opening map {name!r}") from e
+                raise as_storage_error(e, f"opening map {name!r}")
             stream = self.schema is not None and self.schema.is_source(name)
             m = Map(store, self.check_open, name=name, stream_source=stream)
             self._maps[name] = m

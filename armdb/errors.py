@@ -104,12 +104,16 @@ class StreamSourceRequiresTx(ArmdbError):
 
 
 def as_storage_error(e: OSError, what: str) -> OSError:
-    """``e`` itself if it is already an armdb error, else a ``StorageError`` that says what failed."""
+    """``e`` itself if it is already an armdb error, else a ``StorageError`` that says
+    what failed, chained to ``e``.  Use as ``raise as_storage_error(e, ...)`` (no
+    ``from``: chaining an exception to itself makes a cycle)."""
     if isinstance(e, ArmdbError):
         return e
-    return StorageError(
+    err = StorageError(
         e.errno or 5,
         f"{what} failed: {e.strerror or e}"
         + (f" ({e.filename})" if e.filename else "")
         + "; check the disk, its free space and permissions, then try again",
     )
+    err.__cause__ = e
+    return err

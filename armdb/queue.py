@@ -1246,7 +1246,7 @@ def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any
         try:
             q._open()
         except OSError as e:
-            raise as_storage_error(e, f"opening queue {spec.name!r}") from e
+            raise as_storage_error(e, f"opening queue {spec.name!r}")
         db._queues[spec.name] = q
         assert q._headers is not None
         db.register_store(spec.name, q._headers)
