@@ -106,6 +106,8 @@ def test_asv_collects_benchmarks() -> None:
         "queue.QueueRss.track_rss_per_queue",
         "maps.MapPut.time_put",
         "maps.MapGet.time_get",
+        "tx.TxCommit.time_commit",
+        "tx.TxCommitThreads.time_commit_8_threads",
     ):
         assert required in names
 
