@@ -792,3 +792,17 @@ def test_q6_payload_cache_serves_leases(db, monkeypatch):
     for lz in got:
         qq.ack(lz.token)
     assert len(qq._cache) == 0 and qq._cache_bytes == 0 and [lz.id for lz in got] == ids
+
+
+def test_d4_db_stats_and_sweep_expired_now(db, clock):
+    qq = db.open_queue(VarQ, cfg(dead_retention=1))
+    m = db.open_map("docs")
+    m.put("k", 1)
+    qq.push(Job(1, "a"))
+    (lz,) = qq.lease()
+    qq.nack(lz.token, dead=True)
+    st = db.stats()
+    assert set(st) >= {"jobs", "docs"} and st["jobs"].dead_len == 1
+    clock.advance(2)
+    db.sweep_expired_now()
+    assert qq.dead_len() == 0 and db.stats()["jobs"].dead_len == 0
