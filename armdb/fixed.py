@@ -277,10 +277,9 @@ class FixedShard:
         self._free[: free.shape[0]] = free
         self._free_top = int(free.shape[0])
 
-    def grow(self) -> None:
-        """Extend the file by ``grow_step`` complete slots and remap (caller holds the lock)."""
+    def _remap_to(self, new: int) -> None:
+        """Extend the file to ``new`` slots, remap, and extend the status array."""
         old = self.capacity
-        new = old + self.config.grow_step
         try:
             self.mapped.flush()
             self._map(new, grow_file=True)
@@ -293,6 +292,12 @@ class FixedShard:
         status = np.zeros(new, dtype=np.uint8)
         status[:old] = self.status
         self.status = status
+
+    def grow(self) -> None:
+        """Extend the file by ``grow_step`` complete slots and remap (caller holds the lock)."""
+        old = self.capacity
+        new = old + self.config.grow_step
+        self._remap_to(new)
         # Only called with an empty stack: the new slots, lowest on top.
         self._free = np.zeros(new, dtype=np.uint32)
         self._free[: new - old] = np.arange(new - 1, old - 1, -1, dtype=np.uint32)
@@ -348,13 +353,7 @@ class FixedShard:
         if slots <= self.capacity:
             return
         step = self.config.grow_step
-        new = -(-slots // step) * step
-        old = self.capacity
-        self.mapped.flush()
-        self._map(new, grow_file=True)
-        status = np.zeros(new, dtype=np.uint8)
-        status[:old] = self.status
-        self.status = status
+        self._remap_to(-(-slots // step) * step)
         self._build_free_list()
 
     def replay_write(self, slot: int, status: int, body: bytes, version: int) -> None:

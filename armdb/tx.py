@@ -93,6 +93,7 @@ class _Plan:
     allocated: list[tuple[Any, int]] = field(default_factory=list)  # (FixedShard, slot) to undo
     payload_writes: dict[Queue[Any], int] = field(default_factory=dict)
     bitcask: set[Any] = field(default_factory=set)  # Bitcask stores written
+    fixed: set[Any] = field(default_factory=set)  # FixedStore shards written
 
 
 class Tx:
@@ -255,20 +256,19 @@ class Tx:
                 for fn in plan.apply:
                     fn()
                 _fail.point("txlog.after_apply")
-                for fixed_shard, _ in self._participants(steps, stream_dest):
-                    if fixed_shard is not None:
-                        fixed_shard.raise_sync_error()  # applied in full; its sync failed
+                for fixed_shard in plan.fixed:
+                    fixed_shard.raise_sync_error()  # applied in full; its sync failed
             except BaseException as e:
                 reason = f"a logged transaction failed to apply ({e}); reopen the database"
                 for q in {s.queue for s in steps if isinstance(s, (_Push, _Settle))}:
                     q._retention_paused = True  # Q25
                 # Later writes to these stores would take versions and gsns that make
                 # replay skip the logged rows: refuse them until the reopen replays.
-                for fixed_shard, bitcask in self._participants(steps, stream_dest):
-                    if fixed_shard is not None and fixed_shard.poisoned is None:
+                for fixed_shard in plan.fixed:
+                    if fixed_shard.poisoned is None:
                         fixed_shard.poisoned = e
-                    if bitcask is not None:
-                        bitcask.poison(reason)
+                for bitcask in plan.bitcask:
+                    bitcask.poison(reason)
                 raise TxFailedAfterLog(
                     f"the transaction was logged but applying it failed ({e}); reopen the database "
                     f"to finish it"
@@ -304,23 +304,6 @@ class Tx:
                 raise EncryptionKeyRequired(
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
-
-    def _participants(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> list[tuple[Any, Any]]:
-        """(FixedShard or None, BitcaskStore or None) pairs of every store the commit writes."""
-        out: list[tuple[Any, Any]] = []
-        for s in steps:
-            if isinstance(s, (_Push, _Settle)):
-                q = s.queue
-                out.extend((sh.fixed, None) for sh in q._shards)
-                if q._payload is not None:
-                    out.append((None, q._payload))
-            elif isinstance(s, _MapWrite):
-                out.append((None, s.map.store))
-        for q in stream_dest:
-            out.extend((sh.fixed, None) for sh in q._shards)
-            if q._payload is not None:
-                out.append((None, q._payload))
-        return out
 
     def _lock_order(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> list[tuple[tuple[str, int], Any]]:
         locks: dict[tuple[str, int], Any] = {}
@@ -432,6 +415,7 @@ class Tx:
         else:
             row = _pack_row(due, s.seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
         plan.rows.append(["F", q.name, sh.fixed.index, slot, version, OCCUPIED, row])
+        plan.fixed.add(sh.fixed)
 
         def apply() -> None:
             sh.fixed.write(slot, row, version)
@@ -450,6 +434,7 @@ class Tx:
         coll = q.name
         if s.ack:
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, DELETED, b""])
+            plan.fixed.add(sh.fixed)
             if q._payload is not None:
                 key = q._key_bytes(token.seq)
                 gsn = self._gsn()
@@ -481,6 +466,7 @@ class Tx:
                 q._note_dead(now)
 
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
+            plan.fixed.add(sh.fixed)
             plan.apply.append(apply_dead)
             return
         wait = s.delay_ms if s.delay_ms is not None else int(round(q.config.backoff_for(attempts) * 1000))
@@ -494,6 +480,7 @@ class Tx:
             sh.nacks += 1
 
         plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
+        plan.fixed.add(sh.fixed)
         plan.apply.append(apply_nack)
 
     def _plan_map(self, s: _MapWrite, plan: _Plan, state: dict[tuple[str, bytes], bool]) -> None:
