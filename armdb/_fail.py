@@ -23,6 +23,7 @@ ALL: frozenset[str] = frozenset(
         "bitcask.after_hint",
         # FixedStore
         "fixed.after_slot_write",
+        "fixed.after_redo_sync",
         "fixed.after_flush",
         "fixed.after_grow",
         # queues

@@ -893,15 +893,7 @@ class BitcaskStore:
                     fs.unlink(os.path.join(sdir, name))
             fs.makedirs(sdir)
             path = os.path.join(sdir, _data_name(1))
-            fd = fs.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-            try:
-                fs.pwrite(fd, _file_header(1, flags, 0, _new_nonce()), 0)
-                if sync:
-                    fs.fsync(fd)
-            finally:
-                fs.close(fd)
-            if sync:
-                fs.fsync_dir(sdir)
+            fs.close(fs.create_file(path, _file_header(1, flags, 0, _new_nonce())))
         if sync:
             fs.fsync_dir(directory)
         fs.write_file_atomic(os.path.join(directory, META_NAME), _encode_meta(meta), sync=sync)
@@ -1140,17 +1132,30 @@ class BitcaskStore:
         return sh
 
     def _new_data_file(self, sdir: str, fid: int, flags: int, base_gsn: int, *, tmp: bool) -> _DataFile:
-        """Create a data file with its header; synced (file and folder) unless ``tmp``."""
+        """Create a data file with its header.
+
+        With ``tmp`` (a compaction output) it is ``<name>.tmp``, unsynced, renamed later.
+        Otherwise it is created whole and durably by :meth:`armdb._fs.RealFS.create_file`
+        (even without ``enable_fsync``: creation is rare, and a header torn by power loss
+        could not be told from a foreign file).
+        """
         fs = _fs.FS
         path = os.path.join(sdir, _data_name(fid))
-        open_path = path + ".tmp" if tmp else path
         nonce = _new_nonce()
+        header = _file_header(fid, flags, base_gsn, nonce)
+        if not tmp:
+            fd = -1
+
+            def create(_: Any) -> None:
+                nonlocal fd
+                fd = fs.create_file(path, header)
+
+            self._fsync(create, None, path)
+            return _DataFile(fid, path, fd, FILE_HEADER_SIZE, flags, nonce, base_gsn)
+        open_path = path + ".tmp"
         fd = fs.open(open_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            fs.pwrite(fd, _file_header(fid, flags, base_gsn, nonce), 0)
-            if not tmp and self.config.enable_fsync:
-                self._fsync(fs.fsync, fd, path)
-                self._fsync(fs.fsync_dir, sdir, sdir)
+            fs.pwrite(fd, header, 0)
         except BaseException:
             fs.close(fd)
             try:

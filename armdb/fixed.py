@@ -88,6 +88,8 @@ class FixedShard:
         self.slot_size = slot_size_for(key_size, value_size)
         self.body_size = self.slot_size - 8
         self.config = config
+        # Durable store: every write is synced before it returns (S5 sync_interval 0).
+        self._ordered = config.enable_fsync and config.sync_interval == 0
         self.lock = threading.Lock()
         self.path = os.path.join(directory, FILE_NAME)
         self.poisoned: BaseException | None = None
@@ -105,30 +107,30 @@ class FixedShard:
     def _open(self) -> None:
         fs = _fs.FS
         fs.makedirs(self.directory)
-        exists = fs.exists(self.path)
-        fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
+        fs.remove_stale_tmp(self.path)
+        header = encode_header(self.slot_size, self.key_size, self.value_size, self.index)
+        if fs.exists(self.path):
+            fd = fs.open(self.path, os.O_RDWR)
+            size = fs.size(fd)
+            if size == 0 or self._unwritten_new_file(fs, fd, size):
+                # Only damage can leave this (files are created whole, by rename): an
+                # invalid header and no slot data.  Nothing was stored; start afresh.
+                log.warning("%s: header page never written and no slot data; re-initialising", self.path)
+                fs.close(fd)
+                fs.unlink(self.path)
+                fd = fs.create_file(self.path, header, HEADER_PAGE)
+                size = HEADER_PAGE
+        else:
+            fd = fs.create_file(self.path, header, HEADER_PAGE)
+            size = HEADER_PAGE
         self._fd = fd
         try:
-            size = fs.size(fd)
-            if exists and size > 0 and self._unwritten_new_file(fs, fd, size):
-                # Created just before a power loss: the header page never reached the
-                # disk and no slot holds data.  Nothing was stored; initialise it again.
-                log.warning("%s: header page never written and no slot data; re-initialising", self.path)
-                fs.ftruncate(fd, 0)
-                size = 0
-            if not exists or size == 0:
-                fs.pwrite(fd, encode_header(self.slot_size, self.key_size, self.value_size, self.index), 0)
-                fs.ftruncate(fd, HEADER_PAGE)
-                fs.fsync(fd)
-                fs.fsync_dir(self.directory)
-                size = HEADER_PAGE
-            else:
-                slot_size, key_size, value_size, _shard = decode_header(fs.pread(fd, HEADER_PAGE, 0), self.path)
-                if (slot_size, key_size, value_size) != (self.slot_size, self.key_size, self.value_size):
-                    raise FormatError(
-                        f"{self.path}: slots are {key_size}+{value_size} bytes on disk but "
-                        f"{self.key_size}+{self.value_size} were expected; open with the original payload type"
-                    )
+            slot_size, key_size, value_size, _shard = decode_header(fs.pread(fd, HEADER_PAGE, 0), self.path)
+            if (slot_size, key_size, value_size) != (self.slot_size, self.key_size, self.value_size):
+                raise FormatError(
+                    f"{self.path}: slots are {key_size}+{value_size} bytes on disk but "
+                    f"{self.key_size}+{self.value_size} were expected; open with the original payload type"
+                )
             capacity = max(0, (size - HEADER_PAGE) // self.slot_size)
             # Preallocate whole grow steps (S2); a crash mid-grow leaves a ragged end.
             step = self.config.grow_step
@@ -179,36 +181,31 @@ class FixedShard:
     def _open_redo(self, fs: _fs.RealFS) -> None:
         """Map ``fixed.redo``: one record of the slot image being written (docs/format.md)."""
         path = os.path.join(self.directory, REDO_NAME)
-        exists = fs.exists(path)
-        fd = fs.open(path, os.O_RDWR | os.O_CREAT)
-        self._redo_fd = fd
+        fs.remove_stale_tmp(path)
         length = -(-(_k.REDO_OFFSET + _k.REDO_HEAD + self.slot_size) // _fs.PAGE) * _fs.PAGE
-        size = fs.size(fd)
-        if exists and size >= _REDO_HDR.size + 4:
-            raw = fs.pread(fd, size, 0)
-            head_ok = raw[:8] == REDO_MAGIC and struct.unpack_from("<I", raw, _REDO_HDR.size)[0] == zlib.crc32(
-                raw[: _REDO_HDR.size]
-            )
-            if not head_ok and not any(raw[_k.REDO_OFFSET :]):
-                size = 0  # created just before a power loss: header and record never written
-        if not exists or size < _REDO_HDR.size + 4:
-            head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, self.slot_size)
-            fs.pwrite(fd, head + struct.pack("<I", zlib.crc32(head)), 0)
+        head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, self.slot_size)
+        head += struct.pack("<I", zlib.crc32(head))
+        fresh = not fs.exists(path)
+        if not fresh:
+            fd = fs.open(path, os.O_RDWR)
+            raw = fs.pread(fd, fs.size(fd), 0)
+            if raw[: len(head)] != head and not any(raw[_k.REDO_OFFSET :]):
+                # Damage only (files are created whole, by rename): no record to lose.
+                fs.close(fd)
+                fs.unlink(path)
+                fresh = True
+        if fresh:
+            fd = fs.create_file(path, head, length)
+        self._redo_fd = fd
+        raw = fs.pread(fd, len(head), 0)
+        magic, version, slot_size = _REDO_HDR.unpack_from(raw.ljust(len(head), b"\0"))
+        if magic != REDO_MAGIC or raw[_REDO_HDR.size :] != struct.pack("<I", zlib.crc32(raw[: _REDO_HDR.size])):
+            raise FormatError(f"{path}: not an armdb redo file; point armdb at its own directory")
+        if version != FORMAT_VERSION or slot_size != self.slot_size:
+            raise FormatError(f"{path}: redo file of version {version} / slot size {slot_size} does not "
+                              f"match this store; upgrade armdb or restore the directory")
+        if fs.size(fd) < length:
             fs.ftruncate(fd, length)
-            fs.fsync(fd)
-            fs.fsync_dir(self.directory)
-        else:
-            raw = fs.pread(fd, _REDO_HDR.size + 4, 0)
-            magic, version, slot_size = _REDO_HDR.unpack_from(raw)
-            if magic != REDO_MAGIC or struct.unpack_from("<I", raw, _REDO_HDR.size)[0] != zlib.crc32(
-                raw[: _REDO_HDR.size]
-            ):
-                raise FormatError(f"{path}: not an armdb redo file; point armdb at its own directory")
-            if version != FORMAT_VERSION or slot_size != self.slot_size:
-                raise FormatError(f"{path}: redo file of version {version} / slot size {slot_size} does not "
-                                  f"match this store; upgrade armdb or restore the directory")
-            if size < length:
-                fs.ftruncate(fd, length)
         self.redo_mapped = fs.mmap(fd, length)
         self.redo = np.asarray(self.redo_mapped.array)
 
@@ -324,10 +321,36 @@ class FixedShard:
         self._free[self._free_top] = slot
         self._free_top += 1
 
+    def _put(self, slot: int, status: int, body: bytes, version: int) -> int:
+        """Compose the slot image in the redo record and copy it into the slot.
+
+        On a durable store (every write synced before it returns) an update that
+        overwrites a live row first makes its redo record durable: power loss can
+        tear the slot's page at any byte, and only a redo record already on disk
+        lets the next open restore such a slot instead of losing the row (S4).  A
+        write into a free slot needs no such ordering: torn, it was a push in flight,
+        and the slot is free again.
+        """
+        if not (self._ordered and self.status[slot] == OCCUPIED):
+            return _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo)
+        v = _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo, False)
+        self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
+        try:
+            self.redo_mapped.flush()
+        except OSError as e:
+            self.poisoned = e  # never retried (S12); the slot itself is untouched
+            raise StorageError(
+                f"{self.path}: msync of the redo record failed ({e}); writes are refused until the "
+                f"database is reopened"
+            ) from e
+        _fail.point("fixed.after_redo_sync")
+        _k.commit_redo(self.slots, self.versions, self.redo)
+        return v
+
     def write(self, slot: int, body: bytes, version: int = 0) -> int:
         """Write an occupied slot in place; returns its new version."""
         self._check_writable()
-        v = _k.write_slot(self.slots, self.versions, slot, OCCUPIED, body, version, self.redo)
+        v = self._put(slot, OCCUPIED, body, version)
         if self.status[slot] != OCCUPIED:
             self.status[slot] = OCCUPIED
             self.occupied += 1
@@ -338,7 +361,7 @@ class FixedShard:
     def free(self, slot: int, version: int = 0) -> int:
         """Mark a slot deleted (bumping its version) and push it on the free stack."""
         self._check_writable()
-        v = _k.write_slot(self.slots, self.versions, slot, DELETED, b"", version, self.redo)
+        v = self._put(slot, DELETED, b"", version)
         if self.status[slot] == OCCUPIED:
             self.occupied -= 1
         self.status[slot] = DELETED
@@ -363,7 +386,7 @@ class FixedShard:
         replaying code closes the store afterwards and the next open rebuilds it.
         """
         self._check_writable()
-        _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo)
+        self._put(slot, status, body, version)
         self.status[slot] = status
         self._wrote(slot)
 

@@ -190,6 +190,9 @@ class TxLog:
     def _open(self) -> None:
         fs = _fs.FS
         fs.makedirs(self.dir)
+        for name in fs.listdir(self.dir):
+            if name.endswith(".log.tmp"):  # a log file whose creation a crash cut short
+                fs.unlink(os.path.join(self.dir, name))
         files = sorted(
             (int(m.group(1)), name) for name in fs.listdir(self.dir) if (m := _NAME_RE.match(name))
         )
@@ -271,14 +274,7 @@ class TxLog:
     def _start_file(self, old: list[str]) -> None:
         fs = _fs.FS
         path = os.path.join(self.dir, f"{self._number:08d}.log")
-        fd = fs.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-        try:
-            fs.pwrite(fd, _file_header(self._number), 0)
-            fs.fsync(fd)
-            fs.fsync_dir(self.dir)
-        except BaseException:
-            fs.close(fd)
-            raise
+        fd = fs.create_file(path, _file_header(self._number))
         if self._fd >= 0:
             fs.close(self._fd)
         self._fd, self._path = fd, path

@@ -622,3 +622,38 @@ def test_s5_slot_geometry_mismatch_raises_format_error(tmp_path: Path) -> None:
     FixedShard(str(tmp_path / "s"), 0, 16, 32, cfg).close()
     with pytest.raises(FormatError, match=r"slots are 16\+32 bytes on disk"):
         FixedShard(str(tmp_path / "s"), 0, 16, 40, cfg)
+
+
+def test_d5_files_are_created_whole_and_a_cut_creation_is_cleaned_up(db_path: Path) -> None:
+    # SPEC D5: a file under its final name always carries its whole header (it is built
+    # as <name>.tmp, fsynced and renamed), so a torn header can only mean damage.  The
+    # .tmp a crash leaves behind is deleted by the next open, and check() stays clean.
+    spec = armdb.queue("jobs", payload=np.dtype("<u4"))
+    db = Db.open(db_path)
+    q = db.open_queue(spec, None)
+    q.push(7)
+    db.close()
+    sdir = db_path / "collections" / "jobs" / "shard-000"
+    leftovers = [sdir / "fixed.data.tmp", sdir / "fixed.redo.tmp", db_path / "txlog" / "00000099.log.tmp"]
+    for p in leftovers:
+        p.write_bytes(os.urandom(100))
+    db = Db.open(db_path)
+    try:
+        q = db.open_queue(spec, None)
+        assert [int(x.payload) for x in q.lease(5)] == [7]
+    finally:
+        db.close()
+    assert not any(p.exists() for p in leftovers)
+    assert check(db_path).ok
+
+
+def test_d5_create_file_failure_leaves_no_file(tmp_path: Path) -> None:
+    # SPEC D5/S12: if the fsync inside a creation fails, neither the final name nor the
+    # .tmp exists afterwards, and the error reaches the caller.
+    class FailingSync(_fs.RealFS):
+        def fsync(self, fd: int) -> None:
+            raise OSError(errno.EIO, "injected")
+
+    with _fs.use(FailingSync()), pytest.raises(OSError):
+        _fs.FS.create_file(str(tmp_path / "f.data"), b"HEAD", 4096)
+    assert sorted(os.listdir(tmp_path)) == []

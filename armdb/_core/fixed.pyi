@@ -31,6 +31,10 @@ def write_slot(
     body: bytes | npt.NDArray[np.uint8],
     version: int = 0,
     redo: npt.NDArray[np.uint8] | None = None,
+    copy: bool = True,
+) -> int: ...
+def commit_redo(
+    slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], redo: npt.NDArray[np.uint8]
 ) -> int: ...
 
 REDO_OFFSET: int

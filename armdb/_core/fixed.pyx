@@ -222,12 +222,14 @@ cdef Py_ssize_t _REDO_HEAD = 16
 
 
 def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int status,
-               const uint8_t[::1] body, uint32_t version=0, uint8_t[::1] redo=None):
+               const uint8_t[::1] body, uint32_t version=0, uint8_t[::1] redo=None, bint copy=True):
     """Write slot ``i``: compose the image (in ``redo`` when given), then copy it in place.
 
     Returns the new version: the next one on the ring after ``versions[i]``, or
     ``version`` when given (transaction-log replay writes the logged version).
-    ``body`` shorter than the slot is zero-padded.
+    ``body`` shorter than the slot is zero-padded.  With ``copy=False`` (needs
+    ``redo``) only the redo record is composed; the caller makes it durable and
+    then calls :func:`commit_redo`, which copies it in place.
     """
     cdef Py_ssize_t size = slots.shape[1], width = size - 8, n = body.shape[0]
     if i < 0 or i >= slots.shape[0] or i >= versions.shape[0]:
@@ -238,6 +240,8 @@ def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int 
         raise ValueError("status must be FREE, OCCUPIED or DELETED")
     if redo is not None and redo.shape[0] < REDO_OFFSET + REDO_HEAD + size:
         raise ValueError("the redo map is smaller than one record")
+    if redo is None and not copy:
+        raise ValueError("copy=False needs a redo map")
     cdef uint32_t v = version & _MASK
     if v == 0:
         v = (versions[i] + 1) & _MASK
@@ -264,9 +268,25 @@ def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int 
             _store_u32(rec + 4, <uint32_t>i)
             _store_u32(rec + 8, <uint32_t>size)
             _store_u32(rec + 12, _crc_update(_crc_update(_ONES, rec, 12), img, size) ^ _ONES)
-            memcpy(row, img, size)
-    versions[i] = v
+            if copy:
+                memcpy(row, img, size)
+    if copy:
+        versions[i] = v
     return v
+
+
+def commit_redo(uint8_t[:, ::1] slots, uint32_t[::1] versions, const uint8_t[::1] redo):
+    """Copy the redo record composed by ``write_slot(..., copy=False)`` into its slot."""
+    cdef Py_ssize_t size = slots.shape[1]
+    if redo.shape[0] < REDO_OFFSET + REDO_HEAD + size:
+        raise ValueError("the redo map is smaller than one record")
+    cdef const uint8_t* rec = &redo[_REDO_OFFSET]
+    cdef Py_ssize_t i = _load_u32(rec + 4)
+    if _load_u32(rec) != _REDO_MAGIC or i >= slots.shape[0] or i >= versions.shape[0]:
+        raise ValueError("no redo record to commit")
+    memcpy(&slots[i, 0], rec + _REDO_HEAD, size)
+    versions[i] = _load_u32(rec + _REDO_HEAD) >> 2
+    return i
 
 
 def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):

@@ -339,6 +339,8 @@ class Image:
 
     def materialize(self, target: str) -> None:
         os.makedirs(target, exist_ok=True)
+        if os.listdir(target):  # merging into leftovers would check a state that never existed
+            raise AssertionError(f"materialize: {target} is not empty")
         for d in sorted(self.dirs, key=lambda s: s.count(os.sep)):
             os.makedirs(os.path.join(target, d), exist_ok=True)
         for p, data in self.files.items():

@@ -64,6 +64,8 @@ WORKLOADS = (
     Workload("push_fixed", "push_fixed", Profile(sync_interval=0.0)),
     Workload("push_var", "push_var", Profile(sync_interval=0.0)),
     Workload("lease_ack_nack", "lease_ack_nack", Profile(shards=2)),
+    # Durable headers: a lease, nack or ack of a live row syncs its redo record first.
+    Workload("lease_ack_nack_durable", "lease_ack_nack", Profile(sync_interval=0.0)),
     Workload("tx_outbox_durable", "tx_outbox", Profile(durable=True, shards=2)),
     Workload("map_compaction", "map_compaction", Profile(max_file_size=64 * 1024, compaction_threshold=0.1)),
     Workload("retention", "retention", Profile(dead_retention=1.0), fake_clock=True),

@@ -188,15 +188,6 @@ class Tally:
         return sum(self.violations.values())
 
 
-# Open library bugs these tests still catch (docs/reliability.md, "Open failures").
-KNOWN_POWERLOSS_BUGS = pytest.mark.xfail(
-    strict=False,
-    reason="known bugs, see docs/reliability.md 'Open failures': a torn in-place slot update under power loss "
-    "(the redo record and the slot page are written back independently), and open refusing some durable-mode "
-    "crash states",
-)
-
-
 class Verifier:
     def __init__(self, r: Recording, scratch: str, tally: Tally) -> None:
         self.r = r
@@ -212,9 +203,16 @@ class Verifier:
             return
         self.n += 1
         d = os.path.join(self.scratch, f"s{self.n}")
+        shutil.rmtree(d, ignore_errors=True)  # never merge into another image's files
         img.materialize(d)
-        outcome = self._reopen(os.path.join(d, "db"), lo, hi)
+        try:
+            outcome = self._reopen(os.path.join(d, "db"), lo, hi)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
         self.cache[key] = outcome
+        self._judge(img, outcome, lo, hi)
+
+    def _judge(self, img: Image, outcome: tuple[str, str], lo: int, hi: int) -> None:
         self.tally.states += 1
         self.tally.by_variant[img.variant] += 1
         if outcome[0] == "refused_s7":
@@ -248,7 +246,6 @@ class Verifier:
                     f.writelines(
                         f"allowed state {j}: {describe_state(self.r.states[j])}\n" for j in range(lo, hi + 1)
                     )
-        shutil.rmtree(d, ignore_errors=True)
 
     def _reopen(self, path: str, lo: int, hi: int) -> tuple[str, str]:
         world = self.r.world
@@ -579,7 +576,6 @@ def _run_scripted(name: str, budget: int, tmp_path: Any, seed: int, ns_mode: str
     return explore(r, budget, seed=seed, ns_mode=ns_mode, scratch=str(tmp_path / "scratch"))
 
 
-@KNOWN_POWERLOSS_BUGS
 @pytest.mark.parametrize("name", sorted(SCRIPTED))
 def test_powerloss_scripted(name: str, tmp_path: Any) -> None:
     """I1/I2/I3/I4/I8/I9/I10 on every crash state of one scripted workload (RELIABILITY 4(b))."""
@@ -595,7 +591,6 @@ B3_CI = {
 }
 
 
-@KNOWN_POWERLOSS_BUGS
 @pytest.mark.parametrize("world_name", sorted(B3_CI))
 def test_powerloss_b3_exhaustive(world_name: str, tmp_path: Any) -> None:
     """B3 (CrashMonkey/ACE): every sequence of <= 3 ops of a small set, cut at every trace
@@ -676,7 +671,6 @@ def _record_from_base(name: str, world: World, ops: list[str], root: str, pushes
         Session.open = orig  # type: ignore[method-assign]
 
 
-@KNOWN_POWERLOSS_BUGS
 def test_powerloss_random_workloads(tmp_path: Any) -> None:
     """Seeded random workloads over every world (durable, default, encrypted, outbox)."""
     rng = random.Random(4242)
@@ -692,7 +686,6 @@ def test_powerloss_random_workloads(tmp_path: Any) -> None:
     _finish(total, "power loss, random workloads")
 
 
-@KNOWN_POWERLOSS_BUGS
 @pytest.mark.parametrize("name", ["var_durable", "fixed_durable", "map_rotation_durable", "outbox_durable"])
 def test_powerloss_strict_directories(name: str, tmp_path: Any) -> None:
     """POSIX-strict directory model: a create, mkdir or rename is durable only once its
@@ -753,13 +746,12 @@ def _write(p: str, data: bytes) -> None:
         f.write(data)
 
 
-@KNOWN_POWERLOSS_BUGS
-def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any) -> None:
+def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """S4/I1: a durable row whose in-place update (a lease) is torn by power loss must
     survive, as the old or the new row.  Slot 9 of a var queue (56-byte slots) spans
     bytes 4600..4655 of fixed.data, across the 512-byte sector boundary at 4608; the
     lease's page write-back reached the disk for the first sector only, and nothing
-    else the lease wrote did."""
+    else the lease wrote after its in-place copy began did."""
     d = str(tmp_path / "db")
     q_spec = armdb.queue("vq", payload=bytes, var=True)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
@@ -774,6 +766,16 @@ def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any) -> None:
     # was before the lease: its pages are written back independently of the slot's, so
     # without an msync between the two stores the record may not have reached the disk.
     others = {f: _read(os.path.join(sdir, f)) for f in os.listdir(sdir) if f != "fixed.data"}
+    # A store that syncs such a record before the in-place copy makes that record
+    # durable: take the other files as they are when the copy begins.
+    fixed_mod = sys.modules["armdb.fixed"]
+    orig_commit = fixed_mod._k.commit_redo
+
+    def at_copy(*args: Any) -> int:
+        others.update({f: _read(os.path.join(sdir, f)) for f in os.listdir(sdir) if f != "fixed.data"})
+        return orig_commit(*args)
+
+    monkeypatch.setattr(fixed_mod._k, "commit_redo", at_copy)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     q = db.open_queue(q_spec, _qcfg())
     (lease,) = q.lease(1)
