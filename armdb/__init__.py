@@ -37,8 +37,8 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .streams import Change, SchemaRegistry
 from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .streams import Change, SchemaRegistry
 
 __version__ = "0.1.0"
 
@@ -46,6 +46,7 @@ __all__ = [
     "ArmdbError",
     "Change",
     "CheckReport",
+    "check",
     "Config",
     "ConfigError",
     "CorruptionError",

@@ -255,7 +255,7 @@ class RealFS:
         return MappedFile(self, fd, length)
 
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
-        mf.array._mmap.flush(offset, length)  # type: ignore[union-attr]
+        mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
 
 
 FS: RealFS = RealFS()

@@ -309,10 +309,10 @@ class Db:
             self._dirlock.release()
             self._dirlock = None
         if errors:
-            e = errors[0]
-            if isinstance(e, OSError):
-                raise as_storage_error(e, f"closing database {self.path!r}")
-            raise e
+            first = errors[0]
+            if isinstance(first, OSError):
+                raise as_storage_error(first, f"closing database {self.path!r}")
+            raise first
 
     def shutdown(self) -> None:
         """Close, then join the background threads (flusher, TTL sweeper, wake worker)."""

@@ -256,7 +256,7 @@ class FixedShard:
         self.slots = np.asarray(self.mapped.array[HEADER_PAGE:]).reshape(capacity, self.slot_size)
         # The same bytes as a flat memoryview: struct.unpack_from on it is the cheapest
         # way for Python code to read one field of one slot.
-        self.flat = memoryview(self.slots).cast("B")
+        self.flat = memoryview(self.slots).cast("B")  # type: ignore[arg-type]
         versions = np.zeros(capacity, dtype=np.uint32)
         if old_versions is not None:
             versions[: old_versions.shape[0]] = old_versions

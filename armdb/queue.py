@@ -786,9 +786,10 @@ class Queue(Generic[T]):
         dl = ms_to_datetime(deadline)
         for due, seq, shard_no, attempt, epoch, raw in out:
             if self._payload is not None:
-                raw = self._body_for_lease(shard_no, due, seq, epoch)
-                if raw is None:
+                body = self._body_for_lease(shard_no, due, seq, epoch)
+                if body is None:
                     continue  # the lease expired meanwhile and the row was settled elsewhere
+                raw = body
             payload = self._codec.decode(raw)
             leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
         return leases
@@ -1100,7 +1101,7 @@ class Queue(Generic[T]):
                             k = sh.dead.min_key()
                             if k is None or (k[0] & ~DEAD_BIT) > cutoff:
                                 break
-                            slot = sh.dead.get(*k)[0]
+                            slot = typing.cast(tuple[int, int], sh.dead.get(*k))[0]
                             sh.fixed.free(slot)
                             sh.dead.remove(*k)
                             swept.append(k[1])

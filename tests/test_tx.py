@@ -519,7 +519,7 @@ def test_q21_zero_net_growth_commits_above_cap(db_path):
 
 def test_q21_stream_emissions_count(db_path):
     with armdb.Db.open(db_path, schema=make_registry()) as d:
-        q = d.open_queue(VarQ, cfg(max_depth=1))
+        d.open_queue(VarQ, cfg(max_depth=1))
         m = d.open_map("docs")
         d.tx().put(m, 1, "a").commit()
         with pytest.raises(QueueFull):

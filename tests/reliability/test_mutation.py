@@ -54,8 +54,6 @@ import pytest
 
 import armdb
 from armdb import bitcask, txlog
-
-_queue = sys.modules["armdb.queue"]
 from armdb._core import fixed as _k
 from armdb.db import check_meta
 from armdb.errors import (
@@ -71,6 +69,8 @@ from armdb.fixed import HEADER_PAGE, decode_header
 from armdb.seqmap import decode as decode_seqmap
 
 from .bcd_workloads import KEY, NOBODY, Session, World, fast_tmpdir
+
+_queue = sys.modules["armdb.queue"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_MUTATIONS = int(os.environ.get("ARMDB_MUTATIONS", "21000"))  # yields >= 20,000 mutated files
