@@ -32,7 +32,7 @@ import numpy as np
 from . import _fail, _fs
 from ._core import fixed as _k
 from .config import FixedConfig
-from .errors import FormatError, StorageError
+from .errors import CorruptionError, FormatError, StorageError
 
 log = logging.getLogger("armdb")
 
@@ -46,6 +46,48 @@ REDO_MAGIC = b"ARMREDO1"
 _REDO_HDR = struct.Struct("<8sII")  # magic, version, slot_size; then crc32
 
 FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
+
+# The high-water mark (docs/format.md): how many slots, counted from slot 0, have
+# durably held data.  Slots are handed out lowest first and a written slot never
+# reads as all zero again (a freed slot is DELETED, with a version), so an all-zero
+# slot below the mark is damage: a zeroed page, a punched hole, a truncated file.
+# Two copies, written alternately: one in the header page of fixed.data, one in the
+# first sector of fixed.redo, so that no single damaged file erases both.
+HWM_DATA_OFFSET = 512
+HWM_REDO_OFFSET = 32
+_HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
+HWM_MAGIC = b"ARMHWM01"
+
+
+def encode_hwm(generation: int, mark: int) -> bytes:
+    body = _HWM.pack(HWM_MAGIC, generation, mark)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def read_hwm(data_page: bytes, redo_page: bytes) -> tuple[int, int]:
+    """``(generation, mark)`` of the newest valid copy, ``(0, 0)`` if none."""
+    best = (0, 0)
+    n = _HWM.size + 4
+    for page, off in ((data_page, HWM_DATA_OFFSET), (redo_page, HWM_REDO_OFFSET)):
+        raw = bytes(page[off : off + n])
+        if len(raw) < n or raw[:8] != HWM_MAGIC or struct.unpack_from("<I", raw, _HWM.size)[0] != zlib.crc32(
+            raw[: _HWM.size]
+        ):
+            continue  # never written, torn by a power cut mid-update, or damaged: the other copy stands
+        _, gen, mark = _HWM.unpack_from(raw)
+        best = max(best, (gen, mark))
+    return best
+
+
+def lost_below_hwm(status: np.ndarray, mark: int) -> tuple[int, int]:
+    """``(count, first)`` of never-written (all-zero) slots below ``mark``; slots past the
+    end of ``status`` (a file cut short) count too."""
+    n = min(mark, status.shape[0])
+    zero = np.flatnonzero(status[:n] == FREE)
+    missing = mark - n
+    if zero.shape[0]:
+        return int(zero.shape[0]) + missing, int(zero[0])
+    return missing, n if missing else -1
 
 
 def slot_size_for(key_size: int, value_size: int) -> int:
@@ -99,6 +141,8 @@ class FixedShard:
         self._last_sync = time.monotonic()
         self._dirty_lo = -1
         self._dirty_hi = -1
+        # High-water mark: in memory, on disk, and covered by a completed sync.
+        self._hwm = self._hwm_disk = self._hwm_synced = self._hwm_gen = 0
         self._fd = -1
         self._redo_fd = -1
         self._open()
@@ -126,6 +170,11 @@ class FixedShard:
         self._fd = fd
         try:
             slot_size, key_size, value_size, _shard = decode_header(fs.pread(fd, HEADER_PAGE, 0), self.path)
+            if size < HEADER_PAGE:
+                raise CorruptionError(
+                    f"{self.path}: the file is cut short inside its {HEADER_PAGE}-byte header page ({size} "
+                    f"bytes); rows may be lost. Restore the database directory from a backup"
+                )
             if (slot_size, key_size, value_size) != (self.slot_size, self.key_size, self.value_size):
                 raise FormatError(
                     f"{self.path}: slots are {key_size}+{value_size} bytes on disk but "
@@ -139,9 +188,19 @@ class FixedShard:
             self.status = np.zeros(self.capacity, dtype=np.uint8)
             occupied, torn = self._validate(fs)
             self._open_redo(fs)
+            self._hwm_gen, mark = read_hwm(self.mapped.array[:HEADER_PAGE], self.redo[: _k.REDO_OFFSET])
+            lost, first = lost_below_hwm(self.status, mark)
+            if lost:
+                raise CorruptionError(
+                    f"{self.path}: {lost} slot(s) below the high-water mark {mark} read as never written "
+                    f"(first: slot {first}); the file was zeroed or cut short and rows may be lost. Restore "
+                    f"the database directory from a backup"
+                )
+            self._set_mark(mark)
             if self._apply_redo():
                 torn -= 1
                 occupied = int(np.count_nonzero(self.status == OCCUPIED))
+            self._fill_holes()
             self.occupied = occupied
             self._build_free_list()
             if torn:
@@ -225,6 +284,29 @@ class FixedShard:
         self._wrote(slot)
         log.warning("%s: slot %d was torn by a crash mid-update; restored from the redo record", self.path, slot)
         return 1
+
+    def _set_mark(self, mark: int) -> None:
+        """Set the in-memory mark past the last slot holding anything (open).
+
+        Slots a crashed process wrote may sit in the page cache only: the first sync
+        flushes the whole range below the mark before a mark on disk may cover it.
+        """
+        self._hwm_disk = self._hwm_synced = mark
+        used = np.flatnonzero(self.status != FREE)
+        self._hwm = max(mark, int(used[-1]) + 1 if used.shape[0] else 0)
+        if self._hwm > mark:
+            self._dirty_lo, self._dirty_hi = HEADER_PAGE, HEADER_PAGE + self._hwm * self.slot_size
+
+    def _fill_holes(self) -> None:
+        """Never-written slots below the mark become deleted tombstones (open).
+
+        A crash can leave some (a transaction's later slot reached the disk, an earlier
+        one did not); no all-zero slot may ever sit below a mark on disk.
+        """
+        for slot in np.flatnonzero(self.status[: self._hwm] == FREE).tolist():
+            _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0, self.redo)
+            self.status[slot] = DELETED
+            self._wrote(slot)
 
     def _validate(self, fs: _fs.RealFS) -> tuple[int, int]:
         """CRC-check every slot that holds data (S4).
@@ -423,6 +505,8 @@ class FixedShard:
             raise e
 
     def _wrote(self, slot: int) -> None:
+        if slot >= self._hwm:
+            self._hwm = slot + 1
         off = HEADER_PAGE + slot * self.slot_size
         self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
         self.mapped.wrote(off, self.slot_size)
@@ -434,15 +518,32 @@ class FixedShard:
             self._sync_locked()
 
     # -- durability ------------------------------------------------------------------
-    def _sync_locked(self) -> None:
+    def _sync_locked(self, *, final: bool = False) -> None:
+        """msync the dirty range (and the redo record).
+
+        The high-water mark lags one sync behind: the mark written into the header
+        page now covers only slots written before the *previous* sync, which are on
+        disk already, so however the kernel orders this sync's pages the mark never
+        claims a slot whose first write could still be lost.  ``final`` (close) runs
+        a second, small sync to record the last mark.
+        """
         lo, hi = self._dirty_lo, self._dirty_hi
         self._dirty_lo = self._dirty_hi = -1
         self._last_sync = time.monotonic()
+        if self._hwm_synced > self._hwm_disk:
+            self._write_hwm(self._hwm_synced)
+            lo, hi = 0, max(hi, HEADER_PAGE)
         if lo < 0:
             return
+        mark = self._hwm
         try:
             self.redo_mapped.flush()
             self.mapped.flush(lo, hi - lo)
+            self._hwm_synced = mark
+            if final and mark > self._hwm_disk:
+                self._write_hwm(mark)
+                self.mapped.flush(0, HEADER_PAGE)
+                self.redo_mapped.flush()
         except OSError as e:
             # Never retried (S12): the kernel may already have dropped the dirty pages.
             self.poisoned = e
@@ -469,7 +570,7 @@ class FixedShard:
         try:
             if self.poisoned is None:
                 with self.lock:
-                    self._sync_locked()
+                    self._sync_locked(final=True)
         finally:
             self.mapped.close()
             self.redo_mapped.close()
@@ -485,6 +586,15 @@ class FixedShard:
 
     def physical_bytes(self) -> int:
         return _fs.FS.physical_size(self.path)
+
+    def _write_hwm(self, mark: int) -> None:
+        """Store the mark in the older of the two copies (the newer one stands if this tears)."""
+        self._hwm_gen += 1
+        if self._hwm_gen % 2:
+            self.mapped.write(HWM_DATA_OFFSET, encode_hwm(self._hwm_gen, mark))
+        else:
+            self.redo_mapped.write(HWM_REDO_OFFSET, encode_hwm(self._hwm_gen, mark))
+        self._hwm_disk = mark
 
 
 class FixedStore:
@@ -538,15 +648,28 @@ def check_shard_file(path: str, key_size: int | None = None, value_size: int | N
         slot_size, ks, vs, _ = decode_header(raw[:HEADER_PAGE], path)
     except FormatError as e:
         return [str(e)]
+    if len(raw) < HEADER_PAGE:
+        findings.append(f"{path}: the file is cut short inside its header page ({len(raw)} bytes)")
     if key_size is not None and (ks, vs) != (key_size, value_size):
         findings.append(f"{path}: slot geometry {ks}+{vs} differs from the collection's {key_size}+{value_size}")
-    n = (len(raw) - HEADER_PAGE) // slot_size
-    if n <= 0:
-        return findings
-    slots = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size).copy()
+    n = max(0, (len(raw) - HEADER_PAGE) // slot_size)
+    slots = np.frombuffer(raw[HEADER_PAGE:].ljust(n * slot_size, b"\0"), dtype=np.uint8, count=n * slot_size)
+    slots = slots.reshape(n, slot_size).copy()
     versions = np.zeros(n, dtype=np.uint32)
     status = np.zeros(n, dtype=np.uint8)
     _, torn = _k.validate(slots, versions, status)
+    redo_path = os.path.join(os.path.dirname(path), REDO_NAME)
+    try:
+        redo = fs.read_file(redo_path)[: _k.REDO_OFFSET]
+    except OSError:
+        redo = b""
+    _, mark = read_hwm(raw[:HEADER_PAGE], redo)
+    lost, first = lost_below_hwm(status, mark)
+    if lost:
+        findings.append(
+            f"{path}: {lost} slot(s) below the high-water mark {mark} read as never written (first: slot "
+            f"{first}); the file was zeroed or cut short"
+        )
     if torn:
         bad = np.flatnonzero(status == TORN)[:5].tolist()
         findings.append(f"{path}: {torn} slot(s) fail their CRC (first: {bad})")
