@@ -64,7 +64,7 @@ def encode_hwm(generation: int, mark: int) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def read_hwm(data_page: bytes, redo_page: bytes) -> tuple[int, int]:
+def read_hwm(data_page: bytes | np.ndarray, redo_page: bytes | np.ndarray) -> tuple[int, int]:
     """``(generation, mark)`` of the newest valid copy, ``(0, 0)`` if none."""
     best = (0, 0)
     n = _HWM.size + 4
