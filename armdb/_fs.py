@@ -22,7 +22,8 @@ import errno
 import fcntl
 import mmap as _mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,11 @@ from . import _fail
 
 PAGE = _mmap.PAGESIZE
 
-__all__ = ["FS", "PAGE", "MappedFile", "RealFS", "use"]
+__all__ = ["FS", "PAGE", "MappedFile", "RealFS", "SyncFailed", "use"]
+
+
+class SyncFailed(OSError):
+    """An fsync inside :meth:`RealFS.create_file` failed (callers poison on it, S12)."""
 
 
 class MappedFile:
@@ -234,9 +239,9 @@ class RealFS:
             self.pwrite(fd, head, 0)
             if size > len(head):
                 self.ftruncate(fd, size)
-            self.fsync(fd)
+            _synced(self.fsync, fd)
             self.rename(tmp, path)
-            self.fsync_dir(os.path.dirname(path) or ".")
+            _synced(self.fsync_dir, os.path.dirname(path) or ".")
         except BaseException:
             self.close(fd)
             with contextlib.suppress(OSError):
@@ -256,6 +261,15 @@ class RealFS:
 
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
         mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
+
+
+def _synced(fn: Callable[[Any], None], arg: Any) -> None:
+    try:
+        fn(arg)
+    except SyncFailed:
+        raise
+    except OSError as e:
+        raise SyncFailed(e.errno, f"{e.strerror or e} (sync inside a file creation)") from e
 
 
 FS: RealFS = RealFS()

@@ -970,6 +970,7 @@ class BitcaskStore:
             )
         appenders = [fid for fid in live if (h := headers[fid]) is None or not h.flags & FLAG_COMPACTED]
         plan.active = appenders[-1] if appenders else None
+        self._check_active_present(plan, live, appenders, hint_fids)
         try:
             for fid in live:
                 path = os.path.join(sdir, _data_name(fid))
@@ -989,6 +990,29 @@ class BitcaskStore:
             plan.close_all()
             raise
         return plan
+
+    @staticmethod
+    def _check_active_present(plan: _ShardPlan, live: list[int], appenders: list[int], hint_fids: list[int]) -> None:
+        """Refuse a shard whose active data file was lost (D6, S7).
+
+        The active file is created (durably, whole) before anything is written to it
+        and is never compacted, so a shard with data files always has an appendable
+        one; and a hint file is written for a data file only once it is sealed, after
+        its successor was created.  So only compaction outputs, or a newest appendable
+        file that has a hint, mean the newest data file is gone: serving the rest would
+        pass older values off as current.
+        """
+        if live and not appenders:
+            raise CorruptionError(
+                f"{plan.sdir}: holds only compaction outputs; its active data file is missing, and older "
+                f"values would be served as current. Restore the shard folder from a backup"
+            )
+        if appenders and appenders[-1] in hint_fids:
+            path = os.path.join(plan.sdir, _data_name(appenders[-1]))
+            raise CorruptionError(
+                f"{path} was sealed (it has a hint file) but no newer data file exists; the active data "
+                f"file is missing. Restore the shard folder from a backup"
+            )
 
     def _load_shard(self, plan: _ShardPlan) -> None:
         """Phase 2 (read-only): read hints or scan data files and build the index (S7)."""
@@ -1144,13 +1168,10 @@ class BitcaskStore:
         nonce = _new_nonce()
         header = _file_header(fid, flags, base_gsn, nonce)
         if not tmp:
-            fd = -1
-
-            def create(_: Any) -> None:
-                nonlocal fd
+            try:
                 fd = fs.create_file(path, header)
-
-            self._fsync(create, None, path)
+            except _fs.SyncFailed as e:
+                raise self._sync_failed(e, path) from e
             return _DataFile(fid, path, fd, FILE_HEADER_SIZE, flags, nonce, base_gsn)
         open_path = path + ".tmp"
         fd = fs.open(open_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
@@ -1175,18 +1196,22 @@ class BitcaskStore:
         try:
             fn(arg)
         except OSError as e:
-            self._poisoned = f"sync of {what} failed: {e}"
-            log.error(
-                "fsync of %s failed (%s); collection %s refuses writes until the Db is reopened",
-                what,
-                e,
-                self.directory,
-            )
-            raise StorageError(
-                e.errno or errno.EIO,
-                f"fsync of {what} failed ({e.strerror or e}); the last writes may not be durable and "
-                f"collection {self.directory!r} refuses further writes: reopen the Db",
-            ) from e
+            raise self._sync_failed(e, what) from e
+
+    def _sync_failed(self, e: OSError, what: str) -> StorageError:
+        """Poison the store after a failed sync (S12); returns the error to raise."""
+        self._poisoned = f"sync of {what} failed: {e}"
+        log.error(
+            "fsync of %s failed (%s); collection %s refuses writes until the Db is reopened",
+            what,
+            e,
+            self.directory,
+        )
+        return StorageError(
+            e.errno or errno.EIO,
+            f"fsync of {what} failed ({e.strerror or e}); the last writes may not be durable and "
+            f"collection {self.directory!r} refuses further writes: reopen the Db",
+        )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -153,20 +153,7 @@ class FixedShard:
         fs.makedirs(self.directory)
         fs.remove_stale_tmp(self.path)
         header = encode_header(self.slot_size, self.key_size, self.value_size, self.index)
-        if fs.exists(self.path):
-            fd = fs.open(self.path, os.O_RDWR)
-            size = fs.size(fd)
-            if size == 0 or self._unwritten_new_file(fs, fd, size):
-                # Only damage can leave this (files are created whole, by rename): an
-                # invalid header and no slot data.  Nothing was stored; start afresh.
-                log.warning("%s: header page never written and no slot data; re-initialising", self.path)
-                fs.close(fd)
-                fs.unlink(self.path)
-                fd = fs.create_file(self.path, header, HEADER_PAGE)
-                size = HEADER_PAGE
-        else:
-            fd = fs.create_file(self.path, header, HEADER_PAGE)
-            size = HEADER_PAGE
+        fd, size = self._open_data_file(fs, header)
         self._fd = fd
         try:
             slot_size, key_size, value_size, _shard = decode_header(fs.pread(fd, HEADER_PAGE, 0), self.path)
@@ -213,6 +200,25 @@ class FixedShard:
             self._fd = -1
             raise
 
+    def _open_data_file(self, fs: _fs.RealFS, header: bytes) -> tuple[int, int]:
+        """``(fd, size)`` of ``fixed.data``, created whole when missing."""
+        if not fs.exists(self.path):
+            return fs.create_file(self.path, header, HEADER_PAGE), HEADER_PAGE
+        fd = fs.open(self.path, os.O_RDWR)
+        try:
+            size = fs.size(fd)
+            if size and not self._unwritten_new_file(fs, fd, size):
+                return fd, size
+        except BaseException:
+            fs.close(fd)
+            raise
+        # Only damage can leave this (files are created whole, by rename): an invalid
+        # header and no slot data.  Nothing was stored; start afresh.
+        log.warning("%s: header page never written and no slot data; re-initialising", self.path)
+        fs.close(fd)
+        fs.unlink(self.path)
+        return fs.create_file(self.path, header, HEADER_PAGE), HEADER_PAGE
+
     @staticmethod
     def _unwritten_new_file(fs: _fs.RealFS, fd: int, size: int) -> bool:
         """True when the header page is invalid and nothing after it holds a byte."""
@@ -247,7 +253,11 @@ class FixedShard:
         fresh = not fs.exists(path)
         if not fresh:
             fd = fs.open(path, os.O_RDWR)
-            raw = fs.pread(fd, fs.size(fd), 0)
+            try:
+                raw = fs.pread(fd, fs.size(fd), 0)
+            except BaseException:
+                fs.close(fd)
+                raise
             if raw[: len(head)] != head and not any(raw[_k.REDO_OFFSET :]):
                 # Damage only (files are created whole, by rename): no record to lose.
                 fs.close(fd)

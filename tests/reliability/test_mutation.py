@@ -775,18 +775,7 @@ def _finish(t: MTally, what: str) -> None:
         )
 
 
-# An open library bug the sweep catches (docs/reliability.md, "Open failures"): deleting
-# the active data file of a compacted Bitcask shard resurfaces older values silently.
-KNOWN_DELETED_ACTIVE_FILE = pytest.mark.xfail(
-    strict=False,
-    reason="known bug, see docs/reliability.md 'Open failures': a deleted active Bitcask data file "
-    "goes unnoticed when a compaction output holds older values of its keys",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=KNOWN_DELETED_ACTIVE_FILE) if n == "map_hints" else n for n in sorted(GOLDEN_SPECS)]
-)
+@pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
 def test_mutation(name: str, scratch: str) -> None:
     """Every file of one golden store, mutated: typed refusal or the truth, never wrong data."""
     t = run_mutations([name], CI_MUTATIONS // len(GOLDEN_SPECS), seed=len(name), scratch=scratch)
@@ -895,7 +884,6 @@ def test_q15_row_without_body_is_caught_at_open(scratch: str) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="open bug, docs/reliability.md 'Open failures' (deleted active data file)")
 def test_d6_deleted_active_data_file_is_reported(scratch: str) -> None:
     """D6/S7: the map_hints golden keeps its newest values in the active data file and
     older ones in a compaction output; deleting the active file must be refused or
