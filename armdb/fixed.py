@@ -137,12 +137,11 @@ class FixedShard:
         self.poisoned: BaseException | None = None
         self.sync_error: StorageError | None = None  # stashed by _wrote_or_stash
         self.repaired_on_open = 0
-        self.slot_writes = 0
+        self.sf = _k.SlotFile(HEADER_PAGE)  # the hot path's view of the arrays (rebound by _bind)
         self._last_sync = time.monotonic()
-        self._dirty_lo = -1
-        self._dirty_hi = -1
-        # High-water mark: in memory, on disk, and covered by a completed sync.
-        self._hwm = self._hwm_disk = self._hwm_synced = self._hwm_gen = 0
+        # High-water mark: on disk, and covered by a completed sync (in memory: sf.hwm).
+        self._hwm_disk = self._hwm_synced = self._hwm_gen = 0
+        self._sync_every = config.sync_interval if config.enable_fsync else None
         self._fd = -1
         self._redo_fd = -1
         self._open()
@@ -175,6 +174,7 @@ class FixedShard:
             self.status = np.zeros(self.capacity, dtype=np.uint8)
             occupied, torn = self._validate(fs)
             self._open_redo(fs)
+            self._bind()
             self._hwm_gen, mark = read_hwm(self.mapped.array[:HEADER_PAGE], self.redo[: _k.REDO_OFFSET])
             lost, first = lost_below_hwm(self.status, mark)
             if lost:
@@ -187,8 +187,8 @@ class FixedShard:
             if self._apply_redo():
                 torn -= 1
                 occupied = int(np.count_nonzero(self.status == OCCUPIED))
+            self.sf.occupied = occupied
             self._fill_holes()
-            self.occupied = occupied
             self._build_free_list()
             if torn:
                 log.warning("%s: %d torn slot(s) found on open; they are not served", self.path, torn)
@@ -291,6 +291,7 @@ class FixedShard:
             return 0
         self.status[slot] = st
         self.repaired_on_open += 1
+        self.sf.mark(slot)
         self._wrote(slot)
         log.warning("%s: slot %d was torn by a crash mid-update; restored from the redo record", self.path, slot)
         return 1
@@ -303,9 +304,10 @@ class FixedShard:
         """
         self._hwm_disk = self._hwm_synced = mark
         used = np.flatnonzero(self.status != FREE)
-        self._hwm = max(mark, int(used[-1]) + 1 if used.shape[0] else 0)
-        if self._hwm > mark:
-            self._dirty_lo, self._dirty_hi = HEADER_PAGE, HEADER_PAGE + self._hwm * self.slot_size
+        sf = self.sf
+        sf.hwm = max(mark, int(used[-1]) + 1 if used.shape[0] else 0)
+        if sf.hwm > mark:
+            sf.dirty_lo, sf.dirty_hi = HEADER_PAGE, HEADER_PAGE + sf.hwm * self.slot_size
 
     def _fill_holes(self) -> None:
         """Never-written slots below the mark become deleted tombstones (open).
@@ -313,9 +315,8 @@ class FixedShard:
         A crash can leave some (a transaction's later slot reached the disk, an earlier
         one did not); no all-zero slot may ever sit below a mark on disk.
         """
-        for slot in np.flatnonzero(self.status[: self._hwm] == FREE).tolist():
-            _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0, self.redo)
-            self.status[slot] = DELETED
+        for slot in np.flatnonzero(self.status[: self.sf.hwm] == FREE).tolist():
+            self.sf.put(slot, DELETED, b"")
             self._wrote(slot)
 
     def _validate(self, fs: _fs.RealFS) -> tuple[int, int]:
@@ -355,6 +356,17 @@ class FixedShard:
         self.versions = versions
         self.capacity = capacity
 
+    def _bind(self) -> None:
+        self.sf.bind(self.slots, self.versions, self.status, self.redo)
+
+    @property
+    def occupied(self) -> int:
+        return int(self.sf.occupied)
+
+    @property
+    def slot_writes(self) -> int:
+        return int(self.sf.writes)
+
     def _build_free_list(self) -> None:
         """Stack of every slot that is not occupied, lowest index on top.
 
@@ -381,6 +393,7 @@ class FixedShard:
         status = np.zeros(new, dtype=np.uint8)
         status[:old] = self.status
         self.status = status
+        self._bind()
 
     def grow(self) -> None:
         """Extend the file by ``grow_step`` complete slots and remap (caller holds the lock)."""
@@ -423,9 +436,10 @@ class FixedShard:
         write into a free slot needs no such ordering: torn, it was a push in flight,
         and the slot is free again.
         """
+        sf = self.sf
         if not (self._ordered and self.status[slot] == OCCUPIED):
-            return _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo)
-        v = _k.write_slot(self.slots, self.versions, slot, status, body, version, self.redo, False)
+            return int(sf.put(slot, status, body, version))
+        v = int(sf.put(slot, status, body, version, False))
         self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
         try:
             self.redo_mapped.flush()
@@ -436,16 +450,13 @@ class FixedShard:
                 f"database is reopened"
             ) from e
         _fail.point("fixed.after_redo_sync")
-        _k.commit_redo(self.slots, self.versions, self.redo)
+        sf.commit()
         return v
 
     def write(self, slot: int, body: bytes, version: int = 0) -> int:
         """Write an occupied slot in place; returns its new version."""
         self._check_writable()
         v = self._put(slot, OCCUPIED, body, version)
-        if self.status[slot] != OCCUPIED:
-            self.status[slot] = OCCUPIED
-            self.occupied += 1
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
         return v
@@ -454,9 +465,6 @@ class FixedShard:
         """Mark a slot deleted (bumping its version) and push it on the free stack."""
         self._check_writable()
         v = self._put(slot, DELETED, b"", version)
-        if self.status[slot] == OCCUPIED:
-            self.occupied -= 1
-        self.status[slot] = DELETED
         self._free[self._free_top] = slot
         self._free_top += 1
         self._wrote_or_stash(slot)
@@ -479,13 +487,11 @@ class FixedShard:
         """
         self._check_writable()
         self._put(slot, status, body, version)
-        self.status[slot] = status
         self._wrote(slot)
 
     def repair_torn(self, slot: int) -> None:
         """Rewrite a torn slot as deleted so that ``check`` is clean again (S4)."""
-        _k.write_slot(self.slots, self.versions, slot, DELETED, b"", 0, self.redo)
-        self.status[slot] = DELETED
+        self.sf.put(slot, DELETED, b"")
         self.repaired_on_open += 1
         self._wrote(slot)
 
@@ -515,16 +521,13 @@ class FixedShard:
             raise e
 
     def _wrote(self, slot: int) -> None:
-        if slot >= self._hwm:
-            self._hwm = slot + 1
-        off = HEADER_PAGE + slot * self.slot_size
+        """Report a slot write (to a recording file system) and sync when one is due.
+
+        ``sf.put`` already counted it (dirty range, high-water mark)."""
         self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
-        self.mapped.wrote(off, self.slot_size)
-        self.slot_writes += 1
-        if self._dirty_lo < 0 or off < self._dirty_lo:
-            self._dirty_lo = off
-        self._dirty_hi = max(self._dirty_hi, off + self.slot_size)
-        if self.config.enable_fsync and time.monotonic() - self._last_sync >= self.config.sync_interval:
+        self.mapped.wrote(HEADER_PAGE + slot * self.slot_size, self.slot_size)
+        every = self._sync_every
+        if every is not None and time.monotonic() - self._last_sync >= every:
             self._sync_locked()
 
     # -- durability ------------------------------------------------------------------
@@ -537,15 +540,16 @@ class FixedShard:
         claims a slot whose first write could still be lost.  ``final`` (close) runs
         a second, small sync to record the last mark.
         """
-        lo, hi = self._dirty_lo, self._dirty_hi
-        self._dirty_lo = self._dirty_hi = -1
+        sf = self.sf
+        lo, hi = sf.dirty_lo, sf.dirty_hi
+        sf.dirty_lo = sf.dirty_hi = -1
         self._last_sync = time.monotonic()
         if self._hwm_synced > self._hwm_disk:
             self._write_hwm(self._hwm_synced)
             lo, hi = 0, max(hi, HEADER_PAGE)
         if lo < 0:
             return
-        mark = self._hwm
+        mark = sf.hwm
         try:
             self.redo_mapped.flush()
             self.mapped.flush(lo, hi - lo)
@@ -582,6 +586,7 @@ class FixedShard:
                 with self.lock:
                     self._sync_locked(final=True)
         finally:
+            self.sf.release()
             self.mapped.close()
             self.redo_mapped.close()
             self.slots = None  # type: ignore[assignment]

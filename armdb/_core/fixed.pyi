@@ -23,20 +23,6 @@ def compare_many(a: npt.NDArray[np.uint32], b: npt.NDArray[np.uint32], out: npt.
 def validate(
     slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], status: npt.NDArray[np.uint8]
 ) -> tuple[int, int]: ...
-def write_slot(
-    slots: npt.NDArray[np.uint8],
-    versions: npt.NDArray[np.uint32],
-    i: int,
-    status: int,
-    body: bytes | npt.NDArray[np.uint8],
-    version: int = 0,
-    redo: npt.NDArray[np.uint8] | None = None,
-    copy: bool = True,
-) -> int: ...
-def commit_redo(
-    slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], redo: npt.NDArray[np.uint8]
-) -> int: ...
-
 REDO_OFFSET: int
 REDO_HEAD: int
 REDO_MAGIC: int
@@ -45,5 +31,24 @@ def redo_record(redo: npt.NDArray[np.uint8], slot_size: int) -> tuple[int, bytes
 def restore_slot(
     slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], i: int, image: bytes
 ) -> int: ...
-def zero_slot(slots: npt.NDArray[np.uint8], versions: npt.NDArray[np.uint32], i: int) -> None: ...
-def occupied_slots(status: npt.NDArray[np.uint8]) -> npt.NDArray[np.intp]: ...
+
+class SlotFile:
+    occupied: int
+    dirty_lo: int
+    dirty_hi: int
+    hwm: int
+    writes: int
+    def __init__(self, base: int) -> None: ...
+    def bind(
+        self,
+        slots: npt.NDArray[np.uint8],
+        versions: npt.NDArray[np.uint32],
+        status: npt.NDArray[np.uint8],
+        redo: npt.NDArray[np.uint8],
+    ) -> None: ...
+    def release(self) -> None: ...
+    def put(self, i: int, st: int, body: bytes, version: int = 0, copy: bool = True) -> int: ...
+    def commit(self) -> int: ...
+    def mark(self, i: int) -> None: ...
+    def header(self, i: int, off: int) -> tuple[int, int, int, int, int, int, int]: ...
+    def body(self, i: int, off: int, n: int) -> bytes: ...

@@ -209,7 +209,7 @@ def validate(uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t[::1] status)
 
 # Redo record (docs/format.md, "fixed.redo"): at REDO_OFFSET of the shard's redo map,
 #   u32 REDO_MAGIC | u32 slot | u32 image length | u32 crc32(the 12 bytes before it + image) | image
-# where the image is the complete slot (meta, crc, body).  write_slot composes the
+# where the image is the complete slot (meta, crc, body).  SlotFile.put composes the
 # new image there first and only then copies it into the slot, so a process killed
 # halfway through the in-place copy leaves a torn slot *and* a valid redo record of
 # what it was becoming; open restores it (S4) instead of losing the row.
@@ -219,74 +219,6 @@ REDO_MAGIC = 0x4F444552  # "REDO"
 cdef uint32_t _REDO_MAGIC = 0x4F444552
 cdef Py_ssize_t _REDO_OFFSET = 64
 cdef Py_ssize_t _REDO_HEAD = 16
-
-
-def write_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, int status,
-               const uint8_t[::1] body, uint32_t version=0, uint8_t[::1] redo=None, bint copy=True):
-    """Write slot ``i``: compose the image (in ``redo`` when given), then copy it in place.
-
-    Returns the new version: the next one on the ring after ``versions[i]``, or
-    ``version`` when given (transaction-log replay writes the logged version).
-    ``body`` shorter than the slot is zero-padded.  With ``copy=False`` (needs
-    ``redo``) only the redo record is composed; the caller makes it durable and
-    then calls :func:`commit_redo`, which copies it in place.
-    """
-    cdef Py_ssize_t size = slots.shape[1], width = size - 8, n = body.shape[0]
-    if i < 0 or i >= slots.shape[0] or i >= versions.shape[0]:
-        raise IndexError(f"slot {i} out of range")
-    if n > width:
-        raise ValueError(f"body of {n} bytes does not fit a {width}-byte slot body")
-    if status < 0 or status > 2:
-        raise ValueError("status must be FREE, OCCUPIED or DELETED")
-    if redo is not None and redo.shape[0] < REDO_OFFSET + REDO_HEAD + size:
-        raise ValueError("the redo map is smaller than one record")
-    if redo is None and not copy:
-        raise ValueError("copy=False needs a redo map")
-    cdef uint32_t v = version & _MASK
-    if v == 0:
-        v = (versions[i] + 1) & _MASK
-        if v == 0:
-            v = 1
-    cdef uint32_t meta = (v << 2) | <uint32_t>status
-    cdef uint8_t* row = &slots[i, 0]
-    cdef uint8_t* rec
-    cdef uint8_t* img
-    with nogil:
-        if redo is None:
-            img = row
-        else:
-            rec = &redo[_REDO_OFFSET]
-            img = rec + _REDO_HEAD
-        if n:
-            memcpy(img + 8, &body[0], n)
-        if n < width:
-            memset(img + 8 + n, 0, width - n)
-        _store_u32(img + 4, _slot_crc(meta, img + 8, width))
-        _store_u32(img, meta)
-        if redo is not None:
-            _store_u32(rec, _REDO_MAGIC)
-            _store_u32(rec + 4, <uint32_t>i)
-            _store_u32(rec + 8, <uint32_t>size)
-            _store_u32(rec + 12, _crc_update(_crc_update(_ONES, rec, 12), img, size) ^ _ONES)
-            if copy:
-                memcpy(row, img, size)
-    if copy:
-        versions[i] = v
-    return v
-
-
-def commit_redo(uint8_t[:, ::1] slots, uint32_t[::1] versions, const uint8_t[::1] redo):
-    """Copy the redo record composed by ``write_slot(..., copy=False)`` into its slot."""
-    cdef Py_ssize_t size = slots.shape[1]
-    if redo.shape[0] < REDO_OFFSET + REDO_HEAD + size:
-        raise ValueError("the redo map is smaller than one record")
-    cdef const uint8_t* rec = &redo[_REDO_OFFSET]
-    cdef Py_ssize_t i = _load_u32(rec + 4)
-    if _load_u32(rec) != _REDO_MAGIC or i >= slots.shape[0] or i >= versions.shape[0]:
-        raise ValueError("no redo record to commit")
-    memcpy(&slots[i, 0], rec + _REDO_HEAD, size)
-    versions[i] = _load_u32(rec + _REDO_HEAD) >> 2
-    return i
 
 
 def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
@@ -316,14 +248,135 @@ def restore_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, co
     return <int>(meta & 3)
 
 
-def zero_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i):
-    """Return slot ``i`` to the never-written state (used to repair a torn first write)."""
-    if i < 0 or i >= slots.shape[0]:
-        raise IndexError(f"slot {i} out of range")
-    memset(&slots[i, 0], 0, slots.shape[1])
-    versions[i] = 0
+cdef class SlotFile:
+    """One shard's slot arrays, held as typed memoryviews between calls.
+
+    The module functions above acquire a buffer for every array argument on every
+    call (about a microsecond each time); a queue operation writes a slot and reads
+    a header several times, so :class:`armdb.fixed.FixedShard` keeps one
+    ``SlotFile``, rebinds it after every remap, and the hot path calls its methods.
+    It also keeps the shard's counters that every write touches: occupied slots,
+    the dirty byte range (file offsets) and the high-water mark.
+    """
+
+    cdef uint8_t[:, ::1] slots
+    cdef uint32_t[::1] versions
+    cdef uint8_t[::1] status
+    cdef uint8_t[::1] redo
+    cdef Py_ssize_t size
+    cdef Py_ssize_t base
+    cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes
+
+    def __init__(self, Py_ssize_t base):
+        self.base = base  # file offset of slot 0
+        self.dirty_lo = self.dirty_hi = -1
+
+    def bind(self, uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t[::1] status, uint8_t[::1] redo):
+        if versions.shape[0] < slots.shape[0] or status.shape[0] < slots.shape[0]:
+            raise ValueError("versions and status need one entry per slot")
+        if redo.shape[0] < REDO_OFFSET + REDO_HEAD + slots.shape[1]:
+            raise ValueError("the redo map is smaller than one record")
+        self.slots = slots
+        self.versions = versions
+        self.status = status
+        self.redo = redo
+        self.size = slots.shape[1]
+
+    def release(self):
+        """Drop the views (the file is being closed)."""
+        self.slots = None
+        self.versions = None
+        self.status = None
+        self.redo = None
+
+    cdef inline void _set_status(self, Py_ssize_t i, uint8_t st) noexcept:
+        cdef uint8_t old = self.status[i]
+        if old == OCCUPIED and st != OCCUPIED:
+            self.occupied -= 1
+        elif old != OCCUPIED and st == OCCUPIED:
+            self.occupied += 1
+        self.status[i] = st
+
+    cpdef uint32_t put(self, Py_ssize_t i, int st, bytes body, uint32_t version=0, bint copy=True) except? 0:
+        """:func:`write_slot` through the redo record, plus the status and counters.
+
+        With ``copy=False`` only the redo record is composed (see :meth:`commit`).
+        """
+        cdef Py_ssize_t size = self.size, width = size - 8, n = len(body)
+        if i < 0 or i >= self.slots.shape[0]:
+            raise IndexError(f"slot {i} out of range")
+        if n > width:
+            raise ValueError(f"body of {n} bytes does not fit a {width}-byte slot body")
+        if st < 0 or st > 2:
+            raise ValueError("status must be FREE, OCCUPIED or DELETED")
+        cdef uint32_t v = version & _MASK
+        if v == 0:
+            v = (self.versions[i] + 1) & _MASK
+            if v == 0:
+                v = 1
+        cdef uint32_t meta = (v << 2) | <uint32_t>st
+        cdef uint8_t* rec = &self.redo[_REDO_OFFSET]
+        cdef uint8_t* img = rec + _REDO_HEAD
+        cdef const uint8_t* src = <const uint8_t*>(<char*>body)
+        if n:
+            memcpy(img + 8, src, n)
+        if n < width:
+            memset(img + 8 + n, 0, width - n)
+        _store_u32(img + 4, _slot_crc(meta, img + 8, width))
+        _store_u32(img, meta)
+        _store_u32(rec, _REDO_MAGIC)
+        _store_u32(rec + 4, <uint32_t>i)
+        _store_u32(rec + 8, <uint32_t>size)
+        _store_u32(rec + 12, _crc_update(_crc_update(_ONES, rec, 12), img, size) ^ _ONES)
+        if copy:
+            memcpy(&self.slots[i, 0], img, size)
+            self.versions[i] = v
+            self._set_status(i, <uint8_t>st)
+            self._mark(i)
+        return v
+
+    cpdef Py_ssize_t commit(self) except -1:
+        """Copy the composed redo record into its slot; returns the slot."""
+        cdef const uint8_t* rec = &self.redo[_REDO_OFFSET]
+        cdef Py_ssize_t i = _load_u32(rec + 4)
+        cdef uint32_t meta = _load_u32(rec + _REDO_HEAD)
+        if _load_u32(rec) != _REDO_MAGIC or i >= self.slots.shape[0]:
+            raise ValueError("no redo record to commit")
+        memcpy(&self.slots[i, 0], rec + _REDO_HEAD, self.size)
+        self.versions[i] = meta >> 2
+        self._set_status(i, <uint8_t>(meta & 3))
+        self._mark(i)
+        return i
+
+    cdef inline void _mark(self, Py_ssize_t i) noexcept:
+        cdef Py_ssize_t off = self.base + i * self.size
+        if i >= self.hwm:
+            self.hwm = i + 1
+        if self.dirty_lo < 0 or off < self.dirty_lo:
+            self.dirty_lo = off
+        if off + self.size > self.dirty_hi:
+            self.dirty_hi = off + self.size
+        self.writes += 1
+
+    def mark(self, Py_ssize_t i):
+        """Count a write of slot ``i`` made some other way (dirty range, mark)."""
+        self._mark(i)
+
+    def header(self, Py_ssize_t i, Py_ssize_t off):
+        """The queue row header at byte ``off`` of slot ``i``'s body: ``(state, flags,
+        attempts, epoch, deadline, payload_id, pushed)`` (``<BBHIqQq``)."""
+        if i < 0 or i >= self.slots.shape[0] or off < 0 or 8 + off + 32 > self.size:
+            raise IndexError(f"slot {i} out of range")
+        cdef const uint8_t* p = &self.slots[i, 8 + off]
+        return (p[0], p[1], <uint32_t>p[2] | (<uint32_t>p[3] << 8), _load_u32(p + 4),
+                <int64_t>_load_u64(p + 8), _load_u64(p + 16), <int64_t>_load_u64(p + 24))
+
+    def body(self, Py_ssize_t i, Py_ssize_t off, Py_ssize_t n):
+        """``n`` bytes of slot ``i``'s body from byte ``off``."""
+        if i < 0 or i >= self.slots.shape[0] or off < 0 or n < 0 or 8 + off + n > self.size:
+            raise IndexError(f"slot {i} out of range")
+        return (<char*>&self.slots[i, 8 + off])[:n]
 
 
-def occupied_slots(const uint8_t[::1] status):
-    """Indices of OCCUPIED slots, as an int64 array."""
-    return np.flatnonzero(np.asarray(status) == 1)
+cdef inline uint64_t _load_u64(const uint8_t* p) noexcept nogil:
+    return <uint64_t>_load_u32(p) | (<uint64_t>_load_u32(p + 4) << 32)

@@ -469,7 +469,7 @@ def test_checker_catches_injected_anomalies(tmp_path: Path) -> None:
 def test_i1_s4_kill_mid_lease_slot_update_keeps_the_job(tmp_path: Path, kind: str) -> None:
     """I1/S4: a SIGKILL inside a lease's in-place header update must not lose the job.
 
-    ``armdb._core.fixed.write_slot`` copies the new slot body in place, then stores the
+    ``armdb._core.fixed.SlotFile.put`` copies the new slot body in place, then stores the
     CRC and meta.  A kill between the two (the kill loop hit it: ``repaired_on_open=1``
     and one pushed, never-acked job gone) leaves the new body under the old CRC.  This
     test writes exactly that state: a pushed job whose slot holds the lease's new

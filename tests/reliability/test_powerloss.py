@@ -767,15 +767,18 @@ def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any, monkeypatch: pytest.Mo
     # without an msync between the two stores the record may not have reached the disk.
     others = {f: _read(os.path.join(sdir, f)) for f in os.listdir(sdir) if f != "fixed.data"}
     # A store that syncs such a record before the in-place copy makes that record
-    # durable: take the other files as they are when the copy begins.
-    fixed_mod = sys.modules["armdb.fixed"]
-    orig_commit = fixed_mod._k.commit_redo
+    # durable: take the other files as they are when the copy begins (the failpoint
+    # between the two).
+    from armdb import _fail
 
-    def at_copy(*args: Any) -> int:
-        others.update({f: _read(os.path.join(sdir, f)) for f in os.listdir(sdir) if f != "fixed.data"})
-        return orig_commit(*args)
+    orig_point = _fail.point
 
-    monkeypatch.setattr(fixed_mod._k, "commit_redo", at_copy)
+    def at_copy(name: str) -> None:
+        if name == "fixed.after_redo_sync":
+            others.update({f: _read(os.path.join(sdir, f)) for f in os.listdir(sdir) if f != "fixed.data"})
+        orig_point(name)
+
+    monkeypatch.setattr(_fail, "point", at_copy)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     q = db.open_queue(q_spec, _qcfg())
     (lease,) = q.lease(1)
