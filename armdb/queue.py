@@ -409,24 +409,6 @@ class _Shard:
         self.dead = KeyIndex()
         # Counters since open, changed only under ``lock`` (summed by Queue.stats).
         self.pushes = self.acks = self.nacks = self.dead_lettered = self.expired_leases = 0
-        # Reused output buffers of the lease scan (grown on demand, used under ``lock``).
-        self.buf_due = np.empty(16, np.uint64)
-        self.buf_seq = np.empty(16, np.uint64)
-        self.buf_slot = np.empty(16, np.uint32)
-        self.buf_dl = np.empty(16, np.int64)
-
-    def scan(self, now: int, want: int) -> int:
-        """Run the skip-scan into this shard's buffers (caller holds ``lock``)."""
-        if self.buf_due.shape[0] < want:
-            size = max(want, 2 * self.buf_due.shape[0])
-            self.buf_due = np.empty(size, np.uint64)
-            self.buf_seq = np.empty(size, np.uint64)
-            self.buf_slot = np.empty(size, np.uint32)
-            self.buf_dl = np.empty(size, np.int64)
-        if want == self.buf_due.shape[0]:
-            return int(self.live.scan(now, self.buf_due, self.buf_seq, self.buf_slot, self.buf_dl))
-        return int(self.live.scan(now, self.buf_due[:want], self.buf_seq[:want], self.buf_slot[:want],
-                                  self.buf_dl[:want]))
 
 
 def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: int,
@@ -643,14 +625,12 @@ class Queue(Generic[T]):
     def _shard_for(self, seq: int) -> _Shard:
         return self._shards[seq % len(self._shards)]
 
-    def _header(self, sh: _Shard, slot: int) -> tuple[int, int, int, int, int, int, int]:
-        fx = sh.fixed
-        return typing.cast(tuple, _HEADER.unpack_from(fx.flat, slot * fx.slot_size + 8 + KEY_SIZE))
+    @staticmethod
+    def _header(sh: _Shard, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        return sh.fixed.sf.header(slot, KEY_SIZE)
 
     def _payload_bytes(self, sh: _Shard, slot: int) -> bytes:
-        fx = sh.fixed
-        start = slot * fx.slot_size + 8 + KEY_SIZE + HEADER_SIZE
-        return fx.flat[start : start + self._codec.size].tobytes()  # type: ignore[union-attr]
+        return sh.fixed.sf.body(slot, KEY_SIZE + HEADER_SIZE, self._codec.size)  # type: ignore[union-attr]
 
     @staticmethod
     def _key_bytes(seq: int) -> bytes:
@@ -821,10 +801,8 @@ class Queue(Generic[T]):
         cands: list[tuple[int, int, int, int]] = []
         for i, sh in enumerate(self._shards):
             with sh.lock:
-                k = sh.scan(now, want)
-                if k:
-                    cands.extend(zip(sh.buf_due[:k].tolist(), sh.buf_seq[:k].tolist(), [i] * k,
-                                     sh.buf_slot[:k].tolist()))
+                found = sh.live.candidates(now, want)
+            cands.extend((due, seq, i, slot) for due, seq, slot in found)
         if len(self._shards) > 1:
             cands.sort()
             del cands[want:]

@@ -679,6 +679,32 @@ cdef class KeyIndex:
             self.busy = False
         return cnt
 
+    def candidates(self, int64_t now, Py_ssize_t cap):
+        """:meth:`scan` for a few rows, returned as a list of ``(due, seq, slot)`` tuples.
+
+        The queue's lease path asks for ``n`` rows at a time (usually one); this form
+        needs no output arrays from the caller, whose buffer acquisition would cost
+        more than the walk.
+        """
+        cdef Py_ssize_t cnt, i
+        cdef uint64_t* buf
+        self._enter()
+        if now < 0:
+            raise ValueError(f"now must be >= 0, got {now}")
+        if cap <= 0 or self.n == 0:
+            return []
+        buf = <uint64_t*>malloc(cap * (2 * sizeof(uint64_t) + sizeof(uint32_t) + sizeof(int64_t)))
+        if buf == NULL:
+            raise MemoryError("KeyIndex: cannot allocate a scan buffer")
+        self.busy = True
+        try:
+            with nogil:
+                cnt = self._scan(now, buf, buf + cap, <uint32_t*>(buf + 3 * cap), <int64_t*>(buf + 2 * cap), cap)
+            return [(buf[i], buf[cap + i], (<uint32_t*>(buf + 3 * cap))[i]) for i in range(cnt)]
+        finally:
+            self.busy = False
+            free(buf)
+
     def next_due(self, int64_t now):
         """Earliest moment (ms) at which a row is or becomes due; -1 when empty.
 
