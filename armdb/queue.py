@@ -460,7 +460,10 @@ class Queue(Generic[T]):
         self._headers: FixedStore | None = None
         self._shards: list[_Shard] = []
         self._counter_lock = threading.Lock()  # guards the counters below (per-shard ones live on _Shard)
-        self._gen = 0  # bumped by every push and nack under _cond: waiters detect missed wakeups
+        # A new value at every push and nack (next() on a count is atomic under the GIL,
+        # and never repeats one): waiters compare it to detect missed wakeups.
+        self._gens = itertools.count(1)
+        self._gen = 0
         self._nwaiters = 0
         self._payload_writes = 0
         self._orphans_collected = 0
@@ -615,7 +618,7 @@ class Queue(Generic[T]):
     # -- helpers -------------------------------------------------------------------------------
     def _check(self) -> int:
         """Raise DbClosed if closed; run retention when due; return now (ms)."""
-        if self._closed or self._db.closed:
+        if self._closed or self._db._closed:
             raise DbClosed(f"queue {self.name!r} (its Db is closed)")
         now = int(self._clock())
         if now >= self._next_retention:
@@ -713,12 +716,14 @@ class Queue(Generic[T]):
     def _notify(self) -> None:
         """Wake blocking and async waiters at once (Q19).
 
-        The generation bump comes first, so a waiter that checked before it and
-        registers after it sees the new generation and does not sleep.
+        The generation changes first, without the lock; a waiter counts itself in
+        ``_nwaiters`` before it compares the generation (both under the lock).  So
+        either the waiter sees the new generation and does not sleep, or this push
+        sees the waiter and notifies it (taking the lock, so only once it waits).
         """
-        with self._cond:
-            self._gen += 1
-            if self._nwaiters:
+        self._gen = next(self._gens)
+        if self._nwaiters:
+            with self._cond:
                 self._cond.notify_all()
         waker = self._db._waker
         if waker is not None and waker.has_waiters():
@@ -745,7 +750,9 @@ class Queue(Generic[T]):
         now = self._check()
         deadline = now + int(round(timeout * 1000))
         out: list[tuple[int, int, int, int, int, bytes]] = []  # due, seq, shard, attempt, epoch, payload
-        while len(out) < n:
+        if len(self._shards) == 1:
+            self._lease_single(now, deadline, n, out)
+        while len(self._shards) > 1 and len(out) < n:
             want = n - len(out)
             cands = self._scan(now, want)
             if not cands:
@@ -808,6 +815,25 @@ class Queue(Generic[T]):
             del cands[want:]
         return cands
 
+    def _lease_single(self, now: int, deadline: int, n: int, out: list[Any]) -> None:
+        """Scan and claim under one hold of the lock: with one shard there is no merge
+        between the phases, and a candidate found under the lock is still there."""
+        sh = self._shards[0]
+        with sh.lock:
+            while len(out) < n:
+                cands = sh.live.candidates(now, n - len(out))
+                if not cands:
+                    return
+                progressed = False
+                for due, seq, slot in cands:
+                    got = self._claim_locked(sh, 0, due, seq, slot, now, deadline)
+                    if got is not None:
+                        progressed = True
+                        if got is not False:
+                            out.append(got)
+                if not progressed:
+                    return
+
     def _claim(self, shard_no: int, due: int, seq: int, slot: int, now: int, deadline: int) -> Any:
         """Phase 2: re-check and lease one candidate under its shard lock.
 
@@ -816,24 +842,28 @@ class Queue(Generic[T]):
         """
         sh = self._shards[shard_no]
         with sh.lock:
-            cur = sh.live.get(due, seq)
-            if cur is None or cur[0] != slot or cur[1] > now:
-                return None
-            state, flags, attempts, epoch, old_deadline, pid, pushed = self._header(sh, slot)
-            expired = state == State.LEASED
-            extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
-            if expired and attempts >= self.config.max_attempts:
-                self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
-                sh.expired_leases += 1
-                sh.fixed.raise_sync_error()
-                return False
-            attempts += 1
-            epoch = (epoch + 1) & 0xFFFFFFFF
-            sh.fixed.write(slot, _pack_row(due, seq, State.LEASED, flags, attempts, epoch, deadline, pid, pushed, extra))
-            sh.live.set_deadline(due, seq, deadline)
-            if expired:
-                sh.expired_leases += 1
+            return self._claim_locked(sh, shard_no, due, seq, slot, now, deadline)
+
+    def _claim_locked(self, sh: _Shard, shard_no: int, due: int, seq: int, slot: int, now: int,
+                      deadline: int) -> Any:
+        cur = sh.live.get(due, seq)
+        if cur is None or cur[0] != slot or cur[1] > now:
+            return None
+        state, flags, attempts, epoch, old_deadline, pid, pushed = self._header(sh, slot)
+        expired = state == State.LEASED
+        extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
+        if expired and attempts >= self.config.max_attempts:
+            self._dead_letter_locked(sh, due, seq, slot, now, flags, attempts, epoch, old_deadline, pid, pushed, extra)
+            sh.expired_leases += 1
             sh.fixed.raise_sync_error()
+            return False
+        attempts += 1
+        epoch = (epoch + 1) & 0xFFFFFFFF
+        sh.fixed.write(slot, _pack_row(due, seq, State.LEASED, flags, attempts, epoch, deadline, pid, pushed, extra))
+        sh.live.set_deadline(due, seq, deadline)
+        if expired:
+            sh.expired_leases += 1
+        sh.fixed.raise_sync_error()
         return (due, seq, shard_no, attempts, epoch, extra)
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
@@ -1014,12 +1044,12 @@ class Queue(Generic[T]):
             with self._cond:
                 if self._closed:
                     raise DbClosed(f"queue {self.name!r} (its Db was closed while waiting)")
-                if self._gen == gen:  # no push since we looked: sleep
-                    self._nwaiters += 1
-                    try:
+                self._nwaiters += 1  # before the comparison: see _notify
+                try:
+                    if self._gen == gen:  # no push since we looked: sleep
                         self._cond.wait(min(remaining, typing.cast(float, wait)))
-                    finally:
-                        self._nwaiters -= 1
+                finally:
+                    self._nwaiters -= 1
 
     async def due(self) -> None:
         """Resolve when a row is due (advisory, like :meth:`wait_due_timeout`).
