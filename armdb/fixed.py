@@ -55,6 +55,7 @@ FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
 # first sector of fixed.redo, so that no single damaged file erases both.
 HWM_DATA_OFFSET = 512
 HWM_REDO_OFFSET = 32
+HWM_STEP = 64  # slots copy A may lag behind while writes keep coming (see _sync_locked)
 _HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
 HWM_MAGIC = b"ARMHWM01"
 
@@ -140,7 +141,8 @@ class FixedShard:
         self.sf = _k.SlotFile(HEADER_PAGE)  # the hot path's view of the arrays (rebound by _bind)
         self._last_sync = time.monotonic()
         # High-water mark: on disk, and covered by a completed sync (in memory: sf.hwm).
-        self._hwm_disk = self._hwm_synced = self._hwm_gen = 0
+        # The marks stored in the two copies (A: fixed.data, B: fixed.redo).
+        self._hwm_a = self._hwm_b = self._hwm_synced = self._hwm_gen = 0
         self._sync_every = config.sync_interval if config.enable_fsync else None
         self._fd = -1
         self._redo_fd = -1
@@ -302,7 +304,7 @@ class FixedShard:
         Slots a crashed process wrote may sit in the page cache only: the first sync
         flushes the whole range below the mark before a mark on disk may cover it.
         """
-        self._hwm_disk = self._hwm_synced = mark
+        self._hwm_a = self._hwm_b = self._hwm_synced = mark
         used = np.flatnonzero(self.status != FREE)
         sf = self.sf
         sf.hwm = max(mark, int(used[-1]) + 1 if used.shape[0] else 0)
@@ -538,32 +540,40 @@ class FixedShard:
 
     # -- durability ------------------------------------------------------------------
     def _sync_locked(self, *, final: bool = False) -> None:
-        """msync the dirty range (and the redo record).
+        """msync the dirty range, and bring the high-water mark up to date.
 
-        The high-water mark lags one sync behind: the mark written into the header
-        page now covers only slots written before the *previous* sync, which are on
-        disk already, so however the kernel orders this sync's pages the mark never
-        claims a slot whose first write could still be lost.  ``final`` (close) runs
-        a second, small sync to record the last mark.
+        The mark lags one sync behind: it is raised only to what the *previous* sync
+        covered (slots on disk already), so whenever its bytes reach the disk, and in
+        whatever order the kernel writes this sync's pages, it never claims a slot
+        whose first write could still be lost.  For the same reason copy B (in
+        ``fixed.redo``) needs no msync of its own: it is rewritten at every sync and
+        reaches the disk with the next redo msync or write-back.  Copy A (header page
+        of ``fixed.data``) would add a page to this sync, so it is rewritten only when
+        it lags ``HWM_STEP`` slots, on an idle sync (the background flusher) and on
+        close; a durable push costs one msync of one page.  ``final`` (close) records
+        the last mark in both copies with a second, small sync.
         """
         sf = self.sf
         lo, hi = sf.dirty_lo, sf.dirty_hi
         sf.dirty_lo = sf.dirty_hi = -1
         self._last_sync = time.monotonic()
-        if self._hwm_synced > self._hwm_disk:
-            self._write_hwm(self._hwm_synced)
+        synced = self._hwm_synced
+        if synced > self._hwm_b:
+            self._write_hwm(synced, data=False)
+        if synced > self._hwm_a and (lo < 0 or final or synced - self._hwm_a >= HWM_STEP):
+            self._write_hwm(synced, data=True)
             lo, hi = 0, max(hi, HEADER_PAGE)
         if lo < 0:
             return
         mark = sf.hwm
         try:
-            self.redo_mapped.flush()
             self.mapped.flush(lo, hi - lo)
             self._hwm_synced = mark
-            if final and mark > self._hwm_disk:
-                self._write_hwm(mark)
-                self.mapped.flush(0, HEADER_PAGE)
+            if final and mark > min(self._hwm_a, self._hwm_b):
+                self._write_hwm(mark, data=False)
+                self._write_hwm(mark, data=True)
                 self.redo_mapped.flush()
+                self.mapped.flush(0, HEADER_PAGE)
         except OSError as e:
             # Never retried (S12): the kernel may already have dropped the dirty pages.
             self.poisoned = e
@@ -608,14 +618,16 @@ class FixedShard:
     def physical_bytes(self) -> int:
         return _fs.FS.physical_size(self.path)
 
-    def _write_hwm(self, mark: int) -> None:
-        """Store the mark in the older of the two copies (the newer one stands if this tears)."""
+    def _write_hwm(self, mark: int, *, data: bool) -> None:
+        """Store the mark in copy A (``data``) or B, under a new generation; the
+        valid copy with the higher generation counts, so a torn copy leaves the other."""
         self._hwm_gen += 1
-        if self._hwm_gen % 2:
+        if data:
             self.mapped.write(HWM_DATA_OFFSET, encode_hwm(self._hwm_gen, mark))
+            self._hwm_a = mark
         else:
             self.redo_mapped.write(HWM_REDO_OFFSET, encode_hwm(self._hwm_gen, mark))
-        self._hwm_disk = mark
+            self._hwm_b = mark
 
 
 class FixedStore:

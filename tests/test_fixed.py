@@ -95,9 +95,10 @@ def test_s1_header_page_and_slot_layout_are_byte_exact(tmp_path: Path) -> None:
     # header page: magic, version, slot_size, key_size, value_size, shard index, crc32; then zeros
     assert struct.unpack_from("<8sIIIII", raw, 0) == (b"ARMFIXD1", 1, 56, 16, 32, 3)
     assert struct.unpack_from("<I", raw, 28)[0] == zlib.crc32(raw[:28])
-    # then the high-water mark at 512 (generation 1: two slots written, recorded by close)
+    # then the high-water mark's copy A at 512 (two slots written; close writes copy B in
+    # fixed.redo under generation 1, then copy A under generation 2)
     hwm = struct.Struct("<8sQQ")
-    assert hwm.unpack_from(raw, 512) == (b"ARMHWM01", 1, 2)
+    assert hwm.unpack_from(raw, 512) == (b"ARMHWM01", 2, 2)
     assert struct.unpack_from("<I", raw, 512 + 24)[0] == zlib.crc32(raw[512 : 512 + 24])
     assert raw[32:512] + raw[512 + 28 : HEADER_PAGE] == bytes(HEADER_PAGE - 32 - 28)
 
