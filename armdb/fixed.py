@@ -426,6 +426,23 @@ class FixedShard:
         self._free_top -= 1
         return int(self._free[self._free_top])
 
+    def insert(self, body: bytes) -> int:
+        """:meth:`alloc` and :meth:`write` in one call (a push); returns the slot."""
+        if self.poisoned is not None:
+            self._check_writable()
+        if self._free_top == 0:
+            self.grow()
+        self._free_top -= 1
+        slot = int(self._free[self._free_top])
+        try:
+            self.sf.put(slot, OCCUPIED, body)  # a free slot: no ordered redo needed (_put)
+        except BaseException:
+            self._free_top += 1
+            raise
+        self._wrote_or_stash(slot)
+        _fail.point("fixed.after_slot_write")
+        return slot
+
     def unalloc(self, slot: int) -> None:
         """Give back a slot taken by :meth:`alloc` but never written."""
         self._free[self._free_top] = slot

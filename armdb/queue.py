@@ -625,9 +625,6 @@ class Queue(Generic[T]):
             self._sweep(raise_errors=False, now=now)
         return now
 
-    def _shard_for(self, seq: int) -> _Shard:
-        return self._shards[seq % len(self._shards)]
-
     @staticmethod
     def _header(sh: _Shard, slot: int) -> tuple[int, int, int, int, int, int, int]:
         return sh.fixed.sf.header(slot, KEY_SIZE)
@@ -673,17 +670,14 @@ class Queue(Generic[T]):
             row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, seq, now)
         else:
             row = _pack_row(now + delay_ms, seq, State.READY, 0, 0, 0, 0, 0, now, body)
-        sh = self._shard_for(seq)
+        sh = self._shards[seq % len(self._shards)]
         with sh.lock:
-            slot = sh.fixed.alloc()
-            try:
-                sh.fixed.write(slot, row)
-            except BaseException:
-                sh.fixed.unalloc(slot)
-                raise
+            fx = sh.fixed
+            slot = fx.insert(row)
             sh.live.insert(now + delay_ms, seq, slot, 0)
             sh.pushes += 1
-            sh.fixed.raise_sync_error()
+            if fx.sync_error is not None:
+                fx.raise_sync_error()
         self._notify()
         return seq
 
