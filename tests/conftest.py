@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,41 @@ import pytest
 import armdb
 
 ROOT = Path(__file__).resolve().parent.parent
+
+_REPORT: dict[str, object] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Collect the harnesses' RELIABILITY lines of this run (children inherit the path)."""
+    path = os.environ.get("ARMDB_RELIABILITY_REPORT")
+    if not path:
+        fd, path = tempfile.mkstemp(prefix="armdb-reliability-", suffix=".txt")
+        os.close(fd)
+        os.environ["ARMDB_RELIABILITY_REPORT"] = path
+        _REPORT["owned"] = True
+    _REPORT["path"] = path
+    _REPORT["start"] = os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the reliability figures table of this run (RELIABILITY.md section 5)."""
+    from tests.reliability.figures import table
+
+    path = str(_REPORT.get("path", ""))
+    if not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        f.seek(int(typing.cast(int, _REPORT["start"])))
+        lines = [ln.strip() for ln in f if ln.startswith("RELIABILITY ")]
+    if _REPORT.get("owned"):
+        os.unlink(path)
+    if not lines:
+        return
+    text, ok = table(lines)
+    terminalreporter.write_sep("=", "reliability figures (RELIABILITY.md section 5)")
+    terminalreporter.write_line(text)
+    terminalreporter.write_line("every violation count is 0 and every size meets its CI target" if ok
+                                else "SOME ROW FAILS: see the table above")
 
 
 class FakeClock:
