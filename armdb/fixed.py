@@ -349,9 +349,6 @@ class FixedShard:
         # A plain ndarray view of the np.memmap: indexing an np.memmap subclass costs
         # microseconds per access (__array_finalize__), which the hot path cannot pay.
         self.slots = np.asarray(self.mapped.array[HEADER_PAGE:]).reshape(capacity, self.slot_size)
-        # The same bytes as a flat memoryview: struct.unpack_from on it is the cheapest
-        # way for Python code to read one field of one slot.
-        self.flat = memoryview(self.slots).cast("B")  # type: ignore[arg-type]
         versions = np.zeros(capacity, dtype=np.uint32)
         if old_versions is not None:
             versions[: old_versions.shape[0]] = old_versions
@@ -520,8 +517,7 @@ class FixedShard:
         self._wrote(slot)
 
     def body(self, slot: int) -> bytes:
-        off = slot * self.slot_size
-        return self.flat[off + 8 : off + self.slot_size].tobytes()
+        return self.sf.body(slot, 0, self.body_size)
 
     def occupied_slots(self) -> np.ndarray:
         return np.flatnonzero(self.status == OCCUPIED)
