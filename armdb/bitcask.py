@@ -1675,6 +1675,11 @@ class BitcaskStore:
         """The shard lock guarding ``key``."""
         return self._shard(self._key_arg(key)).lock
 
+    def shard_lock(self, key: bytes) -> tuple[str, threading.Lock]:
+        """``(lock_key(key)[0], lock_for(key))`` in one shard lookup (the commit hot path)."""
+        sh = self._shard(self._key_arg(key))
+        return sh.sdir, sh.lock
+
     def all_locks(self) -> list[tuple[tuple[str, int], threading.Lock]]:
         """Every shard lock with its sort key (for commits that lock a whole collection)."""
         return [((sh.sdir, 0), sh.lock) for sh in self._shards]
@@ -1687,6 +1692,12 @@ class BitcaskStore:
             return None
         path, e, data = got
         return self._decode_value(path, e, data, key)
+
+    def contains_locked(self, key: bytes) -> bool:
+        """Whether ``key`` holds a value, for a caller that holds ``lock_for(key)`` (no read)."""
+        self._check_open()
+        key = self._key_arg(key)
+        return key in self._shard(key).index
 
     def write_locked(self, key: bytes, value: bytes | None, gsn: int) -> bool:
         """Write one committed transaction row with exactly ``gsn`` (caller holds ``lock_for(key)``).

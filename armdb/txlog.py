@@ -28,9 +28,11 @@ stores are synced and the log file is replaced by an empty one; this runs when
 the file passes ``CHECKPOINT_BYTES`` and at close.
 
 Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
-count; it is held for the append only, never across an apply.  ``_sync_lock``
-serialises ``fdatasync`` calls: a durable commit waits for a sync that covers its
-record, so several committing threads share one sync (group commit).
+count; it is held for the append only, never across a sync or an apply.
+``_sync_cv`` guards the group-commit state (a sync is running; the offset the
+last sync covered): one committer at a time leads a sync of everything
+appended so far while the others wait on the condition, so several committing
+threads share one ``fdatasync`` (group commit, ``TxLog.sync_to``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ FILE_HEADER_SIZE = 32
 REC_MAGIC = 0x314E5854
 _REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
 REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
+_U32 = struct.Struct("<I")
+_ZEROS = bytes(8)
 FLAG_SEALED = 1
 CHECKPOINT_BYTES = 4 << 20
 MAX_BODY = 1 << 30
@@ -77,7 +81,7 @@ def _file_header(number: int) -> bytes:
 def _check_file_header(raw: bytes, path: str) -> int:
     if len(raw) < FILE_HEADER_SIZE or raw[:8] != FILE_MAGIC:
         raise FormatError(f"{path}: not an armdb transaction log; point armdb at its own directory")
-    magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
+    _magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
     if struct.unpack_from("<I", raw, _FILE_HEAD.size)[0] != zlib.crc32(raw[: _FILE_HEAD.size]):
         raise FormatError(f"{path}: transaction log header fails its CRC; restore it from a backup")
     if version != FORMAT_VERSION:
@@ -101,9 +105,8 @@ def _torn_header(raw: bytes) -> bool:
 
 def encode_record(txid: int, body: bytes, flags: int) -> bytes:
     head = _REC_HEAD.pack(REC_MAGIC, flags, txid, len(body))
-    crc = zlib.crc32(body, zlib.crc32(head))
-    raw = head + struct.pack("<I", crc) + body
-    return raw + bytes(-len(raw) % 8)
+    pad = -(REC_HEAD_SIZE + len(body)) % 8
+    return b"".join((head, _U32.pack(zlib.crc32(body, zlib.crc32(head))), body, _ZEROS[:pad]))
 
 
 def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]], int, int | None]:
@@ -165,7 +168,8 @@ class TxLog:
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._sync_lock = threading.Lock()
+        self._sync_cv = threading.Condition(threading.Lock())  # guards _syncing, _synced_end
+        self._syncing = False
         self._fd = -1
         self._path = ""
         self._number = 0
@@ -208,7 +212,7 @@ class TxLog:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
-            recs, end, bad = parse_records(raw, FILE_HEADER_SIZE)
+            recs, _end, bad = parse_records(raw, FILE_HEADER_SIZE)
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
@@ -298,9 +302,9 @@ class TxLog:
     def needs_key(self) -> bool:
         return self.sealer is None
 
-    def append(self, rows: list[Any]) -> tuple[int, int]:
-        """Append one commit record; returns ``(txid, end offset)``.  Caller must call
-        :meth:`done` after applying (or failing to apply) it."""
+    def append(self, rows: list[Any]) -> int:
+        """Append one commit record; returns the log's end offset after it.  The
+        caller must call :meth:`done` after applying (or failing to apply) it."""
         body = msgpack.packb(rows, use_bin_type=True)
         with self._lock:
             if self.poisoned is not None:
@@ -311,42 +315,74 @@ class TxLog:
             flags = 0
             if self.sealer is not None:
                 body = self.sealer.seal(body, txid.to_bytes(8, "little"))
-                flags |= FLAG_SEALED
+                flags = FLAG_SEALED
             raw = encode_record(txid, body, flags)
+            end = self._end
             try:
-                _fs.FS.pwrite(self._fd, raw, self._end)
+                _fs.FS.pwrite(self._fd, raw, end)
             except OSError as e:
                 try:
-                    _fs.FS.ftruncate(self._fd, self._end)
+                    _fs.FS.ftruncate(self._fd, end)
                 except OSError:
                     self.poisoned = e
                 raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e
             self._next_txid = txid + 1
-            self._end += len(raw)
+            end += len(raw)
+            self._end = end
             self._inflight += 1
             self.commits += 1
-            end = self._end
         _fail.point("txlog.after_append")
-        return txid, end
+        return end
 
     def sync_to(self, end: int) -> None:
-        """Make the log durable up to ``end`` (group commit: one sync serves every
-        record appended before it started)."""
+        """Make the log durable up to ``end``: group commit, leader and followers.
+
+        A committer that finds no sync running becomes the leader: it syncs
+        everything appended so far (``_end`` when it starts), outside every lock
+        but ``_sync_cv``'s flag, with the GIL released by ``os.fdatasync``.
+        Committers that arrive meanwhile wait on ``_sync_cv``; when the sync ends
+        they all wake, those it covered return, and one of the others leads the
+        next sync, which covers everything appended during the previous one.
+        Appends (``_lock``) never wait for a sync.
+
+        A failed sync poisons the log and is never retried (S12): the leader and
+        every committer still waiting raise ``StorageError``, so no commit whose
+        record the failed sync should have covered is ever applied.
+        """
         if self._synced_end >= end:
-            return
-        with self._sync_lock:
-            if self._synced_end >= end:
-                return
-            with self._lock:
-                target = self._end
-                fd = self._fd
-            try:
-                _fs.FS.fdatasync(fd)
-            except OSError as e:
-                self.poisoned = e  # never retried (S12)
-                raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
-            self.syncs += 1
-            self._synced_end = max(self._synced_end, target)
+            return  # a sync that started after our append already finished
+        cv = self._sync_cv
+        with cv:
+            while True:
+                if self._synced_end >= end:
+                    return
+                if self.poisoned is not None:
+                    raise StorageError(
+                        f"{self._path}: log sync failed ({self.poisoned}); nothing of this commit was applied; "
+                        f"reopen the database"
+                    )
+                if not self._syncing:
+                    break
+                cv.wait()
+            self._syncing = True
+            # Every record below _end has been written (append moves _end after its
+            # pwrite returns); the fd cannot change while a commit is in flight.
+            target = self._end
+            fd = self._fd
+        synced = False
+        try:
+            _fs.FS.fdatasync(fd)
+            synced = True
+        except OSError as e:
+            self.poisoned = e  # never retried (S12)
+            raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
+        finally:
+            with cv:
+                if synced:
+                    self.syncs += 1
+                    self._synced_end = max(self._synced_end, target)
+                self._syncing = False
+                cv.notify_all()
         _fail.point("txlog.after_sync")
 
     def done(self) -> None:
