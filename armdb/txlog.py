@@ -29,10 +29,11 @@ the file passes ``CHECKPOINT_BYTES`` and at close.
 
 Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
 count; it is held for the append only, never across a sync or an apply.
-``_sync_cv`` guards the group-commit state (a sync is running; the offset the
-last sync covered): one committer at a time leads a sync of everything
-appended so far while the others wait on the condition, so several committing
-threads share one ``fdatasync`` (group commit, ``TxLog.sync_to``).
+``_group`` (``armdb._core.groupsync.GroupSync``, its own C mutex) holds the
+group-commit state (a sync is running; the offset the last sync covered): one
+committer at a time leads a sync of everything appended so far while the
+others wait, with the GIL released, so several committing threads share one
+``fdatasync`` (group commit, ``TxLog.sync_to``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from . import _fail, _fs
+from ._core.groupsync import GroupSync
 from ._crypto import Sealer
 from .errors import CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
 
@@ -168,20 +170,17 @@ class TxLog:
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._sync_cv = threading.Condition(threading.Lock())  # guards _syncing, _synced_end
-        self._syncing = False
+        self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
         self._path = ""
         self._number = 0
         self._end = 0
-        self._synced_end = 0
         self._inflight = 0
         self._next_txid = 1
         self.poisoned: BaseException | None = None
         self.pending: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
         self._retained: list[str] = []  # replayed files kept while rows are still owed
         self.commits = 0
-        self.syncs = 0
         self.replayed = 0
 
     # -- open / replay ---------------------------------------------------------------
@@ -286,12 +285,18 @@ class TxLog:
         if self._fd >= 0:
             fs.close(self._fd)
         self._fd, self._path = fd, path
-        self._end = self._synced_end = FILE_HEADER_SIZE
+        self._end = FILE_HEADER_SIZE
+        self._group.reset(fd, FILE_HEADER_SIZE)  # no commit is in flight here
         for p in old:
             if fs.exists(p):
                 fs.unlink(p)
         if old:
             fs.fsync_dir(self.dir)
+
+    @property
+    def syncs(self) -> int:
+        """Log syncs made by commits since open (several commits can share one)."""
+        return self._group.syncs
 
     def take_pending(self, collection: str) -> list[tuple[bytes, bytes | None, int]]:
         """Rows owed to an encrypted collection that is being opened now."""
@@ -307,10 +312,9 @@ class TxLog:
         caller must call :meth:`done` after applying (or failing to apply) it."""
         body = msgpack.packb(rows, use_bin_type=True)
         with self._lock:
-            if self.poisoned is not None:
-                raise StorageError(
-                    f"{self._path}: an earlier log sync failed ({self.poisoned}); reopen the database"
-                )
+            if self.poisoned is not None or self._group.err:
+                failure = self.poisoned or os.strerror(self._group.err)
+                raise StorageError(f"{self._path}: an earlier log sync failed ({failure}); reopen the database")
             txid = self._next_txid
             flags = 0
             if self.sealer is not None:
@@ -329,6 +333,7 @@ class TxLog:
             self._next_txid = txid + 1
             end += len(raw)
             self._end = end
+            self._group.wrote(end)
             self._inflight += 1
             self.commits += 1
         _fail.point("txlog.after_append")
@@ -338,51 +343,36 @@ class TxLog:
         """Make the log durable up to ``end``: group commit, leader and followers.
 
         A committer that finds no sync running becomes the leader: it syncs
-        everything appended so far (``_end`` when it starts), outside every lock
-        but ``_sync_cv``'s flag, with the GIL released by ``os.fdatasync``.
-        Committers that arrive meanwhile wait on ``_sync_cv``; when the sync ends
-        they all wake, those it covered return, and one of the others leads the
-        next sync, which covers everything appended during the previous one.
-        Appends (``_lock``) never wait for a sync.
+        everything appended so far; committers that arrive meanwhile wait, and
+        when the sync ends those it covered return while one of the others leads
+        the next sync, which covers everything appended during the previous one.
+        Appends (``_lock``) never wait for a sync.  The coordination and the
+        ``fdatasync(2)`` run in C without the GIL (``armdb._core.groupsync``), so
+        the next sync starts as soon as the previous one returns, even while
+        other threads hold the GIL; a file system that overrides ``fdatasync``
+        (tests) has it called instead (``RealFS.native_fdatasync``).
 
         A failed sync poisons the log and is never retried (S12): the leader and
-        every committer still waiting raise ``StorageError``, so no commit whose
-        record the failed sync should have covered is ever applied.
+        every committer whose record it did not cover raise ``StorageError``, so
+        no commit whose record the failed sync should have covered is applied.
         """
-        if self._synced_end >= end:
+        group = self._group
+        if group.synced >= end:
             return  # a sync that started after our append already finished
-        cv = self._sync_cv
-        with cv:
-            while True:
-                if self._synced_end >= end:
-                    return
-                if self.poisoned is not None:
-                    raise StorageError(
-                        f"{self._path}: log sync failed ({self.poisoned}); nothing of this commit was applied; "
-                        f"reopen the database"
-                    )
-                if not self._syncing:
-                    break
-                cv.wait()
-            self._syncing = True
-            # Every record below _end has been written (append moves _end after its
-            # pwrite returns); the fd cannot change while a commit is in flight.
-            target = self._end
-            fd = self._fd
-        synced = False
+        fs = _fs.FS
         try:
-            _fs.FS.fdatasync(fd)
-            synced = True
+            err = group.sync_to(end, None if fs.native_fdatasync() else fs.fdatasync)
         except OSError as e:
             self.poisoned = e  # never retried (S12)
             raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
-        finally:
-            with cv:
-                if synced:
-                    self.syncs += 1
-                    self._synced_end = max(self._synced_end, target)
-                self._syncing = False
-                cv.notify_all()
+        if err:
+            failure = OSError(err, os.strerror(err))
+            if self.poisoned is None:
+                self.poisoned = failure
+            raise StorageError(
+                f"{self._path}: log sync failed ({failure}); nothing of this commit was applied; reopen the "
+                f"database"
+            ) from failure
         _fail.point("txlog.after_sync")
 
     def done(self) -> None:

@@ -1,0 +1,219 @@
+# cython: language_level=3
+"""GroupSync: group commit for the transaction log, coordinated without the GIL.
+
+Why compiled
+------------
+Durable commits share ``fdatasync`` calls (docs/transactions.md, "The commit
+protocol", step 6): a committer that finds no sync running becomes the leader
+and syncs everything appended so far; committers that arrive meanwhile wait,
+and when the sync ends one of those it did not cover leads the next.  Written
+in Python (a ``threading.Condition``), every hand-over needs the GIL twice: the
+leader must get it back after ``os.fdatasync`` returns before it can wake
+anyone, and the next leader must get it before it can start its sync.  With
+eight committing threads those threads hold the GIL for their own Python work,
+so the disk sat idle 100-140 us between syncs of 250-350 us (measured, see
+docs/performance.md).  Here the wait, the hand-over and the ``fdatasync(2)``
+itself run in C with the GIL released, so a new sync starts as soon as the
+previous one returns, whoever holds the GIL.
+
+The file-system seam
+--------------------
+``armdb/_fs.py`` is the only module that touches the OS for storage, so that
+fault-injecting and recording file systems see every call.  This module calls
+``fdatasync(2)`` itself only when the caller passes no ``sync_fn``, which
+``TxLog.sync_to`` does only while the installed file system says so
+(``RealFS.native_fdatasync()``: its ``fdatasync`` is the plain one).  Any file
+system that overrides ``fdatasync`` gets its own method called, with the GIL,
+from the same coordination loop.
+
+State (guarded by ``mu``): ``written`` is the log's end offset after the last
+completed append (records below it are fully written); ``synced`` the offset
+the last successful sync covered; ``syncing`` whether a leader is syncing;
+``err`` the errno of a failed sync.  A failed sync is never retried (S12,
+"fsyncgate": after an error Linux may report later syncs as successful
+although the data never reached the disk): ``err`` stays set, and every
+waiter whose record the sync did not cover gets it back.
+"""
+
+from libc.errno cimport EINTR, EIO, errno
+
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t* m, void* attr)
+    int pthread_mutex_destroy(pthread_mutex_t* m)
+    int pthread_mutex_lock(pthread_mutex_t* m)
+    int pthread_mutex_unlock(pthread_mutex_t* m)
+    int pthread_cond_init(pthread_cond_t* c, void* attr)
+    int pthread_cond_destroy(pthread_cond_t* c)
+    int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
+    int pthread_cond_broadcast(pthread_cond_t* c)
+
+
+cdef extern from "<unistd.h>" nogil:
+    int fdatasync(int fd)
+
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* ts)
+    int CLOCK_MONOTONIC
+
+
+cdef inline long long _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef class GroupSync:
+    """Leader/follower ``fdatasync`` of one log file descriptor (see the module docstring)."""
+
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cv
+    cdef int fd
+    cdef long long _written
+    cdef long long _synced
+    cdef long long _syncs
+    cdef long long _sync_ns
+    cdef int _err
+    cdef bint syncing
+
+    def __cinit__(self, int fd, long long end):
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_cond_init(&self.cv, NULL)
+        self.fd = fd
+        self._written = end
+        self._synced = end
+        self._syncs = 0
+        self._sync_ns = 0
+        self._err = 0
+        self.syncing = False
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self.cv)
+        pthread_mutex_destroy(&self.mu)
+
+    @property
+    def synced(self) -> int:
+        """The log offset the last successful sync covered."""
+        return self._synced
+
+    @property
+    def syncs(self) -> int:
+        """Successful syncs since this object was made."""
+        return self._syncs
+
+    @property
+    def sync_seconds(self) -> float:
+        """Time spent inside ``fdatasync(2)`` by the native path (for the benchmarks)."""
+        return self._sync_ns / 1e9
+
+    @property
+    def err(self) -> int:
+        """The errno of a failed sync (0: none failed)."""
+        return self._err
+
+    def reset(self, int fd, long long end) -> None:
+        """A new, synced log file starts at ``end`` (no commit may be in flight)."""
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self.fd = fd
+            self._written = end
+            self._synced = end
+            pthread_mutex_unlock(&self.mu)
+
+    def wrote(self, long long end) -> None:
+        """An append ending at ``end`` has been written (call after its pwrite returned)."""
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            if end > self._written:
+                self._written = end
+            pthread_mutex_unlock(&self.mu)
+
+    cdef inline void _finish(self, long long target, int e) noexcept nogil:
+        # Caller holds mu.
+        self.syncing = False
+        if e == 0:
+            self._syncs += 1
+            if target > self._synced:
+                self._synced = target
+        elif self._err == 0:
+            self._err = e
+        pthread_cond_broadcast(&self.cv)
+
+    def sync_to(self, long long end, object sync_fn=None) -> int:
+        """Block until the log is durable up to ``end``.
+
+        Returns 0 once a successful sync covered ``end``, else the errno of the
+        failed sync (sticky: every later call returns it too).  ``sync_fn``:
+        ``None`` calls ``fdatasync(2)`` here without the GIL; otherwise
+        ``sync_fn(fd)`` is called with the GIL (a test file system).  An
+        ``OSError`` it raises fails the group (and is re-raised to the leader);
+        any other exception is re-raised to the leader only, and another
+        waiter leads the next sync.
+        """
+        cdef long long target = 0
+        cdef long long t0
+        cdef int rc, e
+        cdef bint native = sync_fn is None
+        cdef bint lead = False
+        cdef int fd = -1
+        while True:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                lead = False
+                while True:
+                    if self._synced >= end or self._err != 0:
+                        break
+                    if not self.syncing:
+                        self.syncing = True
+                        target = self._written
+                        fd = self.fd
+                        if not native:
+                            lead = True  # sync through Python, outside this block
+                            break
+                        pthread_mutex_unlock(&self.mu)
+                        t0 = _now_ns()
+                        while True:
+                            rc = fdatasync(fd)
+                            e = errno if rc != 0 else 0
+                            if e != EINTR:
+                                break
+                        pthread_mutex_lock(&self.mu)
+                        self._sync_ns += _now_ns() - t0
+                        self._finish(target, e)
+                        continue
+                    pthread_cond_wait(&self.cv, &self.mu)
+                pthread_mutex_unlock(&self.mu)
+            if not lead:
+                break
+            try:
+                sync_fn(fd)
+            except OSError as ex:
+                e = ex.errno if isinstance(ex.errno, int) and ex.errno > 0 else EIO
+                with nogil:
+                    pthread_mutex_lock(&self.mu)
+                    self._finish(target, e)
+                    pthread_mutex_unlock(&self.mu)
+                raise
+            except BaseException:
+                with nogil:
+                    pthread_mutex_lock(&self.mu)
+                    self.syncing = False  # not a failed sync: someone else leads
+                    pthread_cond_broadcast(&self.cv)
+                    pthread_mutex_unlock(&self.mu)
+                raise
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                self._finish(target, 0)
+                pthread_mutex_unlock(&self.mu)
+        if self._synced >= end:
+            return 0
+        return self._err
