@@ -322,11 +322,12 @@ class TxLog:
                 flags = FLAG_SEALED
             raw = encode_record(txid, body, flags)
             end = self._end
+            fs = _fs.FS
             try:
-                _fs.FS.pwrite(self._fd, raw, end)
+                fs.pwrite(self._fd, raw, end)
             except OSError as e:
                 try:
-                    _fs.FS.ftruncate(self._fd, end)
+                    fs.ftruncate(self._fd, end)
                 except OSError:
                     self.poisoned = e
                 raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e

@@ -204,16 +204,20 @@ def test_groupsync_unit_sticky_error_and_python_sync_fn(tmp_path: Path) -> None:
         assert gs.sync_to(10) == 0 and gs.syncs == 1  # already covered
         gs.wrote(20)
         assert gs.sync_to(20) == 0 and gs.syncs == 2  # native
-        gs.wrote(30)
+        for end in range(21, 40):  # a lone committer never waits to gather a group
+            gs.wrote(end)
+            assert gs.sync_to(end) == 0
+        assert gs.gathers == (0, 0.0) and gs.syncs == 21
+        gs.wrote(40)
 
         def boom(_fd: int) -> None:
             raise OSError(errno.EIO, "boom")
 
         with pytest.raises(OSError, match="boom"):
-            gs.sync_to(30, boom)
+            gs.sync_to(40, boom)
         assert gs.err == errno.EIO
-        assert gs.sync_to(30) == errno.EIO  # never retried
-        assert gs.sync_to(20) == 0  # covered by an earlier successful sync
+        assert gs.sync_to(40) == errno.EIO  # never retried
+        assert gs.sync_to(39) == 0  # covered by an earlier successful sync
 
         def interrupted(_fd: int) -> None:
             raise KeyboardInterrupt

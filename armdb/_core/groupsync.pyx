@@ -26,6 +26,18 @@ fault-injecting and recording file systems see every call.  This module calls
 system that overrides ``fdatasync`` gets its own method called, with the GIL,
 from the same coordination loop.
 
+Gathering
+---------
+With the leader starting a new sync the moment the previous one returns, the
+committers split into two alternating cohorts: the group a sync releases
+applies, returns and commits again while the next sync (of the other cohort)
+runs, so each sync covered about half of the committing threads.  So a new
+leader first waits, without the GIL and for at most ``gather_fraction`` (0.5)
+of the previous sync's duration, until as many records arrived as the group
+just released (``_mark``): one sync then covers both cohorts.  A lone
+committer never waits (its own append reaches the mark), nor does the first
+sync (no previous duration), nor the Python path (``sync_fn``; not timed).
+
 State (guarded by ``mu``): ``written`` is the log's end offset after the last
 completed append (records below it are fully written); ``synced`` the offset
 the last successful sync covered; ``syncing`` whether a leader is syncing;
@@ -38,6 +50,15 @@ waiter whose record the sync did not cover gets it back.
 from libc.errno cimport EINTR, EIO, errno
 
 
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk, timespec* ts)
+    int CLOCK_MONOTONIC
+
+
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
         pass
@@ -47,23 +68,20 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_mutex_destroy(pthread_mutex_t* m)
     int pthread_mutex_lock(pthread_mutex_t* m)
     int pthread_mutex_unlock(pthread_mutex_t* m)
-    int pthread_cond_init(pthread_cond_t* c, void* attr)
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_condattr_init(pthread_condattr_t* a)
+    int pthread_condattr_setclock(pthread_condattr_t* a, int clock_id)
+    int pthread_condattr_destroy(pthread_condattr_t* a)
+    int pthread_cond_init(pthread_cond_t* c, pthread_condattr_t* attr)
     int pthread_cond_destroy(pthread_cond_t* c)
     int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
     int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
 
 
 cdef extern from "<unistd.h>" nogil:
     int fdatasync(int fd)
-
-
-cdef extern from "<time.h>" nogil:
-    ctypedef long time_t
-    struct timespec:
-        time_t tv_sec
-        long tv_nsec
-    int clock_gettime(int clk, timespec* ts)
-    int CLOCK_MONOTONIC
 
 
 cdef inline long long _now_ns() noexcept nogil:
@@ -84,10 +102,24 @@ cdef class GroupSync:
     cdef long long _sync_ns
     cdef int _err
     cdef bint syncing
+    cdef long long _appends  # wrote() calls: one per commit record
+    cdef long long _covered  # _appends when the running (or last) sync started
+    cdef long long _group  # records the running (or last) sync covers
+    cdef long long _mark  # the next leader gathers until _appends reaches this...
+    cdef long long _last_ns  # ...for at most gather_fraction of the last sync's duration
+    cdef public double gather_fraction
+    cdef long long _gathers, _gathered_ns
 
     def __cinit__(self, int fd, long long end):
+        cdef pthread_condattr_t attr
         pthread_mutex_init(&self.mu, NULL)
-        pthread_cond_init(&self.cv, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.cv, &attr)
+        pthread_condattr_destroy(&attr)
+        self._appends = self._covered = self._group = self._mark = self._last_ns = 0
+        self._gathers = self._gathered_ns = 0
+        self.gather_fraction = 0.5
         self.fd = fd
         self._written = end
         self._synced = end
@@ -116,6 +148,11 @@ cdef class GroupSync:
         return self._sync_ns / 1e9
 
     @property
+    def gathers(self) -> tuple[int, float]:
+        """How often a leader waited for the previous group's next commits, and for how long (s)."""
+        return self._gathers, self._gathered_ns / 1e9
+
+    @property
     def err(self) -> int:
         """The errno of a failed sync (0: none failed)."""
         return self._err
@@ -135,10 +172,36 @@ cdef class GroupSync:
             pthread_mutex_lock(&self.mu)
             if end > self._written:
                 self._written = end
+            self._appends += 1
+            if self.syncing and self._appends == self._mark:
+                pthread_cond_broadcast(&self.cv)  # a gathering leader has its group
             pthread_mutex_unlock(&self.mu)
 
+    cdef long long _start(self) noexcept nogil:
+        """Become the leader (caller holds mu): gather the commits of the group just
+        released, then return the offset the sync will cover."""
+        cdef long long deadline
+        cdef timespec ts
+        cdef long long t0
+        self.syncing = True
+        if self._appends < self._mark and self.gather_fraction > 0 and self._last_ns > 0:
+            t0 = _now_ns()
+            deadline = t0 + <long long>(self._last_ns * self.gather_fraction)
+            ts.tv_sec = deadline // 1000000000
+            ts.tv_nsec = deadline % 1000000000
+            while self._appends < self._mark and self._err == 0:
+                if pthread_cond_timedwait(&self.cv, &self.mu, &ts) != 0:
+                    break  # timed out (or an error): sync what is there
+            self._gathers += 1
+            self._gathered_ns += _now_ns() - t0
+        self._group = self._appends - self._covered  # commits this sync covers (about)
+        self._covered = self._appends
+        return self._written
+
     cdef inline void _finish(self, long long target, int e) noexcept nogil:
-        # Caller holds mu.
+        # Caller holds mu.  The group released now will commit again: the next leader
+        # may wait for it, on top of what was appended during this sync.
+        self._mark = self._appends + self._group
         self.syncing = False
         if e == 0:
             self._syncs += 1
@@ -173,8 +236,7 @@ cdef class GroupSync:
                     if self._synced >= end or self._err != 0:
                         break
                     if not self.syncing:
-                        self.syncing = True
-                        target = self._written
+                        target = self._start()
                         fd = self.fd
                         if not native:
                             lead = True  # sync through Python, outside this block
@@ -187,7 +249,8 @@ cdef class GroupSync:
                             if e != EINTR:
                                 break
                         pthread_mutex_lock(&self.mu)
-                        self._sync_ns += _now_ns() - t0
+                        self._last_ns = _now_ns() - t0
+                        self._sync_ns += self._last_ns
                         self._finish(target, e)
                         continue
                     pthread_cond_wait(&self.cv, &self.mu)
@@ -217,3 +280,4 @@ cdef class GroupSync:
         if self._synced >= end:
             return 0
         return self._err
+
