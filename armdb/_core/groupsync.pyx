@@ -35,8 +35,19 @@ runs, so each sync covered about half of the committing threads.  So a new
 leader first waits, without the GIL and for at most ``gather_fraction`` (0.5)
 of the previous sync's duration, until as many records arrived as the group
 just released (``_mark``): one sync then covers both cohorts.  A lone
-committer never waits (its own append reaches the mark), nor does the first
-sync (no previous duration), nor the Python path (``sync_fn``; not timed).
+committer does not wait (its own append reaches the mark; only the first
+commit after a burst of several may wait once), nor does the first sync (no
+previous duration), nor the Python path (``sync_fn``; not timed).  The cost:
+when some of the released committers are blocked on shard locks held by
+commits waiting for this very sync, the leader waits the whole bound.
+
+Wake-ups: a waiter whose record the running sync covers sleeps on
+``cv[gen & 1]``; one that needs the next sync sleeps on ``cv[(gen + 1) & 1]``.
+When generation ``gen`` ends, its waiters are woken together and exactly one
+waiter of the next generation is woken to lead it; the others sleep on until
+their own sync ends.  So each committer is woken once (a single condition
+woke every waiter at the end of every sync: with eight threads, about one
+useless wake-up and context switch per commit).
 
 State (guarded by ``mu``): ``written`` is the log's end offset after the last
 completed append (records below it are fully written); ``synced`` the offset
@@ -48,6 +59,7 @@ waiter whose record the sync did not cover gets it back.
 """
 
 from libc.errno cimport EINTR, EIO, errno
+from libc.limits cimport LLONG_MAX
 
 
 cdef extern from "<time.h>" nogil:
@@ -77,6 +89,7 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_destroy(pthread_cond_t* c)
     int pthread_cond_wait(pthread_cond_t* c, pthread_mutex_t* m)
     int pthread_cond_broadcast(pthread_cond_t* c)
+    int pthread_cond_signal(pthread_cond_t* c)
     int pthread_cond_timedwait(pthread_cond_t* c, pthread_mutex_t* m, const timespec* t)
 
 
@@ -94,7 +107,8 @@ cdef class GroupSync:
     """Leader/follower ``fdatasync`` of one log file descriptor (see the module docstring)."""
 
     cdef pthread_mutex_t mu
-    cdef pthread_cond_t cv
+    cdef pthread_cond_t cv[2]  # waiters for sync generation g sleep on cv[g & 1]
+    cdef pthread_cond_t cv_lead  # a gathering leader sleeps here
     cdef int fd
     cdef long long _written
     cdef long long _synced
@@ -102,6 +116,8 @@ cdef class GroupSync:
     cdef long long _sync_ns
     cdef int _err
     cdef bint syncing
+    cdef long long _gen  # syncs started; the running one (if syncing) is generation _gen
+    cdef long long _target  # the running sync covers records below this (LLONG_MAX while gathering)
     cdef long long _appends  # wrote() calls: one per commit record
     cdef long long _covered  # _appends when the running (or last) sync started
     cdef long long _group  # records the running (or last) sync covers
@@ -115,8 +131,12 @@ cdef class GroupSync:
         pthread_mutex_init(&self.mu, NULL)
         pthread_condattr_init(&attr)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
-        pthread_cond_init(&self.cv, &attr)
+        pthread_cond_init(&self.cv[0], &attr)
+        pthread_cond_init(&self.cv[1], &attr)
+        pthread_cond_init(&self.cv_lead, &attr)
         pthread_condattr_destroy(&attr)
+        self._gen = 0
+        self._target = 0
         self._appends = self._covered = self._group = self._mark = self._last_ns = 0
         self._gathers = self._gathered_ns = 0
         self.gather_fraction = 0.5
@@ -129,7 +149,9 @@ cdef class GroupSync:
         self.syncing = False
 
     def __dealloc__(self):
-        pthread_cond_destroy(&self.cv)
+        pthread_cond_destroy(&self.cv[0])
+        pthread_cond_destroy(&self.cv[1])
+        pthread_cond_destroy(&self.cv_lead)
         pthread_mutex_destroy(&self.mu)
 
     @property
@@ -174,7 +196,7 @@ cdef class GroupSync:
                 self._written = end
             self._appends += 1
             if self.syncing and self._appends == self._mark:
-                pthread_cond_broadcast(&self.cv)  # a gathering leader has its group
+                pthread_cond_signal(&self.cv_lead)  # a gathering leader has its group
             pthread_mutex_unlock(&self.mu)
 
     cdef long long _start(self) noexcept nogil:
@@ -184,18 +206,21 @@ cdef class GroupSync:
         cdef timespec ts
         cdef long long t0
         self.syncing = True
+        self._gen += 1
+        self._target = LLONG_MAX  # whoever arrives while we gather is in this sync
         if self._appends < self._mark and self.gather_fraction > 0 and self._last_ns > 0:
             t0 = _now_ns()
             deadline = t0 + <long long>(self._last_ns * self.gather_fraction)
             ts.tv_sec = deadline // 1000000000
             ts.tv_nsec = deadline % 1000000000
             while self._appends < self._mark and self._err == 0:
-                if pthread_cond_timedwait(&self.cv, &self.mu, &ts) != 0:
+                if pthread_cond_timedwait(&self.cv_lead, &self.mu, &ts) != 0:
                     break  # timed out (or an error): sync what is there
             self._gathers += 1
             self._gathered_ns += _now_ns() - t0
         self._group = self._appends - self._covered  # commits this sync covers (about)
         self._covered = self._appends
+        self._target = self._written
         return self._written
 
     cdef inline void _finish(self, long long target, int e) noexcept nogil:
@@ -209,7 +234,13 @@ cdef class GroupSync:
                 self._synced = target
         elif self._err == 0:
             self._err = e
-        pthread_cond_broadcast(&self.cv)
+        # Everyone waiting for this generation is done (or failed); one waiter of the
+        # next generation leads it (after a failure, all of them return the error).
+        pthread_cond_broadcast(&self.cv[self._gen & 1])
+        if e == 0:
+            pthread_cond_signal(&self.cv[(self._gen + 1) & 1])
+        else:
+            pthread_cond_broadcast(&self.cv[(self._gen + 1) & 1])
 
     def sync_to(self, long long end, object sync_fn=None) -> int:
         """Block until the log is durable up to ``end``.
@@ -253,7 +284,10 @@ cdef class GroupSync:
                         self._sync_ns += self._last_ns
                         self._finish(target, e)
                         continue
-                    pthread_cond_wait(&self.cv, &self.mu)
+                    if end <= self._target:
+                        pthread_cond_wait(&self.cv[self._gen & 1], &self.mu)  # the running sync
+                    else:
+                        pthread_cond_wait(&self.cv[(self._gen + 1) & 1], &self.mu)  # the next one
                 pthread_mutex_unlock(&self.mu)
             if not lead:
                 break
@@ -270,7 +304,8 @@ cdef class GroupSync:
                 with nogil:
                     pthread_mutex_lock(&self.mu)
                     self.syncing = False  # not a failed sync: someone else leads
-                    pthread_cond_broadcast(&self.cv)
+                    pthread_cond_broadcast(&self.cv[0])
+                    pthread_cond_broadcast(&self.cv[1])
                     pthread_mutex_unlock(&self.mu)
                 raise
             with nogil:
