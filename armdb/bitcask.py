@@ -759,6 +759,7 @@ class BitcaskStore:
         self._encrypted = False
         self._poisoned: str | None = None
         self._closed = False
+        self._compact_deferred = False  # write_locked rotated a shard: maybe_compact has work
         self._torn_dropped = 0
         self._compaction_bytes = 0
         self._compactions = 0
@@ -1736,11 +1737,15 @@ class BitcaskStore:
             )
         if self._write(sh, key, value, gsn):
             sh.compact_due = True
+            self._compact_deferred = True
         self._maybe_sync(sh)
         return True
 
     def maybe_compact(self) -> None:
         """Run the compactions that rotations under a caller's lock deferred (never raises)."""
+        if not self._compact_deferred:
+            return  # the common case: no rotation under a caller's lock since the last call
+        self._compact_deferred = False
         for sh in self._shards:
             if sh.compact_due and not self._closed:
                 self._auto_compact(sh)
