@@ -179,25 +179,29 @@ cdef class GroupSync:
         """The errno of a failed sync (0: none failed)."""
         return self._err
 
+    # reset() and wrote() take ``mu`` while holding the GIL: releasing the GIL for a
+    # few instructions would hand it to another thread, and wrote() runs under the
+    # log's append lock.  That cannot deadlock: ``mu`` is only ever held by code
+    # that does not wait for the GIL (the nogil blocks below), and only briefly
+    # (a gathering leader waits on ``cv_lead``, which releases it).
+
     def reset(self, int fd, long long end) -> None:
         """A new, synced log file starts at ``end`` (no commit may be in flight)."""
-        with nogil:
-            pthread_mutex_lock(&self.mu)
-            self.fd = fd
-            self._written = end
-            self._synced = end
-            pthread_mutex_unlock(&self.mu)
+        pthread_mutex_lock(&self.mu)
+        self.fd = fd
+        self._written = end
+        self._synced = end
+        pthread_mutex_unlock(&self.mu)
 
     def wrote(self, long long end) -> None:
         """An append ending at ``end`` has been written (call after its pwrite returned)."""
-        with nogil:
-            pthread_mutex_lock(&self.mu)
-            if end > self._written:
-                self._written = end
-            self._appends += 1
-            if self.syncing and self._appends == self._mark:
-                pthread_cond_signal(&self.cv_lead)  # a gathering leader has its group
-            pthread_mutex_unlock(&self.mu)
+        pthread_mutex_lock(&self.mu)
+        if end > self._written:
+            self._written = end
+        self._appends += 1
+        if self.syncing and self._appends == self._mark:
+            pthread_cond_signal(&self.cv_lead)  # a gathering leader has its group
+        pthread_mutex_unlock(&self.mu)
 
     cdef long long _start(self) noexcept nogil:
         """Become the leader (caller holds mu): gather the commits of the group just
