@@ -7,6 +7,12 @@ fault-injecting or write-recording file system with :func:`use` and every layer
 above sees it.  A guard test greps the package and fails if any other module
 calls the OS directly.
 
+One exception, declared here: the transaction log's group commit
+(``armdb._core.groupsync``) calls ``fdatasync(2)`` from C, without the GIL, but
+only while :meth:`RealFS.native_fdatasync` allows it, i.e. while the installed
+file system's ``fdatasync`` is the plain one; a file system that overrides
+``fdatasync`` has its method called for every log sync.
+
 Memory maps: :meth:`RealFS.mmap` returns a :class:`MappedFile`, whose ``array``
 is an ``np.memmap`` over the whole file.  Readers (and the Cython kernels) read
 that array directly; writers store through it and then report the range with
@@ -111,6 +117,13 @@ class RealFS:
 
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
+
+    def native_fdatasync(self) -> bool:
+        """Whether the transaction log may call ``fdatasync(2)`` itself, without the GIL
+        (``armdb._core.groupsync``, group commit).  Only while this class's
+        ``fdatasync`` is the plain one above: a file system that overrides it (fault
+        injection, recording, counting) has its own method called for every sync."""
+        return type(self).fdatasync is RealFS.fdatasync
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)

@@ -759,6 +759,7 @@ class BitcaskStore:
         self._encrypted = False
         self._poisoned: str | None = None
         self._closed = False
+        self._compact_deferred = False  # write_locked rotated a shard: maybe_compact has work
         self._torn_dropped = 0
         self._compaction_bytes = 0
         self._compactions = 0
@@ -1705,6 +1706,11 @@ class BitcaskStore:
         """The shard lock guarding ``key``."""
         return self._shard(self._key_arg(key)).lock
 
+    def shard_lock(self, key: bytes) -> tuple[str, threading.Lock]:
+        """``(lock_key(key)[0], lock_for(key))`` in one shard lookup (the commit hot path)."""
+        sh = self._shard(self._key_arg(key))
+        return sh.sdir, sh.lock
+
     def all_locks(self) -> list[tuple[tuple[str, int], threading.Lock]]:
         """Every shard lock with its sort key (for commits that lock a whole collection)."""
         return [((sh.sdir, 0), sh.lock) for sh in self._shards]
@@ -1717,6 +1723,12 @@ class BitcaskStore:
             return None
         path, e, data = got
         return self._decode_value(path, e, data, key)
+
+    def contains_locked(self, key: bytes) -> bool:
+        """Whether ``key`` holds a value, for a caller that holds ``lock_for(key)`` (no read)."""
+        self._check_open()
+        key = self._key_arg(key)
+        return key in self._shard(key).index
 
     def write_locked(self, key: bytes, value: bytes | None, gsn: int) -> bool:
         """Write one committed transaction row with exactly ``gsn`` (caller holds ``lock_for(key)``).
@@ -1755,11 +1767,15 @@ class BitcaskStore:
             )
         if self._write(sh, key, value, gsn):
             sh.compact_due = True
+            self._compact_deferred = True
         self._maybe_sync(sh)
         return True
 
     def maybe_compact(self) -> None:
         """Run the compactions that rotations under a caller's lock deferred (never raises)."""
+        if not self._compact_deferred:
+            return  # the common case: no rotation under a caller's lock since the last call
+        self._compact_deferred = False
         for sh in self._shards:
             if sh.compact_due and not self._closed:
                 self._auto_compact(sh)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from . import _fs
 from ._core import fixed as _k
@@ -39,7 +39,7 @@ class Replayer:
         self._bitcask: dict[str, BitcaskStore | None] = {}
         self.deferred: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
 
-    def __enter__(self) -> Replayer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -48,17 +48,17 @@ class Replayer:
             try:
                 for sh in fx.shards:
                     sh.sync_now()
-            except BaseException as ex:  # close everything even if one fails
+            except BaseException as ex:  # noqa: BLE001 - close everything even if one fails; re-raised below
                 errors.append(ex)
             try:
                 fx.close()
-            except BaseException as ex:
+            except BaseException as ex:  # noqa: BLE001 - re-raised below
                 errors.append(ex)
         for st in self._bitcask.values():
             if st is not None:
                 try:
                     st.close()
-                except BaseException as ex:
+                except BaseException as ex:  # noqa: BLE001 - re-raised below
                     errors.append(ex)
         if errors and et is None:
             raise errors[0]

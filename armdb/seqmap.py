@@ -85,6 +85,8 @@ class SeqMap:
 
     def reserve_through(self, name: str, n: int) -> None:
         """Make sure ids up to ``n`` are covered by a persisted reservation."""
+        if n < self._reserved.get(name, 1):
+            return  # covered: _reserved is replaced, never changed in place, so this read is safe
         with self._lock:
             if n >= self._reserved.get(name, 1):
                 self._reserve(name, max(n, self._next.get(name, 1)) + ID_BLOCK)

@@ -29,11 +29,12 @@ Commit protocol (docs/transactions.md):
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from . import _fail
 from ._clock import to_ms
@@ -43,6 +44,7 @@ from .errors import (
     EncryptionKeyRequired,
     QueueFull,
     StaleToken,
+    StorageError,
     StreamSourceRequiresTx,
     TxFailedAfterLog,
 )
@@ -56,10 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("armdb")
 
-__all__ = ["Tx"]
+__all__ = ["Tx", "TxSyncFailed"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Push:
     queue: Queue[Any]
     body: bytes
@@ -68,7 +70,7 @@ class _Push:
     seq: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Settle:
     queue: Queue[Any]
     token: LeaseToken
@@ -77,7 +79,7 @@ class _Settle:
     dead: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _MapWrite:
     map: Map
     key: Any
@@ -86,18 +88,49 @@ class _MapWrite:
     raw_value: bytes | None
 
 
-@dataclass
 class _Plan:
-    rows: list[list[Any]] = field(default_factory=list)
-    apply: list[Any] = field(default_factory=list)  # callables run after the log append
-    allocated: list[tuple[Any, int]] = field(default_factory=list)  # (FixedShard, slot) to undo
-    payload_writes: dict[Queue[Any], int] = field(default_factory=dict)
-    bitcask: set[Any] = field(default_factory=set)  # Bitcask stores written
-    fixed: set[Any] = field(default_factory=set)  # FixedStore shards written
+    """What a commit writes: the logged rows and, in order, how to apply them.
+
+    ``fixed`` and ``bitcask`` are short lists (a commit touches a handful of
+    stores), so membership tests on them are cheaper than on sets.
+    """
+
+    __slots__ = ("allocated", "apply", "bitcask", "fixed", "payload_writes", "rows")
+
+    def __init__(self) -> None:
+        self.rows: list[list[Any]] = []
+        self.apply: list[Callable[[], object]] = []  # run after the log append (and sync)
+        self.allocated: list[tuple[Any, int]] = []  # (FixedShard, slot) to give back on refusal
+        self.fixed: list[Any] = []  # FixedStore shards written
+        self.bitcask: list[Any] = []  # Bitcask stores written
+        self.payload_writes: dict[Queue[Any], int] = {}
+
+    def add_fixed(self, shard: Any) -> None:
+        if shard not in self.fixed:
+            self.fixed.append(shard)
+
+    def add_bitcask(self, store: Any) -> None:
+        if store not in self.bitcask:
+            self.bitcask.append(store)
+
+    def give_back(self) -> None:
+        """Return the slots allocated for a commit that does not go ahead."""
+        for shard, slot in reversed(self.allocated):
+            shard.unalloc(slot)
+        self.allocated.clear()
+
+
+class TxSyncFailed(TxFailedAfterLog, StorageError):
+    """A durable commit's log sync failed (S12): both ``TxFailedAfterLog`` (its record
+    was appended, so the next open replays it if the record reached the disk) and
+    ``StorageError`` (the disk refused the sync).  Nothing of the commit was applied,
+    and the log refuses later commits until the database is reopened."""
 
 
 class Tx:
     """A transaction builder (T1).  Every method records a step and returns the builder."""
+
+    __slots__ = ("_db", "_drawn", "_durable", "_finished", "_steps")
 
     def __init__(self, db: Db) -> None:
         self._db = db
@@ -174,7 +207,7 @@ class Tx:
         self._durable = True
         return self
 
-    def __enter__(self) -> Tx:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -201,6 +234,7 @@ class Tx:
             The commit touches an encrypted collection and the Db has no log key.
         TxFailedAfterLog
             The commit is logged but applying it failed; the next open applies it.
+            When the log sync itself failed, the error is also a ``StorageError``.
         """
         self._open_step()
         db = self._db
@@ -210,89 +244,130 @@ class Tx:
         if not steps:
             return []
         registry = db.schema
-        stream_dest: list[Queue[Any]] = []
-        if registry is not None:
-            for s in steps:
-                if isinstance(s, _MapWrite):
-                    for st in registry.streams_for(s.map.name):
-                        q = db._queues.get(st.queue.name)
-                        if q is None:
-                            raise ConfigError(
-                                f"change stream {s.map.name!r} -> {st.queue.name!r}: open the queue before "
-                                f"committing writes to its source"
-                            )
-                        if q not in stream_dest:
-                            stream_dest.append(q)
-        self._check_keys(steps, stream_dest)  # before anything is written, ids included
+        stream_dest = self._stream_destinations(steps) if registry is not None else []
+        if db.txlog.sealer is None:
+            self._check_keys(steps, stream_dest)  # before anything is written, ids included
         # Ids for explicit pushes fix their shards before locking.
         for s in steps:
-            if isinstance(s, _Push):
+            if type(s) is _Push:
                 s.seq = self._draw(s.queue._seq_name)
         now = int(db.clock())
-        with ExitStack() as locks:
-            for _, lock in self._lock_order(steps, stream_dest):
-                locks.enter_context(lock)
-            plan = _Plan()
-            try:
-                self._expand_streams(steps, registry, now)
-                self._plan(steps, plan, now)
-            except BaseException:
-                for shard, slot in reversed(plan.allocated):
-                    shard.unalloc(slot)
-                raise
-            try:
-                # Only a commit that goes ahead persists the id blocks it drew.
-                for name, n in self._drawn.items():
-                    db.seqmap.reserve_through(name, n)
-                _txid, end = db.txlog.append(plan.rows)
-            except BaseException:
-                for shard, slot in reversed(plan.allocated):
-                    shard.unalloc(slot)
-                raise
-            try:
-                if self._durable:
-                    # Write-ahead: the record is on disk before any row is applied.
-                    db.txlog.sync_to(end)
-                for fn in plan.apply:
-                    fn()
-                _fail.point("txlog.after_apply")
-                for fixed_shard in plan.fixed:
-                    fixed_shard.raise_sync_error()  # applied in full; its sync failed
-            except BaseException as e:
-                reason = f"a logged transaction failed to apply ({e}); reopen the database"
-                for q in {s.queue for s in steps if isinstance(s, (_Push, _Settle))}:
-                    q._retention_paused = True  # Q25
-                # Later writes to these stores would take versions and gsns that make
-                # replay skip the logged rows: refuse them until the reopen replays.
-                for fixed_shard in plan.fixed:
-                    if fixed_shard.poisoned is None:
-                        fixed_shard.poisoned = e
-                for bitcask in plan.bitcask:
-                    bitcask.poison(reason)
-                raise TxFailedAfterLog(
-                    f"the transaction was logged but applying it failed ({e}); reopen the database "
-                    f"to finish it"
-                ) from e
-            finally:
-                db.txlog.done()
+        locks = self._locks(steps, stream_dest)
+        held = 0
+        try:
+            for lock in locks:
+                lock.acquire()
+                held += 1
+            plan = self._plan_and_log(steps, registry, now)
+            self._apply(plan, steps)
+        finally:
+            while held:
+                held -= 1
+                locks[held].release()
+        for store in plan.bitcask:
+            store.maybe_compact()  # a rotation under our locks deferred its compaction
+        if plan.payload_writes:
+            for q, n in plan.payload_writes.items():
+                with q._counter_lock:
+                    q._payload_writes += n
+        ids: list[int] = []
+        notified: list[Queue[Any]] = []
+        for s in steps:
+            if type(s) is _Push:
+                if s.explicit:
+                    ids.append(s.seq)
+                if s.queue not in notified:
+                    notified.append(s.queue)
+                    s.queue._notify()
+        return ids
+
+    def _plan_and_log(self, steps: list[Any], registry: Any, now: int) -> _Plan:
+        """Under the locks: run the streams, build every row, log them (and sync, if durable)."""
+        db = self._db
+        plan = _Plan()
+        try:
+            if registry is not None:
+                self._expand_streams(steps, registry)
+            self._plan(steps, plan, now)
+            # Only a commit that goes ahead persists the id blocks it drew.
+            for name, n in self._drawn.items():
+                db.seqmap.reserve_through(name, n)
+            end = db.txlog.append(plan.rows)
+        except BaseException:
+            plan.give_back()
+            raise
+        try:
+            if self._durable:
+                # Write-ahead: the record is on disk before any row is applied.  Threads
+                # committing at once share one fdatasync (TxLog.sync_to, group commit).
+                db.txlog.sync_to(end)
+        except BaseException as e:
+            db.txlog.done()
+            raise self._failed_after_log(steps, plan, e, sync_failed=True) from e
+        return plan
+
+    def _apply(self, plan: _Plan, steps: list[Any]) -> None:
+        """Apply a logged (and, if durable, synced) commit; the caller holds its locks."""
+        txlog = self._db.txlog
+        try:
+            for fn in plan.apply:
+                fn()
+            _fail.point("txlog.after_apply")
+            for fixed_shard in plan.fixed:
+                fixed_shard.raise_sync_error()  # applied in full; its sync failed
+        except BaseException as e:
+            raise self._failed_after_log(steps, plan, e) from e
+        finally:
+            txlog.done()
+
+    def _failed_after_log(self, steps: list[Any], plan: _Plan, e: BaseException, *,
+                          sync_failed: bool = False) -> TxFailedAfterLog:
+        """Fence the stores of a commit that was logged but not (fully) applied."""
+        reason = f"a logged transaction failed to apply ({e}); reopen the database"
+        for q in {s.queue for s in steps if type(s) is _Push or type(s) is _Settle}:
+            q._retention_paused = True  # Q25
+        # Later writes to these stores would take versions and gsns that make
+        # replay skip the logged rows: refuse them until the reopen replays.
+        for fixed_shard in plan.fixed:
+            if fixed_shard.poisoned is None:
+                fixed_shard.poisoned = e
         for bitcask in plan.bitcask:
-            bitcask.maybe_compact()  # a rotation under our locks deferred its compaction
-        for q, n in plan.payload_writes.items():
-            with q._counter_lock:
-                q._payload_writes += n
-        for q in {s.queue for s in steps if isinstance(s, _Push)}:
-            q._notify()
-        return [s.seq for s in steps if isinstance(s, _Push) and s.explicit]
+            bitcask.poison(reason)
+        if sync_failed and isinstance(e, StorageError):
+            return TxSyncFailed(
+                f"the transaction was logged but the log sync failed ({e}); nothing of it was applied. "
+                f"Reopen the database: the commit is there if its record reached the disk"
+            )
+        return TxFailedAfterLog(
+            f"the transaction was logged but applying it failed ({e}); reopen the database "
+            f"to finish it"
+        )
 
     # -- commit helpers ------------------------------------------------------------------------
-    def _check_keys(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> None:
-        if not self._db.txlog.needs_key():
-            return
+    def _stream_destinations(self, steps: list[Any]) -> list[Queue[Any]]:
+        db = self._db
+        registry = db.schema
+        assert registry is not None
+        stream_dest: list[Queue[Any]] = []
         for s in steps:
-            enc = False
-            if isinstance(s, _MapWrite):
+            if type(s) is _MapWrite:
+                for st in registry.streams_for(s.map.name):
+                    q = db._queues.get(st.queue.name)
+                    if q is None:
+                        raise ConfigError(
+                            f"change stream {s.map.name!r} -> {st.queue.name!r}: open the queue before "
+                            f"committing writes to its source"
+                        )
+                    if q not in stream_dest:
+                        stream_dest.append(q)
+        return stream_dest
+
+    def _check_keys(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> None:
+        """T4: a commit touching an encrypted collection needs a sealed log (the Db has no log key)."""
+        for s in steps:
+            if type(s) is _MapWrite:
                 enc = s.map.store.encrypted
-            elif isinstance(s, (_Push, _Settle)):
+            else:
                 enc = s.queue._payload is not None and s.queue._payload.encrypted
             if enc:
                 raise EncryptionKeyRequired(
@@ -305,44 +380,47 @@ class Tx:
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
 
-    def _lock_order(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> list[tuple[tuple[str, int], Any]]:
-        locks: dict[tuple[str, int], Any] = {}
-
-        def q_shard(q: Queue[Any], i: int) -> None:
-            sh = q._shards[i]
-            locks[(sh.fixed.directory, 0)] = sh.lock
-
-        def body(q: Queue[Any], seq: int) -> None:
-            if q._payload is not None:
-                key = q._key_bytes(seq)
-                locks[q._payload.lock_key(key)] = q._payload.lock_for(key)
-
+    @staticmethod
+    def _locks(steps: list[Any], stream_dest: list[Queue[Any]]) -> list[threading.Lock]:
+        """Every lock the commit needs, in the global order: by shard directory (docs/transactions.md)."""
+        locks: dict[str, threading.Lock] = {}
         for s in steps:
-            if isinstance(s, _Push):
-                q_shard(s.queue, s.seq % len(s.queue._shards))
-                body(s.queue, s.seq)
-            elif isinstance(s, _Settle):
-                if isinstance(s.token, LeaseToken) and 0 <= s.token.shard < len(s.queue._shards):
-                    q_shard(s.queue, s.token.shard)
-                    body(s.queue, s.token.seq)
+            t = type(s)
+            if t is _MapWrite:
+                k, lock = s.map.store.shard_lock(s.raw_key)
+                locks[k] = lock
+                continue
+            q = s.queue
+            shards = q._shards
+            if t is _Push:
+                seq = s.seq
+                sh = shards[seq % len(shards)]
             else:
-                locks[s.map.store.lock_key(s.raw_key)] = s.map.store.lock_for(s.raw_key)
-        for q in stream_dest:
-            for i in range(len(q._shards)):
-                q_shard(q, i)
+                token = s.token
+                if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
+                    continue  # refused as stale under no lock (_plan_settle)
+                seq = token.seq
+                sh = shards[token.shard]
+            locks[sh.fixed.directory] = sh.lock
             if q._payload is not None:
-                for k, lock in q._payload.all_locks():
+                k, lock = q._payload.shard_lock(q._key_bytes(seq))
+                locks[k] = lock
+        for q in stream_dest:
+            for sh in q._shards:
+                locks[sh.fixed.directory] = sh.lock
+            if q._payload is not None:
+                for (k, _), lock in q._payload.all_locks():
                     locks[k] = lock
-        return sorted(locks.items(), key=lambda kv: kv[0])
+        if len(locks) == 1:
+            return list(locks.values())
+        return [locks[k] for k in sorted(locks)]
 
-    def _expand_streams(self, steps: list[Any], registry: Any, now: int) -> None:
+    def _expand_streams(self, steps: list[Any], registry: Any) -> None:
         """Run the stream closures (under the locks) and append their pushes (T6)."""
-        if registry is None:
-            return
         view: dict[tuple[str, bytes], Any] = {}
         extra: list[_Push] = []
-        for s in list(steps):
-            if not isinstance(s, _MapWrite):
+        for s in steps:
+            if type(s) is not _MapWrite:
                 continue
             streams = registry.streams_for(s.map.name)
             k = (s.map.name, s.raw_key)
@@ -367,59 +445,81 @@ class Tx:
 
     def _plan(self, steps: list[Any], plan: _Plan, now: int) -> None:
         # Q21: judge each queue's cap once, on the net effect.
-        net: dict[Queue[Any], list[int]] = {}
+        net: dict[Queue[Any], list[int]] | None = None
+        settles = False
         for s in steps:
-            if isinstance(s, _Push):
-                net.setdefault(s.queue, [0, 0])[0] += 1
-            elif isinstance(s, _Settle) and s.ack:
-                net.setdefault(s.queue, [0, 0])[1] += 1
-        for q, (pushes, acks) in net.items():
-            cap = q.config.max_depth
-            if cap is not None and pushes > acks:
-                live = q.len()
-                if live - acks + pushes > cap:
-                    raise QueueFull(
-                        f"queue {q.name!r}: this transaction would leave {live - acks + pushes} live rows, "
-                        f"above max_depth={cap}; nothing was written"
-                    )
-        seen_tokens: set[LeaseToken] = set()
-        map_state: dict[tuple[str, bytes], bool] = {}
+            t = type(s)
+            if t is _Push:
+                if s.queue.config.max_depth is not None:
+                    net = net if net is not None else {}
+                    net.setdefault(s.queue, [0, 0])[0] += 1
+            elif t is _Settle:
+                settles = True
+                if s.ack and s.queue.config.max_depth is not None:
+                    net = net if net is not None else {}
+                    net.setdefault(s.queue, [0, 0])[1] += 1
+        if net is not None:
+            for q, (pushes, acks) in net.items():
+                cap = q.config.max_depth
+                if cap is not None and pushes > acks:
+                    live = q.len()
+                    if live - acks + pushes > cap:
+                        raise QueueFull(
+                            f"queue {q.name!r}: this transaction would leave {live - acks + pushes} live "
+                            f"rows, above max_depth={cap}; nothing was written"
+                        )
+        if settles:
+            seen_tokens: set[LeaseToken] = set()
+            for s in steps:
+                if type(s) is _Settle:
+                    if isinstance(s.token, LeaseToken) and s.token in seen_tokens:
+                        raise StaleToken(
+                            f"row {s.token.seq} is settled twice in one transaction; nothing was written"
+                        )
+                    self._plan_settle(s, plan, now)
+                    seen_tokens.add(s.token)
+        map_state: dict[tuple[str, bytes], bool] | None = None
         for s in steps:
-            if isinstance(s, _Settle):
-                if s.token in seen_tokens if isinstance(s.token, LeaseToken) else False:
-                    raise StaleToken(f"row {s.token.seq} is settled twice in one transaction; nothing was written")
-                self._plan_settle(s, plan, now)
-                seen_tokens.add(s.token)
-        for s in steps:
-            if isinstance(s, _Push):
+            t = type(s)
+            if t is _Push:
                 self._plan_push(s, plan, now)
-            elif isinstance(s, _MapWrite):
+            elif t is _MapWrite:
+                if map_state is None:
+                    map_state = {}
                 self._plan_map(s, plan, map_state)
 
     def _plan_push(self, s: _Push, plan: _Plan, now: int) -> None:
         q = s.queue
-        sh = q._shards[s.seq % len(q._shards)]
+        seq = s.seq
+        sh = q._shards[seq % len(q._shards)]
+        fixed = sh.fixed
         due = now + s.delay_ms
-        slot = sh.fixed.alloc()
-        plan.allocated.append((sh.fixed, slot))
-        version = _k.ring_next(int(sh.fixed.versions[slot]))
-        if q._payload is not None:
-            row = _pack_row(due, s.seq, State.READY, 0, 0, 0, 0, s.seq, now)
-            key = q._key_bytes(s.seq)
+        slot = fixed.alloc()
+        plan.allocated.append((fixed, slot))
+        version = _k.ring_next(int(fixed.versions[slot]))
+        payload = q._payload
+        if payload is not None:
+            body = s.body
+            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, seq, now)
+            key = q._key_bytes(seq)
             gsn = self._gsn()
-            plan.rows.append(["B", q.spec.payload_name, key, s.body, gsn])
-            plan.bitcask.add(q._payload)
-            plan.apply.append(lambda st=q._payload, k=key, b=s.body, g=gsn: st.write_locked(k, b, g))
-            plan.apply.append(lambda: q._cache_put(s.seq, s.body))
+            plan.rows.append(["B", q.spec.payload_name, key, body, gsn])
+            plan.add_bitcask(payload)
             plan.payload_writes[q] = plan.payload_writes.get(q, 0) + 1
+
+            def apply_body() -> None:
+                payload.write_locked(key, body, gsn)
+                q._cache_put(seq, body)
+
+            plan.apply.append(apply_body)
         else:
-            row = _pack_row(due, s.seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
-        plan.rows.append(["F", q.name, sh.fixed.index, slot, version, OCCUPIED, row])
-        plan.fixed.add(sh.fixed)
+            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
+        plan.rows.append(["F", q.name, fixed.index, slot, version, OCCUPIED, row])
+        plan.add_fixed(fixed)
 
         def apply() -> None:
-            sh.fixed.write(slot, row, version)
-            sh.live.insert(due, s.seq, slot, 0)
+            fixed.write(slot, row, version)
+            sh.live.insert(due, seq, slot, 0)
             sh.pushes += 1
 
         plan.apply.append(apply)
@@ -434,13 +534,7 @@ class Tx:
         coll = q.name
         if s.ack:
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, DELETED, b""])
-            plan.fixed.add(sh.fixed)
-            if q._payload is not None:
-                key = q._key_bytes(token.seq)
-                gsn = self._gsn()
-                plan.rows.append(["B", q.spec.payload_name, key, None, gsn])
-                plan.bitcask.add(q._payload)
-                plan.apply.append(lambda st=q._payload, k=key, g=gsn: st.write_locked(k, None, g))
+            plan.add_fixed(sh.fixed)
 
             def apply_ack() -> None:
                 sh.fixed.free(slot, version)
@@ -448,7 +542,14 @@ class Tx:
                 q._cache_drop(token.seq)
                 sh.acks += 1
 
-            plan.apply.insert(len(plan.apply) - (1 if q._payload is not None else 0), apply_ack)
+            plan.apply.append(apply_ack)
+            payload = q._payload
+            if payload is not None:
+                key = q._key_bytes(token.seq)
+                gsn = self._gsn()
+                plan.rows.append(["B", q.spec.payload_name, key, None, gsn])
+                plan.add_bitcask(payload)
+                plan.apply.append(lambda: payload.write_locked(key, None, gsn))
             return
         extra = b"" if q._payload is not None else q._payload_bytes(sh, slot)
         if s.dead or attempts >= q.config.max_attempts:
@@ -466,10 +567,10 @@ class Tx:
                 q._note_dead(now)
 
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
-            plan.fixed.add(sh.fixed)
+            plan.add_fixed(sh.fixed)
             plan.apply.append(apply_dead)
             return
-        wait = s.delay_ms if s.delay_ms is not None else int(round(q.config.backoff_for(attempts) * 1000))
+        wait = s.delay_ms if s.delay_ms is not None else round(q.config.backoff_for(attempts) * 1000)
         due = now + wait
         row = _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline, pid, pushed, extra)
 
@@ -480,21 +581,23 @@ class Tx:
             sh.nacks += 1
 
         plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
-        plan.fixed.add(sh.fixed)
+        plan.add_fixed(sh.fixed)
         plan.apply.append(apply_nack)
 
     def _plan_map(self, s: _MapWrite, plan: _Plan, state: dict[tuple[str, bytes], bool]) -> None:
-        store = s.map.store
-        k = (s.map.name, s.raw_key)
-        exists = state[k] if k in state else store.get_locked(s.raw_key) is not None
-        if s.raw_value is None and not exists:
-            state[k] = False
-            return  # deleting a missing key is a no-op (T1)
-        state[k] = s.raw_value is not None
-        gsn = self._gsn()
-        plan.rows.append(["B", s.map.name, s.raw_key, s.raw_value, gsn])
-        plan.bitcask.add(store)
         m, raw_key, raw_value = s.map, s.raw_key, s.raw_value
+        store = m.store
+        if raw_value is None:
+            k = (m.name, raw_key)
+            exists = state[k] if k in state else store.contains_locked(raw_key)
+            state[k] = False
+            if not exists:
+                return  # deleting a missing key is a no-op (T1)
+        else:
+            state[(m.name, raw_key)] = True
+        gsn = self._gsn()
+        plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
+        plan.add_bitcask(store)
         plan.apply.append(lambda: m._tx_write(raw_key, raw_value, gsn))
 
 

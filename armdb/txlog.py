@@ -28,9 +28,12 @@ stores are synced and the log file is replaced by an empty one; this runs when
 the file passes ``CHECKPOINT_BYTES`` and at close.
 
 Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
-count; it is held for the append only, never across an apply.  ``_sync_lock``
-serialises ``fdatasync`` calls: a durable commit waits for a sync that covers its
-record, so several committing threads share one sync (group commit).
+count; it is held for the append only, never across a sync or an apply.
+``_group`` (``armdb._core.groupsync.GroupSync``, its own C mutex) holds the
+group-commit state (a sync is running; the offset the last sync covered): one
+committer at a time leads a sync of everything appended so far while the
+others wait, with the GIL released, so several committing threads share one
+``fdatasync`` (group commit, ``TxLog.sync_to``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from . import _fail, _fs
+from ._core.groupsync import GroupSync
 from ._crypto import Sealer
 from .errors import CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
 
@@ -62,6 +66,8 @@ FILE_HEADER_SIZE = 32
 REC_MAGIC = 0x314E5854
 _REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
 REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
+_U32 = struct.Struct("<I")
+_ZEROS = bytes(8)
 FLAG_SEALED = 1
 CHECKPOINT_BYTES = 4 << 20
 MAX_BODY = 1 << 30
@@ -77,7 +83,7 @@ def _file_header(number: int) -> bytes:
 def _check_file_header(raw: bytes, path: str) -> int:
     if len(raw) < FILE_HEADER_SIZE or raw[:8] != FILE_MAGIC:
         raise FormatError(f"{path}: not an armdb transaction log; point armdb at its own directory")
-    magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
+    _magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
     if struct.unpack_from("<I", raw, _FILE_HEAD.size)[0] != zlib.crc32(raw[: _FILE_HEAD.size]):
         raise FormatError(f"{path}: transaction log header fails its CRC; restore it from a backup")
     if version != FORMAT_VERSION:
@@ -101,9 +107,8 @@ def _torn_header(raw: bytes) -> bool:
 
 def encode_record(txid: int, body: bytes, flags: int) -> bytes:
     head = _REC_HEAD.pack(REC_MAGIC, flags, txid, len(body))
-    crc = zlib.crc32(body, zlib.crc32(head))
-    raw = head + struct.pack("<I", crc) + body
-    return raw + bytes(-len(raw) % 8)
+    pad = -(REC_HEAD_SIZE + len(body)) % 8
+    return b"".join((head, _U32.pack(zlib.crc32(body, zlib.crc32(head))), body, _ZEROS[:pad]))
 
 
 def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]], int, int | None]:
@@ -165,19 +170,17 @@ class TxLog:
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._sync_lock = threading.Lock()
+        self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
         self._path = ""
         self._number = 0
         self._end = 0
-        self._synced_end = 0
         self._inflight = 0
         self._next_txid = 1
         self.poisoned: BaseException | None = None
         self.pending: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
         self._retained: list[str] = []  # replayed files kept while rows are still owed
         self.commits = 0
-        self.syncs = 0
         self.replayed = 0
 
     # -- open / replay ---------------------------------------------------------------
@@ -211,7 +214,7 @@ class TxLog:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
-            recs, end, bad = parse_records(raw, FILE_HEADER_SIZE)
+            recs, _end, bad = parse_records(raw, FILE_HEADER_SIZE)
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
@@ -278,12 +281,18 @@ class TxLog:
         if self._fd >= 0:
             fs.close(self._fd)
         self._fd, self._path = fd, path
-        self._end = self._synced_end = FILE_HEADER_SIZE
+        self._end = FILE_HEADER_SIZE
+        self._group.reset(fd, FILE_HEADER_SIZE)  # no commit is in flight here
         for p in old:
             if fs.exists(p):
                 fs.unlink(p)
         if old:
             fs.fsync_dir(self.dir)
+
+    @property
+    def syncs(self) -> int:
+        """Log syncs made by commits since open (several commits can share one)."""
+        return self._group.syncs
 
     def take_pending(self, collection: str) -> list[tuple[bytes, bytes | None, int]]:
         """Rows owed to an encrypted collection that is being opened now."""
@@ -294,55 +303,73 @@ class TxLog:
     def needs_key(self) -> bool:
         return self.sealer is None
 
-    def append(self, rows: list[Any]) -> tuple[int, int]:
-        """Append one commit record; returns ``(txid, end offset)``.  Caller must call
-        :meth:`done` after applying (or failing to apply) it."""
+    def append(self, rows: list[Any]) -> int:
+        """Append one commit record; returns the log's end offset after it.  The
+        caller must call :meth:`done` after applying (or failing to apply) it."""
         body = msgpack.packb(rows, use_bin_type=True)
         with self._lock:
-            if self.poisoned is not None:
-                raise StorageError(
-                    f"{self._path}: an earlier log sync failed ({self.poisoned}); reopen the database"
-                )
+            if self.poisoned is not None or self._group.err:
+                failure = self.poisoned or os.strerror(self._group.err)
+                raise StorageError(f"{self._path}: an earlier log sync failed ({failure}); reopen the database")
             txid = self._next_txid
             flags = 0
             if self.sealer is not None:
                 body = self.sealer.seal(body, txid.to_bytes(8, "little"))
-                flags |= FLAG_SEALED
+                flags = FLAG_SEALED
             raw = encode_record(txid, body, flags)
+            end = self._end
+            fs = _fs.FS
             try:
-                _fs.FS.pwrite(self._fd, raw, self._end)
+                fs.pwrite(self._fd, raw, end)
             except OSError as e:
                 try:
-                    _fs.FS.ftruncate(self._fd, self._end)
+                    fs.ftruncate(self._fd, end)
                 except OSError:
                     self.poisoned = e
                 raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e
             self._next_txid = txid + 1
-            self._end += len(raw)
+            end += len(raw)
+            self._end = end
+            self._group.wrote(end)
             self._inflight += 1
             self.commits += 1
-            end = self._end
         _fail.point("txlog.after_append")
-        return txid, end
+        return end
 
     def sync_to(self, end: int) -> None:
-        """Make the log durable up to ``end`` (group commit: one sync serves every
-        record appended before it started)."""
-        if self._synced_end >= end:
-            return
-        with self._sync_lock:
-            if self._synced_end >= end:
-                return
-            with self._lock:
-                target = self._end
-                fd = self._fd
-            try:
-                _fs.FS.fdatasync(fd)
-            except OSError as e:
-                self.poisoned = e  # never retried (S12)
-                raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
-            self.syncs += 1
-            self._synced_end = max(self._synced_end, target)
+        """Make the log durable up to ``end``: group commit, leader and followers.
+
+        A committer that finds no sync running becomes the leader: it syncs
+        everything appended so far; committers that arrive meanwhile wait, and
+        when the sync ends those it covered return while one of the others leads
+        the next sync, which covers everything appended during the previous one.
+        Appends (``_lock``) never wait for a sync.  The coordination and the
+        ``fdatasync(2)`` run in C without the GIL (``armdb._core.groupsync``), so
+        the next sync starts as soon as the previous one returns, even while
+        other threads hold the GIL; a file system that overrides ``fdatasync``
+        (tests) has it called instead (``RealFS.native_fdatasync``).
+
+        A failed sync poisons the log and is never retried (S12): the leader and
+        every committer whose record it did not cover raise ``StorageError``, so
+        no commit whose record the failed sync should have covered is applied.
+        """
+        group = self._group
+        if group.synced >= end:
+            return  # a sync that started after our append already finished
+        fs = _fs.FS
+        try:
+            err = group.sync_to(end, None if fs.native_fdatasync() else fs.fdatasync)
+        except OSError as e:
+            self.poisoned = e  # never retried (S12)
+            raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
+        if err:
+            failure = OSError(err, os.strerror(err))
+            if self.poisoned is None:
+                self.poisoned = failure
+            raise StorageError(
+                f"{self._path}: log sync failed ({failure}); nothing of this commit was applied; reopen the "
+                f"database"
+            ) from failure
         _fail.point("txlog.after_sync")
 
     def done(self) -> None:

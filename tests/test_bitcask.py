@@ -729,6 +729,23 @@ def _apply_op(model: dict[bytes, bytes], parts: tuple[str, ...]) -> None:
         model.pop(parts[2].encode(), None)
 
 
+def test_tx_hooks_shard_lock_and_contains_locked(tmp_path: Path) -> None:
+    # SPEC T2 (commit hot path): one lookup gives the lock and its sort key; a delete's
+    # existence check reads no record.
+    g = Gsn()
+    st = open_store(tmp_path / "c", g, shard_count=3)
+    for i in range(30):
+        k = b"k%d" % i
+        assert st.shard_lock(k) == (st.lock_key(k)[0], st.lock_for(k))
+    with st.lock_for(b"a"):
+        assert st.contains_locked(b"a") is False
+        st.write_locked(b"a", b"v", g())
+        assert st.contains_locked(b"a") is True
+        st.write_locked(b"a", None, g())
+        assert st.contains_locked(b"a") is False
+    st.maybe_compact()  # nothing deferred: returns at once
+
+
 def test_tx_hooks_write_under_the_callers_lock_and_defer_compaction(tmp_path: Path) -> None:
     g = Gsn()
     st = open_store(tmp_path / "c", g, shard_count=2, max_file_size=SMALL, compaction_threshold=0.3)
