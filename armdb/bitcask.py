@@ -878,7 +878,6 @@ class BitcaskStore:
         meta = _Meta(count, key is not None, salt, check)
         flags = FLAG_ENCRYPTED if key is not None else 0
         fs.makedirs(directory)
-        sync = config.enable_fsync
         for i in range(count):
             sdir = _shard_dir(directory, i)
             if fs.isdir(sdir):
@@ -895,9 +894,10 @@ class BitcaskStore:
             fs.makedirs(sdir)
             path = os.path.join(sdir, _data_name(1))
             fs.close(fs.create_file(path, _file_header(1, flags, 0, _new_nonce())))
-        if sync:
-            fs.fsync_dir(directory)
-        fs.write_file_atomic(os.path.join(directory, META_NAME), _encode_meta(meta), sync=sync)
+        # Synced even without enable_fsync: creation is rare, and a meta file whose
+        # rename reached the disk before its bytes would make the collection unopenable.
+        fs.fsync_dir(directory)
+        fs.write_file_atomic(os.path.join(directory, META_NAME), _encode_meta(meta))
         return meta
 
     def _scan_shard_files(self, i: int) -> _ShardPlan:
@@ -1994,7 +1994,7 @@ class BitcaskStore:
                 sh.last_sync = time.monotonic()
         # Make the removal of all inputs atomic against a crash: record them first.
         marker = os.path.join(sh.sdir, PENDING_NAME)
-        fs.write_file_atomic(marker, _encode_pending(sorted(in_fids)), sync=sync)
+        fs.write_file_atomic(marker, _encode_pending(sorted(in_fids)))  # always synced, like the meta
         _fail.point("compaction.before_unlink")
         with sh.lock:
             for f in inputs:
