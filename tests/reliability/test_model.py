@@ -689,6 +689,7 @@ def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], 
         assert all(v >= 0.01 for v in share.values()), hist
 
 
+@pytest.mark.timeout(3600)  # `make reliability` runs it with ARMDB_HYP_EXAMPLES=5000 too
 def test_e_queue_model_ci(capsys: pytest.CaptureFixture[str]) -> None:
     run_machines(
         int(os.environ.get("ARMDB_HYP_EXAMPLES", "200")),
