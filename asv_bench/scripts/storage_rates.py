@@ -2,9 +2,15 @@
 
 Run: .venv/bin/python asv_bench/scripts/storage_rates.py  (figures in docs/performance.md)
 """
-import tempfile, time, os, numpy as np, armdb
+import os
+import tempfile
+import time
+
+import armdb
 from armdb import Config, FixedConfig
 from armdb.fixed import FixedStore
+
+
 def rate(n, f):
     t=time.perf_counter()
     for i in range(n): f(i)
