@@ -783,6 +783,7 @@ def test_mutation(name: str, scratch: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)
 def test_mutation_nightly(scratch: str) -> None:
     t = run_mutations(sorted(GOLDEN_SPECS), NIGHTLY_MUTATIONS, seed=12345, scratch=scratch)
     _finish(t, "mutations, nightly size")

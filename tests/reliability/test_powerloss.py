@@ -695,6 +695,7 @@ def test_powerloss_strict_directories(name: str, tmp_path: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)
 def test_powerloss_nightly(tmp_path: Any) -> None:
     """Nightly size: every scripted workload, the full B3 set on every world, random workloads."""
     total = Tally()
