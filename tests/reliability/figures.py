@@ -26,7 +26,7 @@ TARGETS: dict[str, tuple[str, list[tuple[str, float]], str]] = {
     "powerloss": ("crash states", [("states", 10_000)], ">= 10,000"),
     "faults": ("faults injected", [("faults", 1)], "every k of every workload"),
     "mutation": ("mutated files", [("mutations", 20_000)], ">= 20,000"),
-    "e-model": ("examples (steps)", [("examples", 200)], "200 examples x 50 steps per machine"),
+    "e-model": ("examples (steps)", [("examples", 600), ("machines", 3)], "200 examples x 50 steps per machine, 3 machines"),
     "threads": ("jobs (seeds)", [("jobs", 120_000), ("seeds", 3)], "8P x 8C x 40k jobs x 3 seeds"),
     "g-encryption": ("seals (cases)", [("seals", 100_000)], "all cases; 0 hits, 0 repeats in 1e5"),
     "h-bad-input": ("rows", [("rows", 80)], ">= 80 rows"),

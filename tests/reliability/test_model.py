@@ -293,6 +293,7 @@ class QueueMachine(RuleBasedStateMachine):
     """One queue beside a model; the flavour is fixed by the subclass."""
 
     VAR = False
+    DURABLE = False  # headers synced on every write (sync_interval 0): the ordered redo path
 
     def __init__(self) -> None:
         super().__init__()
@@ -332,11 +333,15 @@ class QueueMachine(RuleBasedStateMachine):
             .backoff_secs([b / 1000 for b in backoff])
             .lease_timeout(timedelta(milliseconds=lease_ms))
             .dead_retention(None if retention is None else retention / 1000)
-            .header_config(FixedConfig.balanced().shard_count(shards).grow_step(grow_step).enable_fsync(False).build())
+            .header_config(self._header_config(shards, grow_step))
             .payload_config(self.map_config)
         )
         self.tx_config = TxConfig(log_encryption_key=LOG_KEY) if self.encrypted else None
         self.open(max_depth)
+
+    def _header_config(self, shards: int, grow_step: int) -> FixedConfig:
+        h = FixedConfig.balanced().shard_count(shards).grow_step(grow_step)
+        return (h.sync_interval(0) if self.DURABLE else h.enable_fsync(False)).build()
 
     def open(self, max_depth: int | None) -> None:
         self.max_depth = max_depth
@@ -648,13 +653,20 @@ class VarMachine(QueueMachine):
     VAR = True
 
 
+class DurableFixedMachine(QueueMachine):
+    """Durable headers: every lease, nack and ack of a live row syncs its redo record
+    before the in-place copy (armdb.fixed.FixedShard._put)."""
+
+    DURABLE = True
+
+
 def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], tag: str) -> None:
     """Run both machines; print the summary line (also when a machine fails)."""
     RUN.clear()
     t0 = time.perf_counter()
     failure: BaseException | None = None
     try:
-        for machine in (FixedMachine, VarMachine):
+        for machine in (FixedMachine, VarMachine, DurableFixedMachine):
             with _fs.use(TrackingFS()), pytest.MonkeyPatch.context() as mp:
                 mp.setattr(QUEUE_MODULE, "KeyIndex", _key_index)
                 run_state_machine_as_test(
@@ -674,7 +686,7 @@ def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], 
     share = {k: v / total for k, v in rules.items()}
     hist = " ".join(f"{k}={100 * v:.1f}%" for k, v in sorted(share.items()))
     line = (
-        f"RELIABILITY e-model{tag} machines=2 examples={RUN['examples']} steps={RUN['steps']} "
+        f"RELIABILITY e-model{tag} machines=3 examples={RUN['examples']} steps={RUN['steps']} "
         f"reopens={RUN['reopens']} crash_reopens={RUN['crash_reopens']} pushed={RUN['pushed']} leased={RUN['leased']} "
         f"tx_committed={RUN['tx_committed']} tx_refused={RUN['tx_refused']} push_refused={RUN['push_refused']} "
         f"stale_rejected={RUN['stale_rejected']} violations={0 if failure is None else 1} "
