@@ -661,7 +661,7 @@ class DurableFixedMachine(QueueMachine):
 
 
 def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], tag: str) -> None:
-    """Run both machines; print the summary line (also when a machine fails)."""
+    """Run every machine; print the summary line (also when a machine fails)."""
     RUN.clear()
     t0 = time.perf_counter()
     failure: BaseException | None = None
