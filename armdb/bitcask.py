@@ -275,14 +275,16 @@ def _parse_header(raw: bytes, path: str, magic: bytes, kind: str) -> _Header | N
     got, version, flags, fid, base_gsn, nonce, crc = FILE_HEAD.unpack_from(raw)
     if got != magic:
         raise FormatError(f"{path} is not an armdb {kind} file (unknown magic); remove the foreign file")
+    # The CRC first: a header torn by power loss (a hint file is never synced) can keep
+    # its magic and lose its version bytes; only a complete header names a version.
+    if zlib.crc32(raw[:28]) != crc:
+        raise CorruptionError(
+            f"{path}: {kind} file header fails its CRC check (offset 0); restore from a backup"
+        )
     if version != FORMAT_VERSION:
         raise FormatError(
             f"{path}: {kind} format version {version} is not supported by this armdb "
             f"(it reads version {FORMAT_VERSION}); upgrade armdb"
-        )
-    if zlib.crc32(raw[:28]) != crc:
-        raise CorruptionError(
-            f"{path}: {kind} file header fails its CRC check (offset 0); restore from a backup"
         )
     return _Header(fid, flags, base_gsn, nonce)
 
