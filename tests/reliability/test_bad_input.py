@@ -291,6 +291,14 @@ def newer_log_file(w: World) -> None:
     (w.path / "txlog" / "00000000.log").write_bytes(head + bytes(32 - len(head)))
 
 
+def newer_bitcask_header(path: Path) -> None:
+    """A complete data file header (valid CRC) of format version 99: a newer armdb's."""
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<H", raw, 8, 99)
+    struct.pack_into("<I", raw, 28, zlib.crc32(raw[:28]))
+    path.write_bytes(bytes(raw))
+
+
 def bump_queue_meta_version(w: World) -> None:
     p = w.path / "collections" / "spare" / "queue.meta"
     raw = bytearray(p.read_bytes())
@@ -443,7 +451,7 @@ ROWS: list[R] = [
     R("d5_bitcask_meta_foreign", lambda w: w.db.open_map("plainmap"), FormatError, r"collection\.meta",
       prep=lambda w: (w.path / "collections" / "plainmap" / "collection.meta").write_bytes(b"x" * 64), check=False),
     R("d5_bitcask_data_newer", lambda w: w.db.open_map("plainmap"), FormatError, r"\.data.*(upgrade|not supported)",
-      prep=lambda w: patch_file(first_data_file(w, "plainmap"), 8, struct.pack("<H", 99)), check=False),
+      prep=lambda w: newer_bitcask_header(first_data_file(w, "plainmap")), check=False),
     R("s7_bitcask_record_corrupt", lambda w: w.db.open_map("plainmap"), CorruptionError, r"\.data.*offset 32",
       prep=tamper_record, check=False),
     # -- queue declarations (Q1, D3) ----------------------------------------------------------------------
