@@ -91,10 +91,22 @@ def lost_below_hwm(status: np.ndarray, mark: int) -> tuple[int, int]:
     return missing, n if missing else -1
 
 
+SECTOR = 512
+
+
 def slot_size_for(key_size: int, value_size: int) -> int:
-    """8-byte slot header + key + value, rounded up to a multiple of 8."""
+    """8-byte slot header + key + value, rounded up so that no slot straddles a sector.
+
+    Up to 512 bytes the size is the next power of two (a divisor of 512); beyond,
+    a multiple of 512.  The header page is 4096 bytes, so every slot of up to 512
+    bytes lies inside one 512-byte sector, and a sector is the unit a disk writes
+    whole: an in-place update that power loss cuts short leaves the old or the new
+    slot, never a mix of the two, even on a store that does not sync every write.
+    """
     raw = 8 + key_size + value_size
-    return (raw + 7) & ~7
+    if raw <= SECTOR:
+        return 1 << (raw - 1).bit_length()
+    return -(-raw // SECTOR) * SECTOR
 
 
 def encode_header(slot_size: int, key_size: int, value_size: int, shard: int) -> bytes:

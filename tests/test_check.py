@@ -25,7 +25,7 @@ from .conftest import FakeClock
 
 HEADER_PAGE = 4096
 PAYLOAD = np.dtype([("doc", "<u8"), ("flags", "<u4")])
-SLOT = 72  # 8 + 16 + 32 + 12, rounded up to 8
+SLOT = 128  # 8 + 16 + 32 + 12 = 68, rounded up to a power of two
 Pings = armdb.queue("pings", payload=PAYLOAD)
 SMALL = QueueConfig.balanced().header_config(FixedConfig.balanced().grow_step(8).build()).build()
 

@@ -35,7 +35,7 @@ RING = 1 << 30
 HALF = 1 << 29
 
 PAYLOAD = np.dtype([("doc", "<u8"), ("flags", "<u4")])  # 12 bytes -> 8+16+32+12 = 68 -> 72-byte slots
-SLOT = 72
+SLOT = 128  # 8 + 16 + 32 + 12 = 68, rounded up to a power of two (no slot straddles a sector)
 Pings = armdb.queue("pings", payload=PAYLOAD)
 
 
@@ -79,8 +79,8 @@ def assert_clean(db_path: Path) -> None:
 def test_s1_header_page_and_slot_layout_are_byte_exact(tmp_path: Path) -> None:
     cfg = FixedConfig.balanced().grow_step(8).build()
     shard = FixedShard(str(tmp_path / "s"), 3, 16, 32, cfg)
-    assert shard.slot_size == 56  # 8 + 16 + 32, already a multiple of 8
-    body = bytes(range(1, 41))  # shorter than the 48-byte body: zero-padded
+    assert shard.slot_size == 64  # 8 + 16 + 32 = 56, rounded up to a power of two
+    body = bytes(range(1, 41))  # shorter than the 56-byte body: zero-padded
     a = shard.alloc()
     b = shard.alloc()
     assert (a, b) == (0, 1)  # lowest free slot first
@@ -91,9 +91,9 @@ def test_s1_header_page_and_slot_layout_are_byte_exact(tmp_path: Path) -> None:
     shard.close()
 
     raw = (tmp_path / "s" / "fixed.data").read_bytes()
-    assert len(raw) == HEADER_PAGE + 8 * 56
+    assert len(raw) == HEADER_PAGE + 8 * 64
     # header page: magic, version, slot_size, key_size, value_size, shard index, crc32; then zeros
-    assert struct.unpack_from("<8sIIIII", raw, 0) == (b"ARMFIXD1", 1, 56, 16, 32, 3)
+    assert struct.unpack_from("<8sIIIII", raw, 0) == (b"ARMFIXD1", 1, 64, 16, 32, 3)
     assert struct.unpack_from("<I", raw, 28)[0] == zlib.crc32(raw[:28])
     # then the high-water mark's copy A at 512 (two slots written; close writes copy B in
     # fixed.redo under generation 1, then copy A under generation 2)
@@ -103,18 +103,18 @@ def test_s1_header_page_and_slot_layout_are_byte_exact(tmp_path: Path) -> None:
     assert raw[32:512] + raw[512 + 28 : HEADER_PAGE] == bytes(HEADER_PAGE - 32 - 28)
 
     def slot(i: int) -> bytes:
-        return raw[HEADER_PAGE + i * 56 : HEADER_PAGE + (i + 1) * 56]
+        return raw[HEADER_PAGE + i * 64 : HEADER_PAGE + (i + 1) * 64]
 
     s0 = slot(0)
     meta = struct.unpack_from("<I", s0, 0)[0]
     assert meta == (1 << 2) | 1  # version 1, occupied
-    assert s0[8:] == body + bytes(8)
+    assert s0[8:] == body + bytes(16)  # a 56-byte body: zero-padded
     assert struct.unpack_from("<I", s0, 4)[0] == zlib.crc32(s0[0:4] + s0[8:])
     s1 = slot(1)
     assert struct.unpack_from("<I", s1, 0)[0] == (7 << 2) | 1
     assert struct.unpack_from("<I", s1, 4)[0] == zlib.crc32(s1[0:4] + s1[8:])
     # never-written slots are all zero (a sparse hole)
-    assert raw[HEADER_PAGE + 2 * 56 :] == bytes(6 * 56)
+    assert raw[HEADER_PAGE + 2 * 64 :] == bytes(6 * 64)
 
 
 def test_s1_freed_slot_is_deleted_with_next_version_and_zero_body(tmp_path: Path) -> None:
@@ -127,10 +127,10 @@ def test_s1_freed_slot_is_deleted_with_next_version_and_zero_body(tmp_path: Path
     shard.unalloc(i)
     shard.close()
     raw = (tmp_path / "s" / "fixed.data").read_bytes()
-    s = raw[HEADER_PAGE : HEADER_PAGE + 56]
+    s = raw[HEADER_PAGE : HEADER_PAGE + 64]
     assert struct.unpack_from("<I", s, 0)[0] == (2 << 2) | 2  # version 2, deleted
-    assert s[8:] == bytes(48)
-    assert struct.unpack_from("<I", s, 4)[0] == zlib.crc32(s[:4] + bytes(48))
+    assert s[8:] == bytes(56)
+    assert struct.unpack_from("<I", s, 4)[0] == zlib.crc32(s[:4] + bytes(56))
 
 
 def test_s1_queue_row_key_and_header_are_byte_exact(db_path: Path) -> None:
@@ -146,7 +146,7 @@ def test_s1_queue_row_key_and_header_are_byte_exact(db_path: Path) -> None:
         payload = np.array((42, 7), dtype=PAYLOAD).tobytes()
         key = struct.pack(">QQ", t0 + 2500, rid)
         header = struct.pack("<BBHIqQq", 0, 0, 0, 0, 0, 0, t0)  # READY, no lease, pushed at t0
-        assert raw[8:] == key + header + payload + bytes(4)
+        assert raw[8:] == key + header + payload + bytes(SLOT - 8 - 16 - 32 - 12)  # zero padding
         assert struct.unpack_from("<I", raw, 0)[0] == (1 << 2) | 1
         assert struct.unpack_from("<I", raw, 4)[0] == zlib.crc32(raw[:4] + raw[8:])
 
@@ -154,7 +154,7 @@ def test_s1_queue_row_key_and_header_are_byte_exact(db_path: Path) -> None:
         (lease,) = q.lease(1)
         raw = path.read_bytes()[off : off + SLOT]
         header = struct.pack("<BBHIqQq", 1, 0, 1, 1, clock.ms + 30_000, 0, t0)  # LEASED, attempt 1, epoch 1
-        assert raw[8:] == key + header + payload + bytes(4)
+        assert raw[8:] == key + header + payload + bytes(SLOT - 8 - 16 - 32 - 12)
         assert struct.unpack_from("<I", raw, 0)[0] == (2 << 2) | 1  # updated in place: version 2
 
         q.nack(lease.token, dead=True)
@@ -354,7 +354,7 @@ def test_s4_torn_var_header_leaves_an_orphan_body_that_is_collected(db_path: Pat
         q = db.open_queue(Jobs, cfg)
         ids = [q.push(b"body-%d" % i) for i in range(3)]
     path = shard_file(db_path, "jobs")
-    var_slot = 8 + 16 + 32  # 56
+    var_slot = 64  # 8 + 16 + 32 = 56, rounded up to a power of two
     data = bytearray(path.read_bytes())
     data[HEADER_PAGE + slot_of(path, ids[0], var_slot) * var_slot + 30] ^= 1
     path.write_bytes(bytes(data))

@@ -107,7 +107,7 @@ def test_q26_stats_html_table(db: Db, clock: FakeClock) -> None:
     assert (stats.ready, stats.leased, stats.delayed, stats.dead_len) == (6, 2, 2, 2)
     assert (stats.pushes, stats.acks, stats.nacks, stats.dead_lettered, stats.expired_leases) == (13, 1, 3, 2, 1)
     assert stats.version_vector_bytes == 400_000
-    assert stats.header_file_logical_bytes == 4096 + 100_000 * 72  # 8 + 16 + 32 + 12 bytes, rounded to 8
+    assert stats.header_file_logical_bytes == 4096 + 100_000 * 128  # 8 + 16 + 32 + 12 bytes, to a power of 2
 
 
 def test_q27_snapshot_to_dataframe(db: Db, clock: FakeClock) -> None:

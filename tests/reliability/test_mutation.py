@@ -802,6 +802,11 @@ def _fixed_db(path: str, rows: int = 6) -> str:
     return os.path.join(path, "collections", "fq", "shard-000", "fixed.data")
 
 
+def _slot_size(path: str) -> int:
+    with open(path, "rb") as f:
+        return decode_header(f.read(HEADER_PAGE), path)[0]
+
+
 def _refused_and_reported(path: str, world: World) -> str:
     """check() names the damage, and open refuses it with CorruptionError (its message)."""
     rep = armdb.check(path)
@@ -818,7 +823,7 @@ def test_s4_truncated_fixed_data_is_reported(scratch: str) -> None:
     d = os.path.join(scratch, "db")
     path = _fixed_db(d)
     with open(path, "r+b") as f:
-        f.truncate(HEADER_PAGE + 72)  # keep slot 0 only
+        f.truncate(HEADER_PAGE + _slot_size(path))  # keep slot 0 only
     assert "5 slot(s)" in _refused_and_reported(d, FIXED)
 
 
@@ -829,8 +834,9 @@ def test_s11_zeroed_slot_of_a_live_row_is_reported(scratch: str) -> None:
     d = os.path.join(scratch, "db")
     path = _fixed_db(d)
     with open(path, "r+b") as f:
-        f.seek(HEADER_PAGE + 72)  # slot 1
-        f.write(bytes(72))
+        size = _slot_size(path)
+        f.seek(HEADER_PAGE + size)  # slot 1
+        f.write(bytes(size))
     assert "first: slot 1" in _refused_and_reported(d, FIXED)
 
 

@@ -47,6 +47,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -749,10 +750,11 @@ def _write(p: str, data: bytes) -> None:
 
 def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """S4/I1: a durable row whose in-place update (a lease) is torn by power loss must
-    survive, as the old or the new row.  Slot 9 of a var queue (56-byte slots) spans
-    bytes 4600..4655 of fixed.data, across the 512-byte sector boundary at 4608; the
-    lease's page write-back reached the disk for the first sector only, and nothing
-    else the lease wrote after its in-place copy began did."""
+    survive, as the old or the new row.  The tear is at byte granularity, inside slot 9
+    (row 10): its first 24 bytes are the lease's, the rest the row before it (slots no
+    longer straddle sectors, so only a disk that tears inside a sector does this; the
+    durable promise holds even then), and nothing else the lease wrote after its
+    in-place copy began reached the disk."""
     d = str(tmp_path / "db")
     q_spec = armdb.queue("vq", payload=bytes, var=True)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
@@ -786,7 +788,10 @@ def test_s4_torn_slot_update_keeps_its_row(tmp_path: Any, monkeypatch: pytest.Mo
     assert lease.id == 10
     db.shutdown()
     after = _read(path)
-    _write(path, before[:4096] + after[4096:4608] + before[4608:])
+    slot_size = struct.unpack_from("<I", before, 12)[0]
+    cut = 4096 + 9 * slot_size + 24
+    assert before[cut - 24 : cut] != after[cut - 24 : cut], "the lease must change the slot's first bytes"
+    _write(path, before[:4096] + after[4096:cut] + before[cut:])
     for f, data in others.items():
         _write(os.path.join(sdir, f), data)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
