@@ -375,7 +375,7 @@ def test_d5_bad_queue_meta_raises_format_error_and_changes_nothing(db_path: Path
     assert tree(db_path / "collections") == before
 
 
-def fixed_header(magic: bytes = b"ARMFIXD1", version: int = 1, slot: int = 72) -> bytes:
+def fixed_header(magic: bytes = b"ARMFIXD1", version: int = 1, slot: int = 128) -> bytes:
     body = struct.pack("<8sIIIII", magic, version, slot, 16, 44, 0)
     return body + struct.pack("<I", zlib.crc32(body))
 
