@@ -437,12 +437,7 @@ class FixedShard:
 
     def insert(self, body: bytes) -> int:
         """:meth:`alloc` and :meth:`write` in one call (a push); returns the slot."""
-        if self.poisoned is not None:
-            self._check_writable()
-        if self._free_top == 0:
-            self.grow()
-        self._free_top -= 1
-        slot = int(self._free[self._free_top])
+        slot = self.alloc()
         try:
             self.sf.put(slot, OCCUPIED, body)  # a free slot: no ordered redo needed (_put)
         except BaseException:
