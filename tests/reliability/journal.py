@@ -36,13 +36,16 @@ truncated or swapped body is detected by ``parse_payload``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 FIXED_PAYLOAD = 64  # bytes of the fixed queue's inline payload
 _HEAD_LEN = len(b"J0000000000:00000:")
@@ -125,14 +128,39 @@ def iter_records(paths: Iterable[Path]) -> Iterator[tuple[str, list[list[str]]]]
 # -- reporting and artifacts -------------------------------------------------------------------------
 
 
-def summary_line(harness: str, fields: dict[str, object]) -> str:
-    """``RELIABILITY <harness> k=v ...``; also appended to ``$ARMDB_RELIABILITY_REPORT``."""
-    line = "RELIABILITY " + harness + " " + " ".join(f"{k}={v}" for k, v in fields.items())
-    print("\n" + line, flush=True)
+@contextlib.contextmanager
+def quiet_armdb_log() -> Iterator[None]:
+    """Silence the ``armdb`` logger: recovery warnings are expected by the thousand in the
+    crash, fault and corruption harnesses."""
+    lg = logging.getLogger("armdb")
+    level = lg.level
+    lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
+
+
+def report_line(line: str, request: Any = None) -> None:
+    """Print a harness's ``RELIABILITY ...`` line and append it to ``$ARMDB_RELIABILITY_REPORT``
+    (which ``tests/conftest.py`` turns into the figures table).  With a pytest
+    ``request``, the line is printed past output capturing."""
+    capman = request.config.pluginmanager.get_plugin("capturemanager") if request is not None else None
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            print("\n" + line, flush=True)
+    else:
+        print("\n" + line, flush=True)
     target = os.environ.get("ARMDB_RELIABILITY_REPORT")
     if target:
         with open(target, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+
+def summary_line(harness: str, fields: dict[str, object]) -> str:
+    """``RELIABILITY <harness> k=v ...``, reported with :func:`report_line`."""
+    line = "RELIABILITY " + harness + " " + " ".join(f"{k}={v}" for k, v in fields.items())
+    report_line(line)
     return line
 
 

@@ -57,7 +57,8 @@ from armdb.errors import (
 from armdb.streams import SchemaRegistry
 
 from ..conftest import FakeClock, child_env, run_child
-from .test_model import TrackingFS, report
+from .journal import report_line
+from .test_model import TrackingFS
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -764,5 +765,5 @@ def test_zz_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
         f"classes={len(classes)}[{','.join(classes)}] state_changes={RUN['state_changes']} violations={failed}"
     )
     with capsys.disabled():
-        report(line)
+        report_line(line)
     assert len(ROWS) >= 80

@@ -43,7 +43,8 @@ from armdb.txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
 from armdb.txlog import FLAG_SEALED, parse_records
 
 from ..conftest import FakeClock, child_env, run_child
-from .test_model import TrackingFS, abandon, report
+from .journal import report_line
+from .test_model import TrackingFS, abandon
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -729,5 +730,5 @@ def test_zz_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
     if failed:
         line += " failed=" + ",".join(failed)
     with capsys.disabled():
-        report(line)
+        report_line(line)
     assert RUN["canary_hits"] == 0 and RUN["nonce_repeats"] == 0

@@ -31,7 +31,6 @@ import contextlib
 import errno
 import faulthandler
 import gc
-import logging
 import os
 import shutil
 import subprocess
@@ -50,6 +49,7 @@ from armdb.errors import ArmdbError, DbClosed, StorageError, TxFailedAfterLog
 
 from .bcd_workloads import Session, World, describe_state, fast_tmpdir, judge
 from .faultfs import FaultFS, fd_count
+from .journal import quiet_armdb_log, report_line
 
 ROOT = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT = 60.0  # seconds per injected run before the watchdog dumps stacks and exits
@@ -544,13 +544,8 @@ _TOTAL = FaultTally()
 @pytest.fixture(scope="module", autouse=True)
 def _summary(request: pytest.FixtureRequest):
     t0 = time.monotonic()
-    lg = logging.getLogger("armdb")
-    level = lg.level
-    lg.setLevel(logging.CRITICAL)
-    try:
+    with quiet_armdb_log():
         yield
-    finally:
-        lg.setLevel(level)
     v = _TOTAL
     ks = ",".join(f"{k}:{n}" for k, n in sorted(v.k_per_workload.items()))
     line = (
@@ -558,16 +553,7 @@ def _summary(request: pytest.FixtureRequest):
         f"untyped_exceptions={v.untyped} fd_leaks={v.fd_leaks} runs={v.runs} K={{{ks}}} "
         f"by_class={dict(v.violations) or '{}'} errors={dict(v.error_classes)} seconds={time.monotonic() - t0:.0f}"
     )
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n" + line, flush=True)
-    else:  # pragma: no cover
-        print(line)
-    path = os.environ.get("ARMDB_RELIABILITY_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+    report_line(line, request)
 
 
 @pytest.fixture

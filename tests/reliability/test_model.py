@@ -60,6 +60,7 @@ from armdb._core.qindex import KeyIndex
 from armdb.errors import QueueFull, StaleToken
 
 from ..conftest import FakeClock
+from .journal import report_line
 
 PAYLOAD_KEY = bytes(range(32))
 LOG_KEY = bytes(range(100, 132))
@@ -78,15 +79,6 @@ VarQ = armdb.queue("mq", payload=Job, var=True)
 
 # Counters shared by every machine run in this process (for the summary line).
 RUN = collections.Counter()
-
-
-def report(line: str) -> None:
-    """Print the harness summary line and append it to $ARMDB_RELIABILITY_REPORT."""
-    print(line, flush=True)
-    path = os.environ.get("ARMDB_RELIABILITY_REPORT")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
 
 
 class TrackingFS(_fs.RealFS):
@@ -693,7 +685,7 @@ def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], 
         f"seconds={elapsed:.1f} rules[{hist}]"
     )
     with capsys.disabled():
-        report(line)
+        report_line(line)
     if failure is not None:
         raise failure
     if RUN["steps"] >= 2000:  # rule shares are meaningful only over enough steps

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import logging
 import os
 import random
 import re
@@ -69,6 +68,7 @@ from armdb.fixed import HEADER_PAGE, decode_header, lost_below_hwm, read_hwm
 from armdb.seqmap import decode as decode_seqmap
 
 from .bcd_workloads import KEY, NOBODY, Session, World, fast_tmpdir
+from .journal import quiet_armdb_log, report_line
 
 _queue = sys.modules["armdb.queue"]
 
@@ -727,13 +727,8 @@ _TOTAL = MTally()
 @pytest.fixture(scope="module", autouse=True)
 def _summary(request: pytest.FixtureRequest):
     t0 = time.monotonic()
-    lg = logging.getLogger("armdb")
-    level = lg.level
-    lg.setLevel(logging.CRITICAL)
-    try:
+    with quiet_armdb_log():
         yield
-    finally:
-        lg.setLevel(level)
     v = _TOTAL
     line = (
         f"RELIABILITY mutation states=0 faults=0 mutations={v.mutations} violations={sum(v.violations.values())} "
@@ -741,16 +736,7 @@ def _summary(request: pytest.FixtureRequest):
         f"served={v.served} slowest_case={v.slowest:.2f}s by_class={dict(v.violations) or '{}'} "
         f"seconds={time.monotonic() - t0:.0f}"
     )
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n" + line, flush=True)
-    else:  # pragma: no cover
-        print(line)
-    path = os.environ.get("ARMDB_RELIABILITY_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+    report_line(line, request)
 
 
 @pytest.fixture

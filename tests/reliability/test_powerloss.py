@@ -42,7 +42,6 @@ the damage and the allowed states.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import random
 import re
@@ -67,6 +66,7 @@ from armdb.errors import ArmdbError, CorruptionError
 
 from .bcd_workloads import Session, World, describe_state, fast_tmpdir, judge, quiesce
 from .faultfs import CrashModel, Image, RecordingFS, cut_points
+from .journal import quiet_armdb_log, report_line
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_STATES = int(os.environ.get("ARMDB_CRASH_STATES", "10000"))
@@ -398,6 +398,8 @@ def _many_rows_script(q: str) -> list[str]:
     return ops
 
 
+OUTBOX_SCRIPT = ["outbox:vq:m", "outbox:vq:m", "lease:vq", "ack:vq", "outbox:vq:m", "lease:vq", "tx:vq", "outbox:vq:m"]
+
 SCRIPTED: dict[str, tuple[World, list[str]]] = {
     "many_rows_fixed_durable": (FIXED_D, _many_rows_script("fq")),
     "many_rows_var_durable": (VAR_D, _many_rows_script("vq")),
@@ -409,32 +411,8 @@ SCRIPTED: dict[str, tuple[World, list[str]]] = {
     "var_default": (VAR_ND, _queue_script("vq")),
     "map_rotation_durable": (MAP_D, _map_script()),
     "map_rotation_default": (MAP_ND, _map_script()),
-    "outbox_durable": (
-        OUTBOX_D,
-        [
-            "outbox:vq:m",
-            "outbox:vq:m",
-            "lease:vq",
-            "ack:vq",
-            "outbox:vq:m",
-            "lease:vq",
-            "tx:vq",
-            "outbox:vq:m",
-        ],
-    ),
-    "outbox_default": (
-        OUTBOX_ND,
-        [
-            "outbox:vq:m",
-            "outbox:vq:m",
-            "lease:vq",
-            "ack:vq",
-            "outbox:vq:m",
-            "lease:vq",
-            "tx:vq",
-            "outbox:vq:m",
-        ],
-    ),
+    "outbox_durable": (OUTBOX_D, OUTBOX_SCRIPT),
+    "outbox_default": (OUTBOX_ND, OUTBOX_SCRIPT),
     "var_payload_rotation_durable": (VAR_BIG_D, _big_var_script()),
     "two_shards_durable": (
         TWO_SHARDS_D,
@@ -499,33 +477,16 @@ _TOTAL = Tally()
 @pytest.fixture(scope="module", autouse=True)
 def _summary(request: pytest.FixtureRequest):
     t0 = time.monotonic()
-    lg = logging.getLogger("armdb")
-    level = lg.level
-    lg.setLevel(logging.CRITICAL)  # recovery warnings are expected by the thousand here
-    try:
+    with quiet_armdb_log():
         yield
-    finally:
-        lg.setLevel(level)
     v = _TOTAL
     line = (
         f"RELIABILITY powerloss states={v.states} faults=0 mutations=0 violations={v.total_violations} "
         f"untyped_exceptions={v.untyped} fd_leaks=0 generated={v.generated} "
         f"not_prefix={v.not_prefix} refused_s7={v.refused_s7} by_class={dict(v.violations) or '{}'} seconds={time.monotonic() - t0:.0f}"
     )
-    _emit(request, line)
+    report_line(line, request)
 
-
-def _emit(request: pytest.FixtureRequest, line: str) -> None:
-    capman = request.config.pluginmanager.get_plugin("capturemanager")
-    if capman is not None:
-        with capman.global_and_fixture_disabled():
-            print("\n" + line, flush=True)
-    else:  # pragma: no cover
-        print(line)
-    path = os.environ.get("ARMDB_RELIABILITY_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
 
 
 def signature(outcome: tuple[str, str]) -> str:
