@@ -72,6 +72,11 @@ def point(name: str) -> None:
     os._exit(EXIT_CODE)
 
 
+def armed() -> bool:
+    """Whether a failpoint is set in this process (compiled fast paths then call back)."""
+    return _name is not None
+
+
 def failpoints() -> list[str]:
     """Every failpoint name, sorted."""
     return sorted(ALL)

@@ -144,18 +144,18 @@ class FixedShard:
         self.body_size = self.slot_size - 8
         self.config = config
         # Durable store: every write is synced before it returns (S5 sync_interval 0).
-        self._ordered = config.enable_fsync and config.sync_interval == 0
+        self.ordered = config.enable_fsync and config.sync_interval == 0
         self.lock = threading.Lock()
         self.path = os.path.join(directory, FILE_NAME)
         self.poisoned: BaseException | None = None
         self.sync_error: StorageError | None = None  # stashed by _wrote_or_stash
         self.repaired_on_open = 0
         self.sf = _k.SlotFile(HEADER_PAGE)  # the hot path's view of the arrays (rebound by _bind)
-        self._last_sync = time.monotonic()
+        self.sf.last_sync = time.monotonic()
         # High-water mark: on disk, and covered by a completed sync (in memory: sf.hwm).
         # The marks stored in the two copies (A: fixed.data, B: fixed.redo).
         self._hwm_a = self._hwm_b = self._hwm_synced = self._hwm_gen = 0
-        self._sync_every = config.sync_interval if config.enable_fsync else None
+        self.sync_every = config.sync_interval if config.enable_fsync else None
         self._fd = -1
         self._redo_fd = -1
         self._open()
@@ -390,7 +390,7 @@ class FixedShard:
         free = np.flatnonzero(self.status != OCCUPIED).astype(np.uint32)[::-1]
         self._free = np.zeros(self.capacity, dtype=np.uint32)
         self._free[: free.shape[0]] = free
-        self._free_top = int(free.shape[0])
+        self.sf.bind_free(self._free, int(free.shape[0]))
 
     def _remap_to(self, new: int) -> None:
         """Extend the file to ``new`` slots, remap, and extend the status array."""
@@ -417,10 +417,10 @@ class FixedShard:
         # Only called with an empty stack: the new slots, lowest on top.
         self._free = np.zeros(new, dtype=np.uint32)
         self._free[: new - old] = np.arange(new - 1, old - 1, -1, dtype=np.uint32)
-        self._free_top = new - old
+        self.sf.bind_free(self._free, new - old)
 
     # -- slot operations (caller holds self.lock) -----------------------------------
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
         if self.poisoned is not None:
             raise StorageError(
                 f"{self.path}: an earlier sync failed ({self.poisoned}); writes are refused "
@@ -429,11 +429,12 @@ class FixedShard:
 
     def alloc(self) -> int:
         """Pop a free slot, growing the file when none is left."""
-        self._check_writable()
-        if self._free_top == 0:
+        self.check_writable()
+        slot = self.sf.pop_free()
+        if slot < 0:
             self.grow()
-        self._free_top -= 1
-        return int(self._free[self._free_top])
+            slot = self.sf.pop_free()
+        return slot
 
     def insert(self, body: bytes) -> int:
         """:meth:`alloc` and :meth:`write` in one call (a push); returns the slot."""
@@ -441,7 +442,7 @@ class FixedShard:
         try:
             self.sf.put(slot, OCCUPIED, body)  # a free slot: no ordered redo needed (_put)
         except BaseException:
-            self._free_top += 1
+            self.sf.push_free(slot)
             raise
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
@@ -449,8 +450,7 @@ class FixedShard:
 
     def unalloc(self, slot: int) -> None:
         """Give back a slot taken by :meth:`alloc` but never written."""
-        self._free[self._free_top] = slot
-        self._free_top += 1
+        self.sf.push_free(slot)
 
     def _put(self, slot: int, status: int, body: bytes, version: int) -> int:
         """Compose the slot image in the redo record and copy it into the slot.
@@ -463,9 +463,16 @@ class FixedShard:
         and the slot is free again.
         """
         sf = self.sf
-        if not (self._ordered and self.status[slot] == OCCUPIED):
+        if not (self.ordered and self.status[slot] == OCCUPIED):
             return int(sf.put(slot, status, body, version))
         v = int(sf.put(slot, status, body, version, False))
+        self.sync_redo()
+        sf.commit()
+        return v
+
+    def sync_redo(self) -> None:
+        """Make the composed redo record durable before it is copied over a live row
+        (:meth:`_put`; armdb._core.qshard calls it for the same reason)."""
         self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
         try:
             self.redo_mapped.flush()
@@ -476,13 +483,11 @@ class FixedShard:
                 f"database is reopened"
             ) from e
         _fail.point("fixed.after_redo_sync")
-        sf.commit()
-        return v
 
     def write(self, slot: int, body: bytes, version: int = 0) -> int:
         """Write an occupied slot in place; returns its new version."""
         if self.poisoned is not None:
-            self._check_writable()
+            self.check_writable()
         v = self._put(slot, OCCUPIED, body, version)
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
@@ -491,10 +496,9 @@ class FixedShard:
     def free(self, slot: int, version: int = 0) -> int:
         """Mark a slot deleted (bumping its version) and push it on the free stack."""
         if self.poisoned is not None:
-            self._check_writable()
+            self.check_writable()
         v = self._put(slot, DELETED, b"", version)
-        self._free[self._free_top] = slot
-        self._free_top += 1
+        self.sf.push_free(slot)
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
         return v
@@ -513,7 +517,7 @@ class FixedShard:
         Unlike :meth:`write` and :meth:`free` it does not touch the free stack; the
         replaying code closes the store afterwards and the next open rebuilds it.
         """
-        self._check_writable()
+        self.check_writable()
         self._put(slot, status, body, version)
         self._wrote(slot)
 
@@ -541,6 +545,18 @@ class FixedShard:
         except StorageError as e:
             self.sync_error = e
 
+    @property
+    def write_hook_always(self) -> bool:
+        """Whether every slot write must be followed by :meth:`after_write` (a test file
+        system records writes, or a failpoint is armed)."""
+        return self._report or _fail.armed()
+
+    def after_write(self, slot: int) -> None:
+        """What follows a slot write made by armdb._core.qshard: the report and the
+        timed sync (a failure stashed), then the failpoint."""
+        self._wrote_or_stash(slot)
+        _fail.point("fixed.after_slot_write")
+
     def raise_sync_error(self) -> None:
         """Raise a sync failure stashed by the last write (caller holds the lock)."""
         e, self.sync_error = self.sync_error, None
@@ -554,8 +570,8 @@ class FixedShard:
         if self._report:
             self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
             self.mapped.wrote(HEADER_PAGE + slot * self.slot_size, self.slot_size)
-        every = self._sync_every
-        if every is not None and time.monotonic() - self._last_sync >= every:
+        every = self.sync_every
+        if every is not None and time.monotonic() - self.sf.last_sync >= every:
             self._sync_locked()
 
     # -- durability ------------------------------------------------------------------
@@ -576,7 +592,7 @@ class FixedShard:
         sf = self.sf
         lo, hi = sf.dirty_lo, sf.dirty_hi
         sf.dirty_lo = sf.dirty_hi = -1
-        self._last_sync = time.monotonic()
+        self.sf.last_sync = time.monotonic()
         synced = self._hwm_synced
         if synced > self._hwm_b:
             self._write_hwm(synced, data=False)
@@ -611,7 +627,7 @@ class FixedShard:
     def sync_now(self) -> None:
         """Flush regardless of ``enable_fsync`` (durable operations)."""
         with self.lock:
-            self._check_writable()
+            self.check_writable()
             self._sync_locked()
 
     def close(self) -> None:

@@ -259,13 +259,8 @@ cdef class SlotFile:
     the dirty byte range (file offsets) and the high-water mark.
     """
 
-    cdef uint8_t[:, ::1] slots
-    cdef uint32_t[::1] versions
-    cdef uint8_t[::1] status
-    cdef uint8_t[::1] redo
-    cdef Py_ssize_t size
-    cdef Py_ssize_t base
-    cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes
+    # Attributes are declared in fixed.pxd.  ``free_stack[:free_top]`` is the shard's
+    # stack of free slots, lowest index on top (FixedShard builds and rebinds it).
 
     def __init__(self, Py_ssize_t base):
         self.base = base  # file offset of slot 0
@@ -282,14 +277,42 @@ cdef class SlotFile:
         self.redo = redo
         self.size = slots.shape[1]
 
+    def bind_free(self, uint32_t[::1] stack, Py_ssize_t top):
+        """Use ``stack[:top]`` as the free-slot stack; it has room for every slot."""
+        if top < 0 or top > stack.shape[0] or stack.shape[0] < self.slots.shape[0]:
+            raise ValueError("the free stack needs room for every slot")
+        self.free_stack = stack
+        self.free_top = top
+
+    cdef Py_ssize_t _pop_free(self) noexcept:
+        if self.free_top == 0:
+            return -1
+        self.free_top -= 1
+        return self.free_stack[self.free_top]
+
+    cdef void _push_free(self, Py_ssize_t i) noexcept:
+        self.free_stack[self.free_top] = <uint32_t>i
+        self.free_top += 1
+
+    def pop_free(self):
+        """Take the free slot on top of the stack; -1 when none is left."""
+        return self._pop_free()
+
+    def push_free(self, Py_ssize_t i):
+        """Give slot ``i`` back to the free stack."""
+        if i < 0 or i >= self.slots.shape[0] or self.free_top >= self.free_stack.shape[0]:
+            raise IndexError(f"slot {i} cannot go back on the free stack")
+        self._push_free(i)
+
     def release(self):
         """Drop the views (the file is being closed)."""
         self.slots = None
         self.versions = None
         self.status = None
         self.redo = None
+        self.free_stack = None
 
-    cdef inline void _set_status(self, Py_ssize_t i, uint8_t st) noexcept:
+    cdef void _set_status(self, Py_ssize_t i, uint8_t st) noexcept:
         cdef uint8_t old = self.status[i]
         if old == OCCUPIED and st != OCCUPIED:
             self.occupied -= 1
@@ -302,13 +325,19 @@ cdef class SlotFile:
 
         With ``copy=False`` only the redo record is composed (see :meth:`commit`).
         """
-        cdef Py_ssize_t size = self.size, width = size - 8, n = len(body)
+        cdef Py_ssize_t n = len(body)
         if i < 0 or i >= self.slots.shape[0]:
             raise IndexError(f"slot {i} out of range")
-        if n > width:
-            raise ValueError(f"body of {n} bytes does not fit a {width}-byte slot body")
+        if n > self.size - 8:
+            raise ValueError(f"body of {n} bytes does not fit a {self.size - 8}-byte slot body")
         if st < 0 or st > 2:
             raise ValueError("status must be FREE, OCCUPIED or DELETED")
+        return self._put(i, st, <const uint8_t*>(<char*>body), n, version, copy)
+
+    cdef uint32_t _put(self, Py_ssize_t i, int st, const uint8_t* src, Py_ssize_t n,
+                       uint32_t version, bint copy) noexcept:
+        """:meth:`put` for a checked slot, status and body length."""
+        cdef Py_ssize_t size = self.size, width = size - 8
         cdef uint32_t v = version & _MASK
         if v == 0:
             v = (self.versions[i] + 1) & _MASK
@@ -317,7 +346,6 @@ cdef class SlotFile:
         cdef uint32_t meta = (v << 2) | <uint32_t>st
         cdef uint8_t* rec = &self.redo[_REDO_OFFSET]
         cdef uint8_t* img = rec + _REDO_HEAD
-        cdef const uint8_t* src = <const uint8_t*>(<char*>body)
         if n:
             memcpy(img + 8, src, n)
         if n < width:
@@ -348,7 +376,7 @@ cdef class SlotFile:
         self._mark(i)
         return i
 
-    cdef inline void _mark(self, Py_ssize_t i) noexcept:
+    cdef void _mark(self, Py_ssize_t i) noexcept:
         cdef Py_ssize_t off = self.base + i * self.size
         if i >= self.hwm:
             self.hwm = i + 1

@@ -82,20 +82,7 @@ import numpy as np
 __all__ = ["KeyIndex"]
 
 
-cdef struct Entry:
-    uint64_t due
-    uint64_t seq
-    int64_t deadline      # 0: not leased; > 0: lease deadline (ms)
-    uint32_t slot         # the row's slot in the header file
-
-
-cdef struct BlockMeta:
-    Entry* e              # malloc'ed array of `block_size` entries
-    uint64_t last_due     # key of e[n - 1]; valid while n > 0
-    uint64_t last_seq
-    int64_t bmin          # lower bound of min(eff(e[i])) (see module docstring)
-    int32_t n             # entries in use
-    int32_t nleased       # entries with deadline > 0
+# Entry and BlockMeta are declared in qindex.pxd (armdb._core.qshard uses them).
 
 
 cdef enum:
@@ -143,13 +130,7 @@ cdef class KeyIndex:
     Not thread-safe by itself: the caller holds the shard lock around every call.
     """
 
-    cdef BlockMeta* meta
-    cdef Py_ssize_t nblocks_
-    cdef Py_ssize_t cap            # allocated length of `meta`
-    cdef Py_ssize_t n              # total entries
-    cdef Py_ssize_t nleased        # total entries with deadline > 0
-    cdef int32_t B
-    cdef bint busy                 # a GIL-free walk is running (see "Concurrency")
+    # Attributes and cdef methods are declared in qindex.pxd.
 
     def __cinit__(self, *args, **kwargs):
         # C attributes start zeroed; a block size is set even if __init__ never runs.
@@ -167,7 +148,7 @@ cdef class KeyIndex:
 
     # ------------------------------------------------------------------ helpers
 
-    cdef inline int _enter(self) except -1:
+    cdef int _enter(self) except -1:
         if self.busy:
             raise RuntimeError(
                 "KeyIndex used while a scan of it runs without the GIL: "
@@ -218,7 +199,7 @@ cdef class KeyIndex:
         memmove(&self.meta[b], &self.meta[b + 1], (self.nblocks_ - b - 1) * sizeof(BlockMeta))
         self.nblocks_ -= 1
 
-    cdef inline void _set_last(self, BlockMeta* m) noexcept nogil:
+    cdef void _set_last(self, BlockMeta* m) noexcept nogil:
         m.last_due = m.e[m.n - 1].due
         m.last_seq = m.e[m.n - 1].seq
 
@@ -271,7 +252,7 @@ cdef class KeyIndex:
             m.bmin = other.bmin
         self._drop_block(b + 1)
 
-    cdef inline Py_ssize_t _find_block(self, uint64_t due, uint64_t seq) noexcept nogil:
+    cdef Py_ssize_t _find_block(self, uint64_t due, uint64_t seq) noexcept nogil:
         """First block whose last key is >= (due, seq); ``nblocks`` if none."""
         cdef Py_ssize_t lo = 0, hi = self.nblocks_, mid
         while lo < hi:
@@ -610,13 +591,15 @@ cdef class KeyIndex:
         ValueError
             ``deadline`` is negative.
         """
-        cdef Py_ssize_t b = 0, pos = 0
-        cdef Entry* e
-        cdef BlockMeta* m
         self._enter()
         if deadline < 0:
             raise ValueError(f"deadline must be >= 0 (0 = not leased), got {deadline}")
-        e = self._find(due, seq, &b, &pos)
+        return self._set_deadline(due, seq, deadline)
+
+    cdef bint _set_deadline(self, uint64_t due, uint64_t seq, int64_t deadline) noexcept nogil:
+        cdef Py_ssize_t b = 0, pos = 0
+        cdef Entry* e = self._find(due, seq, &b, &pos)
+        cdef BlockMeta* m
         if e == NULL:
             return False
         m = &self.meta[b]

@@ -1,0 +1,25 @@
+# cython: language_level=3
+"""Declarations of armdb._core.fixed, shared with armdb._core.qshard."""
+
+from libc.stdint cimport uint8_t, uint32_t
+
+
+cdef class SlotFile:
+    cdef uint8_t[:, ::1] slots
+    cdef uint32_t[::1] versions
+    cdef uint8_t[::1] status
+    cdef uint8_t[::1] redo
+    cdef uint32_t[::1] free_stack
+    cdef Py_ssize_t size
+    cdef Py_ssize_t base
+    cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes, free_top
+    cdef public double last_sync    # time.monotonic() of the last msync (FixedShard)
+
+    cdef void _set_status(self, Py_ssize_t i, uint8_t st) noexcept
+    cdef uint32_t _put(self, Py_ssize_t i, int st, const uint8_t* body, Py_ssize_t n,
+                       uint32_t version, bint copy) noexcept
+    cdef void _mark(self, Py_ssize_t i) noexcept
+    cdef Py_ssize_t _pop_free(self) noexcept
+    cdef void _push_free(self, Py_ssize_t i) noexcept
+    cpdef uint32_t put(self, Py_ssize_t i, int st, bytes body, uint32_t version=*, bint copy=*) except? 0
+    cpdef Py_ssize_t commit(self) except -1

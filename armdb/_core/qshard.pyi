@@ -1,0 +1,27 @@
+from typing import Any
+
+from armdb._core.qindex import KeyIndex
+
+ACKED: int
+ABSENT: int
+RELEASED: int
+
+class QueueShard:
+    live: KeyIndex
+    dead: KeyIndex
+    fixed: Any
+    lock: Any
+    pushes: int
+    acks: int
+    nacks: int
+    dead_lettered: int
+    expired_leases: int
+    def __init__(self, fixed: Any, payload_size: int, hooked: bool) -> None: ...
+    def push(self, due: int, seq: int, now: int, payload_id: int, payload: bytes) -> int: ...
+    def claim(
+        self, now: int, deadline: int, n: int, max_attempts: int, shard_no: int, out: list[Any]
+    ) -> int: ...
+    def claim_one(
+        self, due: int, seq: int, slot: int, now: int, deadline: int, max_attempts: int, shard_no: int
+    ) -> Any: ...
+    def ack(self, due: int, seq: int, epoch: int) -> int: ...

@@ -1,0 +1,303 @@
+# cython: language_level=3
+"""A queue shard's hot path: push, lease and ack of one row in one extension call.
+
+Why compiled: a push, a lease and an ack each read or compose one 48-byte row
+(16-byte key, 32-byte header) plus the inline payload, write one slot and update
+the ordered index.  Done in Python with ``struct`` and separate ``SlotFile`` and
+``KeyIndex`` calls, that bookkeeping cost about 10 us per push→lease→ack cycle,
+against a floor of about 3 us for the Python API surface itself (SPEC section 8,
+docs/performance.md).  Here it is a few hundred nanoseconds of C.
+
+Row layout (docs/format.md, armdb/queue.py): key ``due: u64 BE, seq: u64 BE``;
+header ``<BBHIqQq``: state, flags, attempts, epoch, deadline, payload_id, pushed;
+then ``payload_size`` bytes of inline payload (0 for a var queue).
+
+The caller holds the shard lock around every call, as for ``KeyIndex``.  Every
+slot write goes through ``SlotFile`` (redo record first, then the slot); on a
+durable store an overwrite of a live row first makes the redo record durable
+through ``FixedShard.sync_redo`` (S4), exactly as ``FixedShard.write`` does.
+After each slot write ``FixedShard.after_write`` runs when a test file system
+records writes, when a failpoint is armed, or when a timed sync is due; it
+stashes a sync failure, which the caller raises once the index is up to date.
+"""
+
+cimport cython
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from armdb._core.fixed cimport SlotFile
+from armdb._core.qindex cimport Entry, KeyIndex
+
+cdef enum:
+    KEY_SIZE = 16
+    HEADER_SIZE = 32
+    ROW_HEAD = 48            # key + header
+    MAX_PAYLOAD = 4096       # armdb.queue.MAX_FIXED_PAYLOAD
+    READY = 0
+    LEASED = 1
+    DEAD = 2
+    SLOT_OCCUPIED = 1
+    SLOT_DELETED = 2
+    SCAN_STACK = 16          # candidates held on the stack; more are malloc'ed
+
+cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
+
+# ack() results
+ACKED = 0
+ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
+RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
+
+
+cdef inline uint64_t _load_be64(const uint8_t* p) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(8):
+        v = (v << 8) | p[k]
+    return v
+
+
+cdef inline void _store_be64(uint8_t* p, uint64_t v) noexcept nogil:
+    cdef int k
+    for k in range(7, -1, -1):
+        p[k] = v & 0xFF
+        v >>= 8
+
+
+cdef inline uint64_t _load_le(const uint8_t* p, int n) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(n - 1, -1, -1):
+        v = (v << 8) | p[k]
+    return v
+
+
+cdef inline void _store_le(uint8_t* p, uint64_t v, int n) noexcept nogil:
+    cdef int k
+    for k in range(n):
+        p[k] = v & 0xFF
+        v >>= 8
+
+
+cdef inline double _monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+@cython.final
+cdef class QueueShard:
+    """The slot file and the two ordered indexes of one queue shard.
+
+    Parameters
+    ----------
+    fixed : armdb.fixed.FixedShard
+        The shard's header store; its ``SlotFile`` is shared, not copied.
+    payload_size : int
+        Inline payload bytes per row (the fixed queue's dtype size; 0 for var).
+    hooked : bool
+        Call ``fixed.after_write(slot)`` after every slot write (a recording file
+        system or an armed failpoint); otherwise only when a timed sync is due.
+    """
+
+    cdef SlotFile sf
+    cdef public KeyIndex live, dead
+    cdef public object fixed, lock
+    cdef Py_ssize_t psize
+    cdef bint ordered, hooked
+    cdef double sync_every
+    # Counters since open (summed by Queue.stats); armdb.tx updates them too.
+    cdef public Py_ssize_t pushes, acks, nacks, dead_lettered, expired_leases
+
+    def __init__(self, fixed, Py_ssize_t payload_size, bint hooked):
+        if payload_size < 0 or payload_size > MAX_PAYLOAD or ROW_HEAD + payload_size > fixed.body_size:
+            raise ValueError(f"payload_size {payload_size} does not fit the shard's slots")
+        self.fixed = fixed
+        self.lock = fixed.lock   # the shard lock: held around every call
+        self.sf = fixed.sf
+        self.live = KeyIndex()
+        self.dead = KeyIndex()
+        self.psize = payload_size
+        self.ordered = fixed.ordered
+        self.hooked = hooked
+        self.sync_every = -1.0 if fixed.sync_every is None else fixed.sync_every
+
+    # -- slot writes ------------------------------------------------------------
+    cdef int _check(self) except -1:
+        if self.fixed.poisoned is not None:
+            self.fixed.check_writable()
+        return 0
+
+    cdef int _write(self, Py_ssize_t slot, int st, const uint8_t* row, Py_ssize_t n) except -1:
+        """One slot write, ordered on a durable store, then the write hook if due."""
+        cdef SlotFile sf = self.sf
+        if self.ordered and sf.status[slot] == SLOT_OCCUPIED:
+            sf._put(slot, st, row, n, 0, False)
+            self.fixed.sync_redo()
+            sf.commit()
+        else:
+            sf._put(slot, st, row, n, 0, True)
+        if self.hooked or (self.sync_every >= 0 and _monotonic() - sf.last_sync >= self.sync_every):
+            self.fixed.after_write(slot)
+        return 0
+
+    cdef inline const uint8_t* _row(self, Py_ssize_t slot) noexcept:
+        return &self.sf.slots[slot, 8]
+
+    # -- push ---------------------------------------------------------------------
+    def push(self, uint64_t due, uint64_t seq, int64_t now, uint64_t payload_id, bytes payload):
+        """Write a new ready row into a free slot (growing the file if none is left)
+        and index it; returns the slot."""
+        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+        cdef Py_ssize_t n = len(payload), slot
+        cdef int rc
+        if n != self.psize:
+            raise ValueError(f"payload is {n} bytes, the queue stores {self.psize}")
+        self._check()
+        slot = self.sf._pop_free()
+        if slot < 0:
+            self.fixed.grow()
+            slot = self.sf._pop_free()
+        _store_be64(row, due)
+        _store_be64(row + 8, seq)
+        _store_le(row + 16, (<uint64_t>READY) | (<uint64_t>0 << 8), 8)   # state, flags, attempts, epoch
+        _store_le(row + 24, 0, 8)                                         # deadline
+        _store_le(row + 32, payload_id, 8)
+        _store_le(row + 40, <uint64_t>now, 8)                             # pushed
+        if n:
+            memcpy(row + ROW_HEAD, <const char*>payload, n)
+        try:
+            self._write(slot, SLOT_OCCUPIED, row, ROW_HEAD + n)   # a free slot: never ordered
+        except BaseException:
+            if self.sf.status[slot] != SLOT_OCCUPIED:
+                self.sf._push_free(slot)
+            raise
+        rc = self.live._insert(due, seq, <uint32_t>slot, 0)
+        if rc == 1:
+            raise KeyError((due, seq))
+        if rc != 0:
+            raise MemoryError("KeyIndex: cannot allocate a block")
+        self.pushes += 1
+        return slot
+
+    # -- lease --------------------------------------------------------------------
+    cdef object _claim(self, uint64_t due, uint64_t seq, Py_ssize_t slot, int64_t now, int64_t deadline,
+                       uint32_t max_attempts, Py_ssize_t shard_no):
+        """Lease (or dead-letter) one due row that is in the index with this slot.
+
+        Returns ``(due, seq, shard_no, attempts, epoch, payload)``, or False when the
+        row's lease had expired after ``max_attempts`` deliveries and it went to the
+        dead letters instead.
+        """
+        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+        cdef Py_ssize_t n = ROW_HEAD + self.psize
+        cdef uint64_t dkey
+        cdef uint32_t attempts, epoch
+        cdef bint expired
+        memcpy(row, self._row(slot), n)
+        expired = row[16] == LEASED
+        attempts = <uint32_t>_load_le(row + 18, 2)
+        epoch = <uint32_t>_load_le(row + 20, 4)
+        if expired and attempts >= max_attempts:
+            dkey = DEAD_BIT | <uint64_t>now
+            _store_be64(row, dkey)
+            row[16] = DEAD
+            self._write(slot, SLOT_OCCUPIED, row, n)
+            self.live._remove(due, seq)
+            if self.dead._insert(dkey, seq, <uint32_t>slot, 0) != 0:
+                raise MemoryError("KeyIndex: cannot allocate a block")
+            self.dead_lettered += 1
+            self.expired_leases += 1
+            return False
+        attempts += 1
+        epoch = (epoch + 1) & 0xFFFFFFFF
+        row[16] = LEASED
+        _store_le(row + 18, attempts, 2)
+        _store_le(row + 20, epoch, 4)
+        _store_le(row + 24, <uint64_t>deadline, 8)
+        self._write(slot, SLOT_OCCUPIED, row, n)
+        self.live._set_deadline(due, seq, deadline)
+        if expired:
+            self.expired_leases += 1
+        return (due, seq, shard_no, attempts, epoch, (<char*>row + ROW_HEAD)[:self.psize])
+
+    def claim(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts, Py_ssize_t shard_no,
+              list out):
+        """Scan and lease up to ``n`` due rows in key order, appending to ``out``
+        (see :meth:`_claim`); returns how many rows were dead-lettered instead.
+
+        The walk releases the GIL when unexpired leases may have to be skipped.
+        """
+        cdef uint64_t stack[4 * SCAN_STACK]
+        cdef uint64_t* buf = stack
+        cdef Py_ssize_t got = 0, cnt, k, dead = 0
+        cdef KeyIndex live = self.live
+        cdef object r
+        if n <= 0 or now < 0:
+            return 0
+        self._check()
+        if n > SCAN_STACK:
+            buf = <uint64_t*>malloc(4 * n * sizeof(uint64_t))
+            if buf == NULL:
+                raise MemoryError("cannot allocate a scan buffer")
+        try:
+            while got < n and live.n:
+                live._enter()
+                if live.nleased:
+                    live.busy = True
+                    with nogil:
+                        cnt = live._scan(now, buf, buf + n, <uint32_t*>(buf + 3 * n), <int64_t*>(buf + 2 * n),
+                                         n - got)
+                    live.busy = False
+                else:
+                    cnt = live._scan(now, buf, buf + n, <uint32_t*>(buf + 3 * n), <int64_t*>(buf + 2 * n), n - got)
+                if cnt == 0:
+                    break
+                for k in range(cnt):
+                    r = self._claim(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
+                                    max_attempts, shard_no)
+                    if r is False:
+                        dead += 1
+                    else:
+                        out.append(r)
+                        got += 1
+        finally:
+            if buf != stack:
+                free(buf)
+        return dead
+
+    def claim_one(self, uint64_t due, uint64_t seq, uint32_t slot, int64_t now, int64_t deadline,
+                  uint32_t max_attempts, Py_ssize_t shard_no):
+        """:meth:`_claim` for a candidate found by an earlier scan (several shards):
+        None when the row changed since (another caller took it first)."""
+        cdef Py_ssize_t b = 0, pos = 0
+        cdef Entry* e
+        self.live._enter()
+        e = self.live._find(due, seq, &b, &pos)
+        if e == NULL or e.slot != slot or e.deadline > now:
+            return None
+        self._check()
+        return self._claim(due, seq, slot, now, deadline, max_attempts, shard_no)
+
+    # -- ack ----------------------------------------------------------------------
+    def ack(self, uint64_t due, uint64_t seq, uint32_t epoch):
+        """Delete the row if it still holds the lease ``epoch``; returns ACKED, ABSENT
+        or RELEASED (nothing changes unless ACKED)."""
+        cdef Py_ssize_t b = 0, pos = 0, slot
+        cdef const uint8_t* p
+        cdef Entry* e
+        self.live._enter()
+        e = self.live._find(due, seq, &b, &pos)
+        if e == NULL:
+            return ABSENT
+        slot = e.slot
+        p = self._row(slot)
+        if p[16] != LEASED or <uint32_t>_load_le(p + 20, 4) != epoch:
+            return RELEASED
+        self._check()
+        self._write(slot, SLOT_DELETED, NULL, 0)
+        self.sf._push_free(slot)
+        self.live._remove(due, seq)
+        self.acks += 1
+        return ACKED
