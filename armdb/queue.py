@@ -528,6 +528,9 @@ class Queue(Generic[T]):
         try:
             psize = 0 if self.spec.var else self._codec.size  # type: ignore[union-attr]
             self._shards = [_Shard(s, psize, s.write_hook_always) for s in self._headers]
+            if not self.spec.var:  # fixed queues get finished Lease objects from the shards
+                for sh in self._shards:
+                    sh.set_lease_types(Lease, LeaseToken, self._handle, self.spec.dtype)
             max_seq = 0
             for sh in self._shards:
                 max_seq = max(max_seq, self._recover_shard(sh))
@@ -741,13 +744,16 @@ class Queue(Generic[T]):
             raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
         now = self._check()
         deadline = now + int(round(timeout * 1000))
-        out: list[tuple[int, int, int, int, int, bytes]] = []  # due, seq, shard, attempt, epoch, payload
+        dl = self._deadline_dt(deadline)
+        # Fixed queue: the Leases.  Var queue: (due, seq, shard, attempt, epoch, b""), for
+        # the body is read after the claim.
+        out: list[Any] = []
         if len(self._shards) == 1:
             # Scan and claim under one hold of the lock: with one shard there is no
             # merge between the phases, and a candidate found under the lock is still there.
             sh = self._shards[0]
             with sh.lock:
-                dead = sh.claim(now, deadline, n, self.config.max_attempts, 0, out)
+                dead = sh.claim(now, deadline, n, self.config.max_attempts, 0, out, dl)
                 if sh.fixed.sync_error is not None:
                     sh.fixed.raise_sync_error()
             if dead:
@@ -761,7 +767,7 @@ class Queue(Generic[T]):
             for due, seq, shard_no, slot in cands:
                 if len(out) >= n:
                     break
-                got = self._claim(shard_no, due, seq, slot, now, deadline)
+                got = self._claim(shard_no, due, seq, slot, now, deadline, dl)
                 if got is None:
                     continue
                 progressed = True
@@ -769,15 +775,14 @@ class Queue(Generic[T]):
                     out.append(got)
             if not progressed:
                 break
+        if self._payload is None:
+            return out
         leases: list[Lease[T]] = []
-        dl = self._deadline_dt(deadline)
-        for due, seq, shard_no, attempt, epoch, raw in out:
-            if self._payload is not None:
-                body = self._body_for_lease(shard_no, due, seq, epoch)
-                if body is None:
-                    continue  # the lease expired meanwhile and the row was settled elsewhere
-                raw = body
-            payload = self._codec.decode(raw)
+        for due, seq, shard_no, attempt, epoch, _ in out:
+            body = self._body_for_lease(shard_no, due, seq, epoch)
+            if body is None:
+                continue  # the lease expired meanwhile and the row was settled elsewhere
+            payload = self._codec.decode(body)
             leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
         return leases
 
@@ -815,7 +820,7 @@ class Queue(Generic[T]):
             del cands[want:]
         return cands
 
-    def _claim(self, shard_no: int, due: int, seq: int, slot: int, now: int, deadline: int) -> Any:
+    def _claim(self, shard_no: int, due: int, seq: int, slot: int, now: int, deadline: int, dl: datetime) -> Any:
         """Phase 2: re-check and lease one candidate under its shard lock.
 
         Returns the lease tuple, ``False`` if it was dead-lettered instead, or
@@ -823,7 +828,7 @@ class Queue(Generic[T]):
         """
         sh = self._shards[shard_no]
         with sh.lock:
-            got = sh.claim_one(due, seq, slot, now, deadline, self.config.max_attempts, shard_no)
+            got = sh.claim_one(due, seq, slot, now, deadline, self.config.max_attempts, shard_no, dl)
             if sh.fixed.sync_error is not None:
                 sh.fixed.raise_sync_error()
         if got is False:

@@ -356,6 +356,91 @@ def test_q11_lease_fields(q, flavour, clock):
         assert lz.payload == Job(3, "r3")
 
 
+def test_q11_fixed_payloads_are_private_writable_records(db, clock):
+    # SPEC Q11: leases of a fixed queue come from armdb._core.qshard, whose payload
+    # records share arrays of ~64 KiB; each must still be the row's own copy.
+    qq = db.open_queue(FixedQ, cfg())
+    n = 6000  # more than one array of 12-byte records (65536 // 12 = 5461)
+    for i in range(n):
+        qq.push((i, i % 7))
+    leases = qq.lease(n)
+    assert [int(lz.payload["doc"]) for lz in leases] == list(range(n))
+    assert [int(lz.payload["flags"]) for lz in leases] == [i % 7 for i in range(n)]
+    leases[0].payload["doc"] = 999_999
+    leases[5460].payload["flags"] = 42
+    assert int(leases[1].payload["doc"]) == 1 and int(leases[5461].payload["flags"]) == 5461 % 7
+    clock.advance(31)  # every lease expires; the stored rows never saw the writes
+    again = qq.lease(2)
+    assert [int(lz.payload["doc"]) for lz in again] == [0, 1] and again[0].attempt == 2
+
+
+def test_q11_leases_from_several_shards(db, clock):
+    # SPEC Q11: the claim of a candidate found by the merged scan builds the same Lease.
+    header = FixedConfig.balanced().shard_count(3).grow_step(64).build()
+    qq = db.open_queue(FixedQ, QueueConfig.balanced().header_config(header).build())
+    ids = [qq.push((i, 1)) for i in range(40)]
+    leases = qq.lease(40)
+    assert [lz.id for lz in leases] == ids
+    assert {lz.token.shard for lz in leases} == {0, 1, 2}
+    assert all(int(lz.payload["doc"]) == i and lz.attempt == 1 for i, lz in enumerate(leases))
+    for lz in leases:
+        qq.ack(lz.token)
+    assert len(qq) == 0 and qq.stats().acks == 40
+
+
+def test_q13_compiled_ack_result_codes(db):
+    # SPEC Q13: QueueShard.ack reports why it refused, and refuses without a change.
+    from armdb._core.qshard import ABSENT, ACKED, RELEASED
+
+    qq = db.open_queue(FixedQ, cfg())
+    qq.push((1, 1))
+    (lz,) = qq.lease()
+    t = lz.token
+    sh = qq._shards[0]
+    with sh.lock:
+        assert sh.ack(t.due, t.seq, t.epoch + 1) == RELEASED
+        assert sh.ack(t.due, t.seq + 1, t.epoch) == ABSENT
+        assert len(sh.live) == 1 and sh.acks == 0
+        assert sh.ack(t.due, t.seq, t.epoch) == ACKED
+        assert sh.ack(t.due, t.seq, t.epoch) == ABSENT
+    assert len(qq) == 0 and qq.stats().acks == 1
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_q15_compiled_writes_order_the_redo_record_on_durable_stores(db, monkeypatch, durable):
+    # SPEC Q15 (slots updated in place): on a durable store the compiled lease and ack
+    # sync the redo record before overwriting a live row, as FixedShard.write does (S4).
+    from armdb.fixed import FixedShard
+
+    calls: list[int] = []
+    real = FixedShard.sync_redo
+    monkeypatch.setattr(FixedShard, "sync_redo", lambda self: (calls.append(1), real(self))[1])
+    header = FixedConfig.balanced().grow_step(64)
+    header = header.sync_interval(0) if durable else header.enable_fsync(False)
+    qq = db.open_queue(FixedQ, QueueConfig.balanced().header_config(header.build()).build())
+    qq.push((1, 1))  # into a free slot: never ordered
+    assert calls == []
+    (lz,) = qq.lease()
+    qq.ack(lz.token)
+    assert len(calls) == (2 if durable else 0)
+
+
+def test_q15_compiled_writes_run_the_timed_sync(db, monkeypatch):
+    # SPEC Q15 with S5's sync_interval: writes made in C still trigger the timed msync.
+    from armdb.fixed import FixedShard
+
+    synced: list[int] = []
+    real = FixedShard._sync_locked
+    monkeypatch.setattr(FixedShard, "_sync_locked", lambda self, **kw: (synced.append(1), real(self, **kw))[1])
+    header = FixedConfig.balanced().grow_step(64).sync_interval(0.01).build()
+    qq = db.open_queue(FixedQ, QueueConfig.balanced().header_config(header).build())
+    qq.push((1, 1))
+    time.sleep(0.03)
+    before = len(synced)
+    (lz,) = qq.lease()
+    assert len(synced) > before
+
+
 # -- Q13/Q14 tokens and settlement ---------------------------------------------------------------------
 
 

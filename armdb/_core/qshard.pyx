@@ -22,10 +22,15 @@ stashes a sync failure, which the caller raises once the index is up to date.
 """
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+import numpy as np
+
+cnp.import_array()
 
 from armdb._core.fixed cimport SlotFile
 from armdb._core.qindex cimport Entry, KeyIndex
@@ -41,6 +46,7 @@ cdef enum:
     SLOT_OCCUPIED = 1
     SLOT_DELETED = 2
     SCAN_STACK = 16          # candidates held on the stack; more are malloc'ed
+    CHUNK_BYTES = 65536      # payload records are handed out of arrays of about this size
 
 cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
 
@@ -107,6 +113,10 @@ cdef class QueueShard:
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
     cdef double sync_every
+    # Lease building (set_lease_types): fixed queues get their Lease objects from here.
+    cdef object lease_cls, token_cls, handle, dtype
+    cdef cnp.ndarray chunk
+    cdef Py_ssize_t chunk_len, chunk_next
     # Counters since open (summed by Queue.stats); armdb.tx updates them too.
     cdef public Py_ssize_t pushes, acks, nacks, dead_lettered, expired_leases
 
@@ -122,6 +132,37 @@ cdef class QueueShard:
         self.ordered = fixed.ordered
         self.hooked = hooked
         self.sync_every = -1.0 if fixed.sync_every is None else fixed.sync_every
+
+    def set_lease_types(self, lease_cls, token_cls, handle, dtype):
+        """Make the lease calls return ``lease_cls(id, payload, attempt, deadline,
+        token_cls(handle, shard, due, seq, epoch))`` for a fixed queue (``dtype`` is
+        its payload dtype), instead of raw tuples.
+
+        Both classes must be tuple subclasses (NamedTuples).  Each payload is a
+        record of a fresh array of about 64 KiB of records, written once here and
+        never handed out twice: as private and writable as ``.copy()`` of a view,
+        without an allocation per lease.
+        """
+        if not (issubclass(lease_cls, tuple) and issubclass(token_cls, tuple)):
+            raise TypeError("lease and token classes must be tuple subclasses")
+        if dtype.itemsize != self.psize:
+            raise ValueError(f"dtype of {dtype.itemsize} bytes, the queue stores {self.psize}")
+        self.lease_cls = lease_cls
+        self.token_cls = token_cls
+        self.handle = handle
+        self.dtype = dtype
+        self.chunk_len = max(1, CHUNK_BYTES // self.psize)
+        self.chunk = None
+        self.chunk_next = self.chunk_len
+
+    cdef object _record(self, const uint8_t* payload):
+        """A fresh record of ``dtype`` holding ``payload`` (see set_lease_types)."""
+        if self.chunk_next == self.chunk_len:
+            self.chunk = np.empty(self.chunk_len, dtype=self.dtype)
+            self.chunk_next = 0
+        memcpy(<uint8_t*>cnp.PyArray_DATA(self.chunk) + self.chunk_next * self.psize, payload, self.psize)
+        self.chunk_next += 1
+        return self.chunk[self.chunk_next - 1]
 
     # -- slot writes ------------------------------------------------------------
     cdef int _check(self) except -1:
@@ -183,12 +224,13 @@ cdef class QueueShard:
 
     # -- lease --------------------------------------------------------------------
     cdef object _claim(self, uint64_t due, uint64_t seq, Py_ssize_t slot, int64_t now, int64_t deadline,
-                       uint32_t max_attempts, Py_ssize_t shard_no):
+                       uint32_t max_attempts, Py_ssize_t shard_no, object dl):
         """Lease (or dead-letter) one due row that is in the index with this slot.
 
-        Returns ``(due, seq, shard_no, attempts, epoch, payload)``, or False when the
-        row's lease had expired after ``max_attempts`` deliveries and it went to the
-        dead letters instead.
+        Returns the Lease (see :meth:`set_lease_types`; ``dl`` is the deadline as a
+        datetime) or else ``(due, seq, shard_no, attempts, epoch, payload)``; or False
+        when the row's lease had expired after ``max_attempts`` deliveries and it went
+        to the dead letters instead.
         """
         cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
         cdef Py_ssize_t n = ROW_HEAD + self.psize
@@ -220,10 +262,13 @@ cdef class QueueShard:
         self.live._set_deadline(due, seq, deadline)
         if expired:
             self.expired_leases += 1
+        if self.lease_cls is not None:
+            token = tuple.__new__(self.token_cls, (self.handle, shard_no, due, seq, epoch))
+            return tuple.__new__(self.lease_cls, (seq, self._record(row + ROW_HEAD), attempts, dl, token))
         return (due, seq, shard_no, attempts, epoch, (<char*>row + ROW_HEAD)[:self.psize])
 
     def claim(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts, Py_ssize_t shard_no,
-              list out):
+              list out, dl=None):
         """Scan and lease up to ``n`` due rows in key order, appending to ``out``
         (see :meth:`_claim`); returns how many rows were dead-lettered instead.
 
@@ -256,7 +301,7 @@ cdef class QueueShard:
                     break
                 for k in range(cnt):
                     r = self._claim(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
-                                    max_attempts, shard_no)
+                                    max_attempts, shard_no, dl)
                     if r is False:
                         dead += 1
                     else:
@@ -268,7 +313,7 @@ cdef class QueueShard:
         return dead
 
     def claim_one(self, uint64_t due, uint64_t seq, uint32_t slot, int64_t now, int64_t deadline,
-                  uint32_t max_attempts, Py_ssize_t shard_no):
+                  uint32_t max_attempts, Py_ssize_t shard_no, dl=None):
         """:meth:`_claim` for a candidate found by an earlier scan (several shards):
         None when the row changed since (another caller took it first)."""
         cdef Py_ssize_t b = 0, pos = 0
@@ -278,7 +323,7 @@ cdef class QueueShard:
         if e == NULL or e.slot != slot or e.deadline > now:
             return None
         self._check()
-        return self._claim(due, seq, slot, now, deadline, max_attempts, shard_no)
+        return self._claim(due, seq, slot, now, deadline, max_attempts, shard_no, dl)
 
     # -- ack ----------------------------------------------------------------------
     def ack(self, uint64_t due, uint64_t seq, uint32_t epoch):
