@@ -450,6 +450,8 @@ class Queue(Generic[T]):
         self.name = spec.name
         self.config = config
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
+        self._seq_name = "q:" + spec.name  # the seqmap name of its row ids
+        self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
         self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
@@ -545,10 +547,6 @@ class Queue(Generic[T]):
                 self._payload.close()
                 db._stores.pop(self.spec.payload_name, None)
             raise
-
-    @property
-    def _seq_name(self) -> str:
-        return "q:" + self.name
 
     def _recover_shard(self, sh: _Shard) -> int:
         fx = sh.fixed
@@ -737,14 +735,19 @@ class Queue(Generic[T]):
         ConfigError
             ``n < 1`` or a non-positive ``lease_timeout``.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
             raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
-        timeout = self.config.lease_timeout if lease_timeout is None else to_seconds(lease_timeout, "lease_timeout")
-        if timeout < 0.001:
-            raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
+        if lease_timeout is None:
+            lease_ms = self._lease_ms
+        else:
+            timeout = to_seconds(lease_timeout, "lease_timeout")
+            if timeout < 0.001:
+                raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
+            lease_ms = int(round(timeout * 1000))
         now = self._check()
-        deadline = now + int(round(timeout * 1000))
-        dl = self._deadline_dt(deadline)
+        deadline = now + lease_ms
+        last = self._last_deadline
+        dl = last[1] if last[0] == deadline else self._deadline_dt(deadline)
         # Fixed queue: the Leases.  Var queue: (due, seq, shard, attempt, epoch, b""), for
         # the body is read after the claim.
         out: list[Any] = []

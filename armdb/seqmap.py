@@ -13,6 +13,7 @@ File layout: ``b"ARMSEQ01"``, ``u32`` format version, ``u32`` body length, msgpa
 
 from __future__ import annotations
 
+import collections.abc
 import os
 import struct
 import threading
@@ -63,24 +64,43 @@ class SeqMap:
             self._reserved = {}
         # Restart every counter at the end of its reserved block (T5).
         self._next = dict(self._reserved)
+        # The rest of the reserved block of each name, handed out by next() without the
+        # lock: next() on a range iterator is one atomic step under the GIL.  Ids in it
+        # are below ``_next`` (which is the block's end), and a new iterator is installed,
+        # under the lock, only once the old one is empty, so ids still come out increasing.
+        self._rest: dict[str, collections.abc.Iterator[int]] = {}
         self.flushes = 0
 
     def next(self, name: str) -> int:
-        """The next id for ``name`` (ids start at 1)."""
+        """The next id for ``name`` (ids start at 1), reserved on disk before it is returned."""
+        rest = self._rest.get(name)
+        if rest is not None:
+            n = next(rest, None)
+            if n is not None:
+                return n
         with self._lock:
-            n = self._next.get(name, 1)
-            if n >= self._reserved.get(name, 1):
-                self._reserve(name, n + ID_BLOCK)
-            self._next[name] = n + 1
+            rest = self._rest.get(name)
+            n = None if rest is None else next(rest, None)  # another thread may have refilled it
+            if n is None:
+                n = self._next.get(name, 1)
+                end = self._reserved.get(name, 1)
+                if n >= end:
+                    end = n + ID_BLOCK
+                    self._reserve(name, end)
+                self._rest[name] = iter(range(n + 1, end))
+                self._next[name] = end
             return n
 
     def draw(self, name: str) -> int:
-        """An id that is not yet reserved on disk: the caller must call
-        :meth:`reserve_through` before the id can reach a file (transactions draw
-        ids, then reserve only if they commit, so a refused commit writes nothing)."""
+        """An id for a transaction: from the reserved block while it lasts, else one that
+        is not yet reserved on disk, and the caller must call :meth:`reserve_through`
+        before it can reach a file (so a refused commit writes nothing)."""
         with self._lock:
-            n = self._next.get(name, 1)
-            self._next[name] = n + 1
+            rest = self._rest.get(name)
+            n = None if rest is None else next(rest, None)
+            if n is None:
+                n = self._next.get(name, 1)
+                self._next[name] = n + 1
             return n
 
     def reserve_through(self, name: str, n: int) -> None:
@@ -96,6 +116,7 @@ class SeqMap:
         with self._lock:
             if self._next.get(name, 1) <= at_least:
                 self._next[name] = at_least + 1
+                self._rest.pop(name, None)  # its ids are all below the new start
 
     def _reserve(self, name: str, end: int) -> None:
         reserved = dict(self._reserved)

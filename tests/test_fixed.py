@@ -325,6 +325,35 @@ def test_s4_torn_slot_is_not_served_and_repaired_on_open(db_path: Path) -> None:
     assert_clean(db_path)
 
 
+def test_s4_redo_record_binds_its_head_to_one_complete_image() -> None:
+    """The redo record's CRC covers its head and the image's meta and slot CRC; the
+    image's body is bound by that slot CRC, which restore_slot checks."""
+    size = 64
+    slots = np.zeros((4, size), dtype=np.uint8)
+    redo = np.zeros(K.REDO_OFFSET + K.REDO_HEAD + size, dtype=np.uint8)
+    sf = K.SlotFile(0)
+    sf.bind(slots, np.zeros(4, dtype=np.uint32), np.zeros(4, dtype=np.uint8), redo)
+    sf.put(1, K.OCCUPIED, b"old body")
+    old_image = bytes(redo[K.REDO_OFFSET + K.REDO_HEAD:])
+    sf.put(2, K.OCCUPIED, b"new body", copy=False)
+    slot, image = K.redo_record(redo, size)
+    assert slot == 2 and image[8:16] == b"new body"
+
+    torn = redo.copy()  # head of the new record over the complete previous image
+    torn[K.REDO_OFFSET + K.REDO_HEAD:] = np.frombuffer(old_image, dtype=np.uint8)
+    assert K.redo_record(torn, size) is None
+    torn = redo.copy()  # a new meta and CRC over half of the old body
+    torn[K.REDO_OFFSET + K.REDO_HEAD + 8:K.REDO_OFFSET + K.REDO_HEAD + 12] = np.frombuffer(b"old ", np.uint8)
+    slot, image = K.redo_record(torn, size)  # the head and meta agree ...
+    assert K.restore_slot(slots, np.zeros(4, dtype=np.uint32), slot, image) == -1  # ... the body does not
+
+    legacy = redo.copy()  # a record written when the CRC hashed the whole image
+    head = legacy[K.REDO_OFFSET:K.REDO_OFFSET + 12].tobytes()
+    crc = zlib.crc32(head + legacy[K.REDO_OFFSET + K.REDO_HEAD:].tobytes())
+    legacy[K.REDO_OFFSET + 12:K.REDO_OFFSET + 16] = np.frombuffer(struct.pack("<I", crc), np.uint8)
+    assert K.redo_record(legacy, size) == (2, image[:8] + b"new body" + image[16:])
+
+
 def test_s4_torn_first_write_body_without_meta_is_repaired(db_path: Path) -> None:
     """A first write whose body landed but whose meta did not (meta 0, body non-zero)."""
     clock = FakeClock()

@@ -221,6 +221,16 @@ cdef Py_ssize_t _REDO_OFFSET = 64
 cdef Py_ssize_t _REDO_HEAD = 16
 
 
+cdef inline uint32_t _redo_crc(const uint8_t* rec) noexcept nogil:
+    """The record's CRC: its 12-byte head and the image's meta and slot CRC.
+
+    That binds the head to one image: the image's own slot CRC covers its meta and
+    body, and restore_slot checks it, so a record torn anywhere fails one of the two.
+    Hashing the whole image again would only repeat the slot CRC's work.
+    """
+    return _crc_update(_crc_update(_ONES, rec, 12), rec + _REDO_HEAD, 8) ^ _ONES
+
+
 def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
     """``(slot, image)`` of a valid redo record, or ``None`` (never written, or torn)."""
     if redo.shape[0] < REDO_OFFSET + REDO_HEAD + slot_size:
@@ -228,8 +238,9 @@ def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
     cdef const uint8_t* rec = &redo[_REDO_OFFSET]
     if _load_u32(rec) != _REDO_MAGIC or _load_u32(rec + 8) != <uint32_t>slot_size:
         return None
-    cdef uint32_t crc = _crc_update(_crc_update(_ONES, rec, 12), rec + _REDO_HEAD, slot_size) ^ _ONES
-    if crc != _load_u32(rec + 12):
+    cdef uint32_t crc = _load_u32(rec + 12)
+    # Records written before the short CRC covered the whole image; both are accepted.
+    if crc != _redo_crc(rec) and crc != _crc_update(_crc_update(_ONES, rec, 12), rec + _REDO_HEAD, slot_size) ^ _ONES:
         return None
     return _load_u32(rec + 4), bytes(redo[REDO_OFFSET + REDO_HEAD:REDO_OFFSET + REDO_HEAD + slot_size])
 
@@ -355,7 +366,7 @@ cdef class SlotFile:
         _store_u32(rec, _REDO_MAGIC)
         _store_u32(rec + 4, <uint32_t>i)
         _store_u32(rec + 8, <uint32_t>size)
-        _store_u32(rec + 12, _crc_update(_crc_update(_ONES, rec, 12), img, size) ^ _ONES)
+        _store_u32(rec + 12, _redo_crc(rec))
         if copy:
             memcpy(&self.slots[i, 0], img, size)
             self.versions[i] = v
