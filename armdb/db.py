@@ -232,9 +232,6 @@ class Db:
                 raise
             self._closed = False
         except BaseException:
-            seqmap = self.__dict__.get("seqmap")
-            if seqmap is not None:
-                seqmap.close()
             self._dirlock.release()
             self._dirlock = None
             raise
@@ -306,10 +303,6 @@ class Db:
                 errors.append(e)
         try:
             self.txlog.close()
-        except BaseException as e:
-            errors.append(e)
-        try:
-            self.seqmap.close()
         except BaseException as e:
             errors.append(e)
         if self._dirlock is not None:

@@ -2,20 +2,13 @@
 
 Queue row ids and the global sequence numbers (gsn) of Bitcask records are handed
 out from blocks of :data:`ID_BLOCK`.  Before the first id of a block is handed out,
-the block's end is written to the ``seqmap`` file and synced.  After a crash,
-counting restarts at the end of every reserved block, so no id is handed out twice;
-at most ``ID_BLOCK - 1`` ids per name are skipped.
+the block's end is written to the ``seqmap`` file (tmp + fsync + rename + fsync of
+the directory).  After a crash, counting restarts at the end of every reserved
+block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
+skipped.
 
-File layout (format 2): two copies of :data:`COPY_SIZE` bytes (more if the map
-outgrows them), each ``b"ARMSEQ02"``, ``u32`` format version, ``u32`` copy size,
-``u64`` generation, ``u32`` body length, msgpack ``{name: reserved_end}``, ``u32``
-CRC32 of everything before it, zero padding.  A reservation overwrites the older
-copy in place and ``fdatasync``s it: one sync, where a new file (tmp, fsync, rename,
-directory fsync) took two, and the other copy stays intact if the write tears.
-Open uses the valid copy with the higher generation.  The file is created whole
-(tmp + rename), and recreated the same way when the map outgrows its copies, after
-a failed sync, and over a format 1 file (one copy, ``b"ARMSEQ01"``), which is still
-read.
+File layout: ``b"ARMSEQ01"``, ``u32`` format version, ``u32`` body length, msgpack
+``{name: reserved_end}``, ``u32`` CRC32 of everything before it.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ import os
 import struct
 import threading
 import zlib
-from typing import NamedTuple
 
 import msgpack
 
@@ -33,89 +25,31 @@ from . import _fail, _fs
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
-MAGIC = b"ARMSEQ02"
-MAGIC_V1 = b"ARMSEQ01"
-FORMAT_VERSION = 2
-COPY_SIZE = 4096
+MAGIC = b"ARMSEQ01"
+FORMAT_VERSION = 1
 FILE_NAME = "seqmap"
-_COPY = struct.Struct("<8sIIQI")  # magic, version, copy size, generation, body length
-_HEAD_V1 = struct.Struct("<8sII")
+_HEAD = struct.Struct("<8sII")
 
 
-def _encode_copy(reserved: dict[str, int], generation: int, copy_size: int) -> bytes | None:
-    """One copy, padded to ``copy_size``; None if the map does not fit."""
+def encode(reserved: dict[str, int]) -> bytes:
     body = msgpack.packb(reserved, use_bin_type=True)
-    raw = _COPY.pack(MAGIC, FORMAT_VERSION, copy_size, generation, len(body)) + body
-    if len(raw) + 4 > copy_size:
-        return None
-    raw += struct.pack("<I", zlib.crc32(raw))
-    return raw + bytes(copy_size - len(raw))
-
-
-def encode(reserved: dict[str, int], generation: int = 1) -> bytes:
-    """A whole format-2 file holding ``reserved`` in both copies."""
-    size = COPY_SIZE
-    while (copy := _encode_copy(reserved, generation, size)) is None:
-        size *= 2
-    return copy + copy
-
-
-def _body(raw: bytes, path: str) -> dict[str, int]:
-    data = msgpack.unpackb(raw, raw=False)
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: sequence map body is not a map")
-    return {str(k): int(v) for k, v in data.items()}
-
-
-def _decode_v1(raw: bytes, path: str) -> dict[str, int]:
-    _, version, n = _HEAD_V1.unpack_from(raw)
-    if version != 1:
-        raise FormatError(f"{path}: sequence map format {version} is not supported; upgrade armdb")
-    end = _HEAD_V1.size + n
-    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
-        raise FormatError(f"{path}: sequence map fails its CRC; restore it from a backup")
-    return _body(raw[_HEAD_V1.size : end], path)
-
-
-def _copy_at(raw: bytes, off: int, copy_size: int, path: str) -> tuple[int, dict[str, int]] | None:
-    """``(generation, map)`` of the copy at ``off``, or None if it is torn or damaged."""
-    if len(raw) < off + _COPY.size + 4 or raw[off : off + 8] != MAGIC:
-        return None
-    _, version, size, generation, n = _COPY.unpack_from(raw, off)
-    end = off + _COPY.size + n
-    if size != copy_size or end + 4 > off + size or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[off:end]):
-        return None  # the CRC first: a torn copy's version field means nothing
-    if version != FORMAT_VERSION:
-        raise FormatError(f"{path}: sequence map format {version} is not supported; upgrade armdb")
-    return generation, _body(raw[off + _COPY.size : end], path)
-
-
-class SeqFile(NamedTuple):
-    reserved: dict[str, int]
-    copy_size: int  # 0 for a format-1 file
-    generation: int
-    newest: int  # the copy holding ``reserved`` (-1 for a format-1 file)
-    damaged: bool  # the other copy fails its CRC (a crash tore it, or the disk did)
-
-
-def decode_file(raw: bytes, path: str) -> SeqFile:
-    """The newest valid copy of a sequence map file (either format)."""
-    if len(raw) >= _HEAD_V1.size + 4 and raw[:8] == MAGIC_V1:
-        return SeqFile(_decode_v1(raw, path), 0, 0, -1, False)
-    size = len(raw) // 2
-    copies = [_copy_at(raw, i * size, size, path) for i in (0, 1)] if size else [None, None]
-    valid = [(c[0], i, c[1]) for i, c in enumerate(copies) if c is not None]
-    if not valid:
-        if MAGIC not in (raw[:8], raw[size : size + 8]):
-            raise FormatError(f"{path}: not an armdb sequence map; point armdb at its own directory")
-        raise FormatError(f"{path}: both copies of the sequence map fail their CRC; restore it from a backup")
-    generation, newest, reserved = max(valid)
-    return SeqFile(reserved, size, generation, newest, len(valid) < 2)
+    raw = _HEAD.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    return raw + struct.pack("<I", zlib.crc32(raw))
 
 
 def decode(raw: bytes, path: str) -> dict[str, int]:
-    """The reserved ends stored in a sequence map file (either format)."""
-    return decode_file(raw, path).reserved
+    if len(raw) < _HEAD.size + 4 or raw[:8] != MAGIC:
+        raise FormatError(f"{path}: not an armdb sequence map; point armdb at its own directory")
+    _, version, n = _HEAD.unpack_from(raw)
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{path}: sequence map format {version} is not supported; upgrade armdb")
+    end = _HEAD.size + n
+    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
+        raise FormatError(f"{path}: sequence map fails its CRC; restore it from a backup")
+    data = msgpack.unpackb(raw[_HEAD.size : end], raw=False)
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: sequence map body is not a map")
+    return {str(k): int(v) for k, v in data.items()}
 
 
 class SeqMap:
@@ -124,23 +58,8 @@ class SeqMap:
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, FILE_NAME)
         self._lock = threading.Lock()
-        self._fd = -1
-        # The copy written last (-1: none to overwrite, the next write makes a new file).
-        self._newest = -1
-        self._copy_size = self._generation = 0
         if _fs.FS.exists(self.path):
-            f = decode_file(_fs.FS.read_file(self.path), self.path)
-            self._reserved, self._copy_size, self._generation, self._newest = f[:4]
-            if f.damaged:
-                # A crash tore the copy being written: rewrite the file whole now, so a
-                # later tear cannot take the one good copy (and check is clean again).
-                try:
-                    self._newest = -1
-                    self._write(self._reserved)
-                except OSError as e:
-                    raise StorageError(f"{self.path}: repairing a torn copy failed ({e}); check the disk") from e
-            elif self._newest >= 0:
-                self._fd = _fs.FS.open(self.path, os.O_RDWR)
+            self._reserved = decode(_fs.FS.read_file(self.path), self.path)
         else:
             self._reserved = {}
         # Restart every counter at the end of its reserved block (T5).
@@ -203,7 +122,7 @@ class SeqMap:
         reserved = dict(self._reserved)
         reserved[name] = end
         try:
-            self._write(reserved)
+            _fs.FS.write_file_atomic(self.path, encode(reserved))
         except OSError as e:
             raise StorageError(
                 f"{self.path}: reserving ids failed ({e}); nothing was written. Check the disk, "
@@ -212,34 +131,3 @@ class SeqMap:
         _fail.point("seqmap.after_write")
         self._reserved = reserved
         self.flushes += 1
-
-    def _write(self, reserved: dict[str, int]) -> None:
-        """Persist ``reserved``: over the older copy, or as a new file (module docstring)."""
-        fs = _fs.FS
-        generation = self._generation + 1
-        if self._newest >= 0:
-            target = 1 - self._newest
-            copy = _encode_copy(reserved, generation, self._copy_size)
-            if copy is not None:
-                try:
-                    fs.pwrite(self._fd, copy, target * self._copy_size)
-                    fs.fdatasync(self._fd)
-                except OSError:
-                    self._newest = -1  # a failed sync is not retried on this file (S12)
-                    raise
-                self._generation, self._newest = generation, target
-                return
-        data = encode(reserved, generation)
-        fs.write_file_atomic(self.path, data)
-        if self._fd >= 0:
-            fs.close(self._fd)
-            self._fd = -1
-        self._fd = fs.open(self.path, os.O_RDWR)
-        self._generation, self._newest, self._copy_size = generation, 0, len(data) // 2
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                _fs.FS.close(self._fd)
-                self._fd = -1
-            self._newest = -1
