@@ -96,6 +96,9 @@ FixedPing = np.dtype([("doc", "<u8"), ("flags", "<u4")])
 BenchFixed = queue("bench_fixed", payload=FixedPing)
 BenchVar = queue("bench_var", payload=dict, var=True)
 LONG_LEASE = 3600.0  # seconds: leases that never expire during a run
+# A var queue's payload cache: SQLite's default page cache (cache_size=-2000 KiB), so
+# that both sides of a var cycle keep the same amount of recent data in memory.
+PAYLOAD_CACHE_BYTES = 2000 * 1024
 _PING = struct.Struct("<QI")
 
 
@@ -112,13 +115,14 @@ def open_armdb(path: str, spec: QueueSpec, *, durable: bool = False) -> tuple[Db
     """A Db and a queue configured as the benchmarks use them.
 
     ``durable=False``: no fsync at all (header and payload stores).  ``durable=True``:
-    the header store syncs on every write (``sync_interval(0)``).
+    the header store syncs on every write (``sync_interval(0)``).  A var queue gets a
+    payload cache of :data:`PAYLOAD_CACHE_BYTES`.
     """
     header = FixedConfig.balanced().grow_step(QUEUE_GROW_STEP)
     header = header.sync_interval(0) if durable else header.enable_fsync(False)
     cfg = QueueConfig.balanced().lease_timeout(LONG_LEASE).header_config(header.build())
     if spec.var:
-        cfg = cfg.payload_config(Config.balanced().enable_fsync(durable).build())
+        cfg = cfg.payload_config(Config.balanced().enable_fsync(durable).cache_bytes(PAYLOAD_CACHE_BYTES).build())
     db = Db.open(path)
     try:
         return db, db.open_queue(spec, cfg.build())

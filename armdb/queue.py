@@ -719,7 +719,7 @@ class Queue(Generic[T]):
             with self._cond:
                 self._cond.notify_all()
         waker = self._db._waker
-        if waker is not None and waker.has_waiters():
+        if waker is not None and waker._waiters:
             waker.poke()
 
     # -- lease (Q9-Q11) ---------------------------------------------------------------------------
@@ -1285,9 +1285,6 @@ class Waker(threading.Thread):
             if q._gen != gen:  # a push came between the caller's check and now
                 self._waiters[-1] = (0.0, q, loop, fut)
             self._cond.notify()
-
-    def has_waiters(self) -> bool:
-        return bool(self._waiters)
 
     def poke(self) -> None:
         with self._cond:

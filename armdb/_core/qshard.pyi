@@ -6,6 +6,8 @@ ACKED: int
 ABSENT: int
 RELEASED: int
 
+def wall_ms() -> int: ...
+
 class QueueShard:
     live: KeyIndex
     dead: KeyIndex
