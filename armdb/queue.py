@@ -674,9 +674,6 @@ class Queue(Generic[T]):
         sh = self._shards[seq % len(self._shards)]
         with sh.lock:
             sh.push(now + delay_ms, seq, now, pid, inline)
-            fx = sh.fixed
-            if fx.sync_error is not None:
-                fx.raise_sync_error()
         self._notify()
         return seq
 
@@ -757,8 +754,6 @@ class Queue(Generic[T]):
             sh = self._shards[0]
             with sh.lock:
                 dead = sh.claim(now, deadline, n, self.config.max_attempts, 0, out, dl)
-                if sh.fixed.sync_error is not None:
-                    sh.fixed.raise_sync_error()
             if dead:
                 self._note_dead(now)
         while len(self._shards) > 1 and len(out) < n:
@@ -832,8 +827,6 @@ class Queue(Generic[T]):
         sh = self._shards[shard_no]
         with sh.lock:
             got = sh.claim_one(due, seq, slot, now, deadline, self.config.max_attempts, shard_no, dl)
-            if sh.fixed.sync_error is not None:
-                sh.fixed.raise_sync_error()
         if got is False:
             self._note_dead(now)
         return got
@@ -918,8 +911,6 @@ class Queue(Generic[T]):
         sh = self._token_shard(token)
         with sh.lock:
             r = sh.ack(token.due, token.seq, token.epoch)
-            if sh.fixed.sync_error is not None:
-                sh.fixed.raise_sync_error()
         if r != ACKED:
             raise self._stale(token, r == ABSENT)
 

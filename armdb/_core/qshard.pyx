@@ -18,7 +18,8 @@ durable store an overwrite of a live row first makes the redo record durable
 through ``FixedShard.sync_redo`` (S4), exactly as ``FixedShard.write`` does.
 After each slot write ``FixedShard.after_write`` runs when a test file system
 records writes, when a failpoint is armed, or when a timed sync is due; it
-stashes a sync failure, which the caller raises once the index is up to date.
+stashes a sync failure, which the call raises at its end, once the index matches
+the slots.
 """
 
 cimport cython
@@ -120,6 +121,7 @@ cdef class QueueShard:
     cdef public object fixed, lock
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
+    cdef bint hook_ran       # after_write ran during this call: it may have stashed a sync error
     cdef double sync_every
     # Lease building (set_lease_types): fixed queues get their Lease objects from here.
     cdef object lease_cls, token_cls, handle, dtype
@@ -188,7 +190,16 @@ cdef class QueueShard:
         else:
             sf._put(slot, st, row, n, 0, True)
         if self.hooked or (self.sync_every >= 0 and _monotonic() - sf.last_sync >= self.sync_every):
+            self.hook_ran = True
             self.fixed.after_write(slot)
+        return 0
+
+    cdef int _raise_stashed(self) except -1:
+        """Raise a sync failure after_write stashed, once the index matches the slots."""
+        if self.hook_ran:
+            self.hook_ran = False
+            if self.fixed.sync_error is not None:
+                self.fixed.raise_sync_error()
         return 0
 
     cdef inline const uint8_t* _row(self, Py_ssize_t slot) noexcept:
@@ -228,6 +239,7 @@ cdef class QueueShard:
         if rc != 0:
             raise MemoryError("KeyIndex: cannot allocate a block")
         self.pushes += 1
+        self._raise_stashed()
         return slot
 
     # -- lease --------------------------------------------------------------------
@@ -318,6 +330,7 @@ cdef class QueueShard:
         finally:
             if buf != stack:
                 free(buf)
+        self._raise_stashed()
         return dead
 
     def claim_one(self, uint64_t due, uint64_t seq, uint32_t slot, int64_t now, int64_t deadline,
@@ -331,7 +344,9 @@ cdef class QueueShard:
         if e == NULL or e.slot != slot or e.deadline > now:
             return None
         self._check()
-        return self._claim(due, seq, slot, now, deadline, max_attempts, shard_no, dl)
+        r = self._claim(due, seq, slot, now, deadline, max_attempts, shard_no, dl)
+        self._raise_stashed()
+        return r
 
     # -- ack ----------------------------------------------------------------------
     def ack(self, uint64_t due, uint64_t seq, uint32_t epoch):
@@ -353,4 +368,5 @@ cdef class QueueShard:
         self.sf._push_free(slot)
         self.live._remove(due, seq)
         self.acks += 1
+        self._raise_stashed()
         return ACKED
