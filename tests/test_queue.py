@@ -432,13 +432,21 @@ def test_q15_compiled_writes_run_the_timed_sync(db, monkeypatch):
     synced: list[int] = []
     real = FixedShard._sync_locked
     monkeypatch.setattr(FixedShard, "_sync_locked", lambda self, **kw: (synced.append(1), real(self, **kw))[1])
-    header = FixedConfig.balanced().grow_step(64).sync_interval(0.01).build()
+    monkeypatch.setattr(FixedShard, "sync", lambda self: None)  # no flusher-thread syncs in between
+    header = FixedConfig.balanced().grow_step(64).sync_interval(0.5).build()
     qq = db.open_queue(FixedQ, QueueConfig.balanced().header_config(header).build())
     qq.push((1, 1))
-    time.sleep(0.03)
-    before = len(synced)
+    fixed = qq._shards[0].fixed
+    with fixed.lock:  # the last sync long ago
+        fixed.sf.last_sync -= 1.0
+        before = len(synced)
     (lz,) = qq.lease()
     assert len(synced) > before
+    with fixed.lock:
+        fixed.sf.last_sync += 1000.0  # a sync just happened: the ack's write must not sync
+        before = len(synced)
+    qq.ack(lz.token)
+    assert len(synced) == before
 
 
 # -- Q13/Q14 tokens and settlement ---------------------------------------------------------------------
