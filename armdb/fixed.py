@@ -436,18 +436,6 @@ class FixedShard:
             slot = self.sf.pop_free()
         return slot
 
-    def insert(self, body: bytes) -> int:
-        """:meth:`alloc` and :meth:`write` in one call (a push); returns the slot."""
-        slot = self.alloc()
-        try:
-            self.sf.put(slot, OCCUPIED, body)  # a free slot: no ordered redo needed (_put)
-        except BaseException:
-            self.sf.push_free(slot)
-            raise
-        self._wrote_or_stash(slot)
-        _fail.point("fixed.after_slot_write")
-        return slot
-
     def unalloc(self, slot: int) -> None:
         """Give back a slot taken by :meth:`alloc` but never written."""
         self.sf.push_free(slot)

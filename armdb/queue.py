@@ -8,16 +8,19 @@ docs/format.md).
 
 Row key: ``due_ms: u64 BE`` then ``seq: u64 BE``; dead rows set bit 63 of the
 first word (``DEAD_BIT | dead_at_ms``), so their key class sorts after every live
-row.  In RAM each shard keeps two ordered indexes (``armdb._core.qindex.KeyIndex``):
-``live`` (ready, delayed and leased rows, with the lease deadline of each leased
-row) and ``dead``.
+row.  Each shard is an ``armdb._core.qshard.QueueShard``: the FixedStore shard's
+slots and two ordered indexes (``armdb._core.qindex.KeyIndex``), ``live`` (ready,
+delayed and leased rows, with the lease deadline of each leased row) and ``dead``,
+with push, claim and ack of one row compiled.
 
 Lock policy: one lock per shard (``FixedShard.lock``) guards that shard's slots,
-its indexes and its counters.  The lease scan runs under the shard lock with the
-GIL released (``KeyIndex.scan``); it skips unexpired leases without creating a
-Python object.  Claiming a candidate happens in a second short critical section
-that looks the row up again and re-checks its state and visibility, so a row is
-never handed to two callers.  A push to a var queue writes the body (the payload
+its indexes and its counters.  The lease scan runs under the shard lock, with the
+GIL released while leases may have to be skipped; it skips unexpired leases without
+creating a Python object.  With one shard the scan and the claims happen under one
+hold of the lock; with several, the candidates of every shard are merged in key
+order and each is claimed in a second short critical section that looks the row up
+again and re-checks its state and visibility, so a row is never handed to two
+callers.  A push to a var queue writes the body (the payload
 store has its own locks) before it takes the shard lock to publish the header.
 ``Queue._cond`` (a Condition on its own lock) serves blocking waiters; it is
 never held together with a shard lock.
