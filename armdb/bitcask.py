@@ -1245,7 +1245,8 @@ class BitcaskStore:
         return key
 
     def _shard(self, key: bytes) -> _Shard:
-        return self._shards[zlib.crc32(key) % len(self._shards)]
+        shards = self._shards
+        return shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]
 
     def _encode(self, key: bytes, value: bytes | None, gsn_word: int) -> tuple[bytes, bytes, int]:
         """Build a record; returns (record bytes, key field, value field length)."""
@@ -1258,10 +1259,9 @@ class BitcaskStore:
         klen = len(kf)
         vlen = len(vf)
         g8 = _U64.pack(gsn_word)
-        mid = _VLEN_MAGIC_KLEN.pack(vlen, RECORD_MAGIC, klen)
-        crc = zlib.crc32(vf, zlib.crc32(kf, zlib.crc32(mid, zlib.crc32(g8))))
+        tail = b"".join((_VLEN_MAGIC_KLEN.pack(vlen, RECORD_MAGIC, klen), kf, vf))
         n = REC_HEAD_SIZE + klen + vlen
-        rec = b"".join((g8, _U32.pack(crc), mid, kf, vf, _ZEROS[: -n % 8]))
+        rec = b"".join((g8, _U32.pack(zlib.crc32(tail, zlib.crc32(g8))), tail, _ZEROS[: -n % 8]))
         return rec, kf, vlen
 
     def _next_seq(self, sh: _Shard) -> int:
