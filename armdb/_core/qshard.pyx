@@ -26,6 +26,9 @@ cimport cython
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
+from cpython.object cimport PyTypeObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, CLOCK_REALTIME, clock_gettime, timespec
 
@@ -93,6 +96,30 @@ cdef inline double _monotonic() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
+cdef extern from "Python.h":
+    object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n)
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_Scalar(void* data, cnp.PyArray_Descr* descr, object base)
+
+
+cdef inline object _tuple5(cls, a, b, c, d, e):
+    """``tuple.__new__(cls, (a, b, c, d, e))`` for a NamedTuple class, without the
+    argument tuple: what CPython's tuple_subtype_new does, item by item."""
+    cdef object t = PyType_GenericAlloc(<PyTypeObject*>cls, 5)
+    Py_INCREF(a)
+    PyTuple_SET_ITEM(t, 0, a)  # steals the reference taken just before
+    Py_INCREF(b)
+    PyTuple_SET_ITEM(t, 1, b)
+    Py_INCREF(c)
+    PyTuple_SET_ITEM(t, 2, c)
+    Py_INCREF(d)
+    PyTuple_SET_ITEM(t, 3, d)
+    Py_INCREF(e)
+    PyTuple_SET_ITEM(t, 4, e)
+    return t
+
+
 def wall_ms():
     """Milliseconds since the Unix epoch (``time.time_ns() // 1_000_000``), as one C call:
     the default clock of a Db (armdb._clock.system_clock), read by every queue operation."""
@@ -153,8 +180,9 @@ cdef class QueueShard:
         never handed out twice: as private and writable as ``.copy()`` of a view,
         without an allocation per lease.
         """
-        if not (issubclass(lease_cls, tuple) and issubclass(token_cls, tuple)):
-            raise TypeError("lease and token classes must be tuple subclasses")
+        for cls in (lease_cls, token_cls):
+            if not (issubclass(cls, tuple) and cls.__new__(cls, *range(5)) == tuple(range(5))):
+                raise TypeError("lease and token classes must be tuple subclasses of 5 fields")
         if dtype.itemsize != self.psize:
             raise ValueError(f"dtype of {dtype.itemsize} bytes, the queue stores {self.psize}")
         self.lease_cls = lease_cls
@@ -170,9 +198,11 @@ cdef class QueueShard:
         if self.chunk_next == self.chunk_len:
             self.chunk = np.empty(self.chunk_len, dtype=self.dtype)
             self.chunk_next = 0
-        memcpy(<uint8_t*>cnp.PyArray_DATA(self.chunk) + self.chunk_next * self.psize, payload, self.psize)
+        cdef char* p = <char*>cnp.PyArray_DATA(self.chunk) + self.chunk_next * self.psize
+        memcpy(p, payload, self.psize)
         self.chunk_next += 1
-        return self.chunk[self.chunk_next - 1]
+        # What chunk[i] returns (a record viewing the array), without the indexing call.
+        return PyArray_Scalar(p, cnp.PyArray_DESCR(self.chunk), self.chunk)
 
     # -- slot writes ------------------------------------------------------------
     cdef int _check(self) except -1:
@@ -283,8 +313,8 @@ cdef class QueueShard:
         if expired:
             self.expired_leases += 1
         if self.lease_cls is not None:
-            token = tuple.__new__(self.token_cls, (self.handle, shard_no, due, seq, epoch))
-            return tuple.__new__(self.lease_cls, (seq, self._record(row + ROW_HEAD), attempts, dl, token))
+            token = _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch)
+            return _tuple5(self.lease_cls, seq, self._record(row + ROW_HEAD), attempts, dl, token)
         return (due, seq, shard_no, attempts, epoch, (<char*>row + ROW_HEAD)[:self.psize])
 
     def claim(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts, Py_ssize_t shard_no,
