@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python asv_bench/scripts/cycle_profile.py            # fixed and var cycles
     .venv/bin/python asv_bench/scripts/cycle_profile.py --floor    # the floor skeleton too
     .venv/bin/python asv_bench/scripts/cycle_profile.py --profile  # cProfile of the fixed cycle
+    .venv/bin/python asv_bench/scripts/cycle_profile.py --wall     # the bench's fixed loop, wall rate
 
 Times are CPU time of this process (``time.process_time``), which a shared machine
 disturbs less than wall time.  Queues are configured as ``python -m armdb bench``
@@ -120,12 +121,31 @@ def floor(n: int) -> None:
     print(f"floor (API surface, no storage): {c:.2f} us per cycle ({1e6 / c:,.0f}/s)")
 
 
+def wall(repeats: int = 5, n: int = 100_000) -> None:
+    """The bench's own fixed cycle loop (wall time, id reservations included), in fresh
+    directories; ``--wall-no-reservations`` makes id blocks huge to show their share."""
+    rates = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as d:
+            rates.append(B.armdb_cycle(d, n, B.BenchFixed))
+    print("fixed cycle, wall:", ", ".join(f"{r:,.0f}/s" for r in sorted(rates)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--floor", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--wall", action="store_true")
+    ap.add_argument("--wall-no-reservations", action="store_true")
     ap.add_argument("-n", type=int, default=20_000)
     a = ap.parse_args()
+    if a.wall or a.wall_no_reservations:
+        if a.wall_no_reservations:
+            import armdb.seqmap
+
+            armdb.seqmap.ID_BLOCK = 1 << 30  # an experiment only: T5 needs blocks of 1024
+        wall()
+        return
     queue_costs(B.BenchFixed, lambda i: (i, 1), a.n)
     queue_costs(B.BenchVar, B.body, a.n // 2)
     if a.floor:
