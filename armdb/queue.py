@@ -454,6 +454,9 @@ class Queue(Generic[T]):
         self.config = config
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._seq_name = "q:" + spec.name  # the seqmap name of its row ids
+        from .tx import commit_settle  # armdb.tx imports this module
+
+        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14)
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
         self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
         self._clock = db.clock
@@ -909,7 +912,7 @@ class Queue(Generic[T]):
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
-            self._db.tx().ack(self, token).commit()
+            self._commit_settle(self, token, True)
             return
         sh = self._token_shard(token)
         with sh.lock:
@@ -934,7 +937,7 @@ class Queue(Generic[T]):
             raise ConfigError(f"delay must not be negative, got {delay!r}")
         if self._payload is not None:
             # A var queue's transitions go through the transaction log (Q7, Q14).
-            self._db.tx().nack(self, token, delay=delay, dead=dead).commit()
+            self._commit_settle(self, token, False, delay_ms, dead)
             return
         sh, slot, hdr = self._settle_begin(token)
         try:

@@ -642,6 +642,18 @@ def test_q19_wait_due_timeout(q, flavour, clock):
     assert time.monotonic() - start < 2  # the push woke the waiter at once
 
 
+def test_q19_nack_wakes_a_waiter(q, flavour):
+    # SPEC Q19: a nack makes a row ready again; a var queue's nack (a log commit) wakes
+    # waiters as a fixed queue's does, instead of leaving them to the 5 s recheck.
+    q.push(make(flavour, 1))
+    (lz,) = q.lease()
+    threading.Timer(0.1, q.nack, args=(lz.token,), kwargs={"delay": 0}).start()
+    start = time.monotonic()
+    assert q.wait_due_timeout(10) is True
+    assert time.monotonic() - start < 2
+    assert [x.attempt for x in q.lease()] == [2]
+
+
 def test_q19_due_resolves_in_asyncio(q, flavour):
     async def main() -> float:
         loop = asyncio.get_running_loop()
