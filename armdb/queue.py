@@ -51,7 +51,7 @@ import numpy as np
 from . import _fail, _fs
 from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, QueueShard
+from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from .config import QueueConfig
 from .db import QUEUE_META, validate_name
 from .errors import (
@@ -454,11 +454,16 @@ class Queue(Generic[T]):
         self.config = config
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._seq_name = "q:" + spec.name  # the seqmap name of its row ids
+        self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
+        # Looked up once for the hot path (config is frozen, the seqmap lives as long as the Db).
+        self._encode = self._codec.encode
+        self._next_id = db.seqmap.next
+        self._max_depth = config.max_depth
+        self._max_attempts = config.max_attempts
+        self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
         from .tx import commit_settle  # armdb.tx imports this module
 
         self._commit_settle = commit_settle  # a var queue's ack and nack (Q14)
-        self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
-        self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -660,14 +665,14 @@ class Queue(Generic[T]):
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
         if delay_ms < 0 or now + delay_ms >= MAX_DUE_MS:
             raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {delay!r}")
-        body = self._codec.encode(payload)
-        cap = self.config.max_depth
+        body = self._encode(payload)
+        cap = self._max_depth
         if cap is not None and self.len() >= cap:
             raise QueueFull(
                 f"queue {self.name!r} holds {cap} live rows (max_depth); ack or dead-letter work, "
                 f"or open it with a larger max_depth"
             )
-        seq = self._db.seqmap.next(self._seq_name)
+        seq = self._next_id(self._seq_name)
         if self._payload is not None:
             self._payload.put(self._key_bytes(seq), body)
             with self._counter_lock:
@@ -759,7 +764,7 @@ class Queue(Generic[T]):
             # merge between the phases, and a candidate found under the lock is still there.
             sh = self._shards[0]
             with sh.lock:
-                dead = sh.claim(now, deadline, n, self.config.max_attempts, 0, out, dl)
+                dead = sh.claim(now, deadline, n, self._max_attempts, 0, out, dl)
             if dead:
                 self._note_dead(now)
         while len(self._shards) > 1 and len(out) < n:
@@ -832,7 +837,7 @@ class Queue(Generic[T]):
         """
         sh = self._shards[shard_no]
         with sh.lock:
-            got = sh.claim_one(due, seq, slot, now, deadline, self.config.max_attempts, shard_no, dl)
+            got = sh.claim_one(due, seq, slot, now, deadline, self._max_attempts, shard_no, dl)
         if got is False:
             self._note_dead(now)
         return got
@@ -914,10 +919,15 @@ class Queue(Generic[T]):
             # Header removal and body delete share one log commit (Q14).
             self._commit_settle(self, token, True)
             return
-        sh = self._token_shard(token)
+        try:
+            sh = self._shards[token.shard]
+        except (AttributeError, IndexError, TypeError):
+            sh = self._token_shard(token)  # raises StaleToken, saying why
         with sh.lock:
-            r = sh.ack(token.due, token.seq, token.epoch)
+            r = sh.ack_token(token)
         if r != ACKED:
+            if r == FOREIGN:
+                self._token_shard(token)  # raises StaleToken, saying why
             raise self._stale(token, r == ABSENT)
 
     def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:

@@ -390,7 +390,7 @@ def test_q11_leases_from_several_shards(db, clock):
 
 def test_q13_compiled_ack_result_codes(db):
     # SPEC Q13: QueueShard.ack reports why it refused, and refuses without a change.
-    from armdb._core.qshard import ABSENT, ACKED, RELEASED
+    from armdb._core.qshard import ABSENT, ACKED, FOREIGN, RELEASED
 
     qq = db.open_queue(FixedQ, cfg())
     qq.push((1, 1))
@@ -398,6 +398,11 @@ def test_q13_compiled_ack_result_codes(db):
     t = lz.token
     sh = qq._shards[0]
     with sh.lock:
+        assert sh.ack_token(t._replace(handle=t.handle + 1)) == FOREIGN
+        assert sh.ack_token(t._replace(shard=1)) == FOREIGN
+        assert sh.ack_token(t._replace(seq=-1)) == FOREIGN  # out of range: never issued
+        assert sh.ack_token(tuple(t)) == FOREIGN  # not a LeaseToken
+        assert sh.ack_token(t._replace(epoch=t.epoch + 1)) == RELEASED
         assert sh.ack(t.due, t.seq, t.epoch + 1) == RELEASED
         assert sh.ack(t.due, t.seq + 1, t.epoch) == ABSENT
         assert len(sh.live) == 1 and sh.acks == 0

@@ -5,6 +5,7 @@ from armdb._core.qindex import KeyIndex
 ACKED: int
 ABSENT: int
 RELEASED: int
+FOREIGN: int
 
 def wall_ms() -> int: ...
 
@@ -28,4 +29,5 @@ class QueueShard:
         self, due: int, seq: int, slot: int, now: int, deadline: int, max_attempts: int, shard_no: int,
         dl: Any = None,
     ) -> Any: ...
+    def ack_token(self, token: Any) -> int: ...
     def ack(self, due: int, seq: int, epoch: int) -> int: ...

@@ -58,6 +58,7 @@ cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
 ACKED = 0
 ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
 RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
+FOREIGN = 3     # ack_token: not a token of this handle and shard (the caller says why)
 
 
 cdef inline uint64_t _load_be64(const uint8_t* p) noexcept nogil:
@@ -379,6 +380,20 @@ cdef class QueueShard:
         return r
 
     # -- ack ----------------------------------------------------------------------
+    def ack_token(self, token):
+        """:meth:`ack` of a lease token (``token_cls(handle, shard, due, seq, epoch)``,
+        see :meth:`set_lease_types`); FOREIGN when it is not one of this handle and
+        shard, and then nothing changes."""
+        if self.token_cls is None or not isinstance(token, self.token_cls):
+            return FOREIGN
+        cdef tuple t = <tuple>token
+        if t[0] != self.handle or t[1] != self.fixed.index:
+            return FOREIGN
+        try:
+            return self.ack(t[2], t[3], t[4])
+        except (OverflowError, TypeError):  # fields out of range: never issued by us
+            return FOREIGN
+
     def ack(self, uint64_t due, uint64_t seq, uint32_t epoch):
         """Delete the row if it still holds the lease ``epoch``; returns ACKED, ABSENT
         or RELEASED (nothing changes unless ACKED)."""
