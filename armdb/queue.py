@@ -265,11 +265,6 @@ class _FixedCodec:
         except (ValueError, TypeError, OverflowError) as e:
             raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
 
-    def decode(self, raw: bytes) -> Any:
-        # A record over a private, writable buffer: what ``.copy()`` of a view of
-        # ``raw`` gives, at a fifth of the cost.
-        return np.frombuffer(bytearray(raw), dtype=self.dtype)[0]
-
 
 def _scalar_fits(value: Any, dt: np.dtype) -> bool:
     if isinstance(value, np.generic):
@@ -787,11 +782,12 @@ class Queue(Generic[T]):
         if self._payload is None:
             return out
         leases: list[Lease[T]] = []
+        decode = typing.cast(_VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         for due, seq, shard_no, attempt, epoch, _ in out:
             body = self._body_for_lease(shard_no, due, seq, epoch)
             if body is None:
                 continue  # the lease expired meanwhile and the row was settled elsewhere
-            payload = self._codec.decode(body)
+            payload = decode(body)
             leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
         return leases
 
