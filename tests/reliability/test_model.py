@@ -690,7 +690,9 @@ def run_machines(examples: int, steps: int, capsys: pytest.CaptureFixture[str], 
         raise failure
     if RUN["steps"] >= 2000:  # rule shares are meaningful only over enough steps
         assert share.get("reopen", 0) >= 0.05 and share.get("crash_reopen", 0) >= 0.05, hist
-        assert all(v >= 0.01 for v in share.values()), hist
+        # Every rule fires: at least 0.5% of the steps (old_token, which needs a settled
+        # lease to replay, ran at 1.0-1.6% in CI-size runs; 1% was a coin toss).
+        assert all(v >= 0.005 for v in share.values()), hist
 
 
 @pytest.mark.timeout(3600)  # `make reliability` runs it with ARMDB_HYP_EXAMPLES=5000 too
