@@ -470,7 +470,7 @@ class Queue(Generic[T]):
         # and never repeats one): waiters compare it to detect missed wakeups.
         self._gens = itertools.count(1)
         self._gen = 0
-        self._last_deadline = (-1, ms_to_datetime(0))  # see _deadline_dt
+        self._last_deadline = (-1, ms_to_datetime(0))  # (ms, datetime) of the last lease deadline
         self._nwaiters = 0
         self._payload_writes = 0
         self._orphans_collected = 0
@@ -749,8 +749,11 @@ class Queue(Generic[T]):
             lease_ms = int(round(timeout * 1000))
         now = self._check()
         deadline = now + lease_ms
+        # One datetime per millisecond of deadlines: a datetime costs more than a lease.
         last = self._last_deadline
-        dl = last[1] if last[0] == deadline else self._deadline_dt(deadline)
+        if last[0] != deadline:
+            last = self._last_deadline = (deadline, ms_to_datetime(deadline))
+        dl = last[1]
         # Fixed queue: the Leases.  Var queue: (due, seq, shard, attempt, epoch, b""), for
         # the body is read after the claim.
         out: list[Any] = []
@@ -837,14 +840,6 @@ class Queue(Generic[T]):
         if got is False:
             self._note_dead(now)
         return got
-
-    def _deadline_dt(self, ms: int) -> datetime:
-        """``ms_to_datetime`` with a one-entry cache: leases taken in the same
-        millisecond share a deadline, and a datetime costs more than the lease."""
-        last = self._last_deadline
-        if last[0] != ms:
-            last = self._last_deadline = (ms, ms_to_datetime(ms))
-        return last[1]
 
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
                             attempts: int, epoch: int, deadline: int, pid: int, pushed: int, extra: bytes) -> None:

@@ -25,6 +25,7 @@ from . import _fail, _fs
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
+_NO_BLOCK: collections.abc.Iterator[int] = iter(())  # the rest of a block not yet reserved: empty
 MAGIC = b"ARMSEQ01"
 FORMAT_VERSION = 1
 FILE_NAME = "seqmap"
@@ -73,14 +74,11 @@ class SeqMap:
 
     def next(self, name: str) -> int:
         """The next id for ``name`` (ids start at 1), reserved on disk before it is returned."""
-        rest = self._rest.get(name)
-        if rest is not None:
-            n = next(rest, None)
-            if n is not None:
-                return n
+        n = next(self._rest.get(name, _NO_BLOCK), None)
+        if n is not None:
+            return n
         with self._lock:
-            rest = self._rest.get(name)
-            n = None if rest is None else next(rest, None)  # another thread may have refilled it
+            n = next(self._rest.get(name, _NO_BLOCK), None)  # another thread may have refilled it
             if n is None:
                 n = self._next.get(name, 1)
                 end = self._reserved.get(name, 1)
@@ -96,8 +94,7 @@ class SeqMap:
         is not yet reserved on disk, and the caller must call :meth:`reserve_through`
         before it can reach a file (so a refused commit writes nothing)."""
         with self._lock:
-            rest = self._rest.get(name)
-            n = None if rest is None else next(rest, None)
+            n = next(self._rest.get(name, _NO_BLOCK), None)
             if n is None:
                 n = self._next.get(name, 1)
                 self._next[name] = n + 1

@@ -251,8 +251,12 @@ class Tx:
         for s in steps:
             if type(s) is _Push:
                 s.seq = self._draw(s.queue._seq_name)
-        now = int(db.clock())
-        locks = self._locks(steps, stream_dest)
+        return self._commit_locked(steps, self._locks(steps, stream_dest), registry)
+
+    def _commit_locked(self, steps: list[Any], locks: list[threading.Lock], registry: Any) -> list[int]:
+        """Take ``locks`` (in their order), plan, log and apply ``steps``, then wake the
+        queues that have new ready rows; returns the ids of the explicit pushes."""
+        now = int(self._db.clock())
         held = 0
         try:
             for lock in locks:
@@ -273,29 +277,23 @@ class Tx:
         ids: list[int] = []
         notified: list[Queue[Any]] = []
         for s in steps:
-            if type(s) is _Push:
-                if s.explicit:
-                    ids.append(s.seq)
-                if s.queue not in notified:
-                    notified.append(s.queue)
-                    s.queue._notify()
+            t = type(s)
+            if t is _Push and s.explicit:
+                ids.append(s.seq)
+            # A push, and a nack that makes its row ready again, can end a wait (Q19).
+            if (t is _Push or (t is _Settle and not s.ack)) and s.queue not in notified:
+                notified.append(s.queue)
+                s.queue._notify()
         return ids
 
-    def _plan_and_log(self, steps: list[Any], registry: Any, now: int, *, lone_settle: bool = False) -> _Plan:
-        """Under the locks: run the streams, build every row, log them (and sync, if durable).
-
-        ``lone_settle``: ``steps`` is one settle step (:func:`commit_settle`), which
-        needs no stream pass, no cap check and no duplicate-token check.
-        """
+    def _plan_and_log(self, steps: list[Any], registry: Any, now: int) -> _Plan:
+        """Under the locks: run the streams, build every row, log them (and sync, if durable)."""
         db = self._db
         plan = _Plan()
         try:
-            if lone_settle:
-                self._plan_settle(steps[0], plan, now)
-            else:
-                if registry is not None:
-                    self._expand_streams(steps, registry)
-                self._plan(steps, plan, now)
+            if registry is not None:
+                self._expand_streams(steps, registry)
+            self._plan(steps, plan, now)
             # Only a commit that goes ahead persists the id blocks it drew.
             for name, n in self._drawn.items():
                 db.seqmap.reserve_through(name, n)
@@ -611,9 +609,9 @@ class Tx:
 def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
                   dead: bool = False) -> None:
     """``db.tx().ack(q, token).commit()`` (or ``.nack(...)``) for a var queue's own
-    ``Queue.ack``/``nack`` (Q7, Q14): the same log record, locks in the same order,
-    apply and failure handling, without the builder and the generic planning passes
-    that a transaction of one settle does not need (about a quarter of its Python).
+    ``Queue.ack``/``nack`` (Q7, Q14), without the builder: the step is built directly
+    and committed by the same :meth:`Tx._commit_locked`.  A settle emits no stream
+    jobs, so there is no stream pass and no stream destination to lock.
     """
     db = q._db
     db.check_open()
@@ -622,19 +620,7 @@ def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | N
     steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead)]
     if db.txlog.sealer is None:
         tx._check_keys(steps, [])
-    sh = q._token_shard(token)  # a foreign token is refused before any lock, as in commit()
-    payload = q._payload
-    assert payload is not None
-    pdir, plock = payload.shard_lock(q._key_bytes(token.seq))
-    first, second = (plock, sh.lock) if pdir < sh.fixed.directory else (sh.lock, plock)
-    now = int(db.clock())
-    with first, second:
-        plan = tx._plan_and_log(steps, None, now, lone_settle=True)
-        tx._apply(plan, steps)
-    for store in plan.bitcask:
-        store.maybe_compact()
-    if not ack:
-        q._notify()
+    tx._commit_locked(steps, tx._locks(steps, []), None)
 
 
 def direct_put_refused(name: str) -> StreamSourceRequiresTx:

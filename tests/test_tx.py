@@ -90,6 +90,21 @@ def test_t1_delete_missing_is_noop_and_step_errors(db):
         tx.commit()
 
 
+@pytest.mark.parametrize("spec", [FixedQ, VarQ], ids=["fixed", "var"])
+def test_t1_nack_in_a_transaction_wakes_a_waiter(db, spec):
+    # SPEC T1/Q19: a committed nack makes its row ready again, so it ends a wait as a
+    # push does (before, only pushes in a transaction woke waiters).
+    import threading
+
+    q = db.open_queue(spec, cfg())
+    q.push((1,) if spec is FixedQ else Job(1, "a"))
+    (lz,) = q.lease()
+    threading.Timer(0.1, lambda: db.tx().nack(q, lz.token, delay=0).commit()).start()
+    start = time.monotonic()
+    assert q.wait_due_timeout(10) is True
+    assert time.monotonic() - start < 2
+
+
 def test_t1_builder_order_does_not_change_result(db_path):
     for order in ("ack-first", "push-first"):
         path = db_path / order

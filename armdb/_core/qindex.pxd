@@ -21,6 +21,10 @@ cdef struct BlockMeta:
     int32_t nleased       # entries with deadline > 0
 
 
+cdef enum:
+    SCAN_WORDS = 4        # 64-bit words per candidate in a _scan_into buffer
+
+
 @cython.final
 cdef class KeyIndex:
     cdef BlockMeta* meta
@@ -45,6 +49,7 @@ cdef class KeyIndex:
     cdef bint _set_deadline(self, uint64_t due, uint64_t seq, int64_t deadline) noexcept nogil
     cdef Py_ssize_t _scan(self, int64_t now, uint64_t* out_due, uint64_t* out_seq,
                           uint32_t* out_slot, int64_t* out_deadline, Py_ssize_t cap) noexcept nogil
+    cdef Py_ssize_t _scan_into(self, int64_t now, uint64_t* buf, Py_ssize_t cap, Py_ssize_t want) except -1
     cdef int64_t _next_due(self) noexcept nogil
     cdef void _count_due(self, int64_t now, Py_ssize_t* ready_out) noexcept nogil
     cdef void _copy_out(self, Py_ssize_t count, uint64_t* od, uint64_t* os,

@@ -676,17 +676,33 @@ cdef class KeyIndex:
             raise ValueError(f"now must be >= 0, got {now}")
         if cap <= 0 or self.n == 0:
             return []
-        buf = <uint64_t*>malloc(cap * (2 * sizeof(uint64_t) + sizeof(uint32_t) + sizeof(int64_t)))
+        buf = <uint64_t*>malloc(SCAN_WORDS * cap * sizeof(uint64_t))
         if buf == NULL:
             raise MemoryError("KeyIndex: cannot allocate a scan buffer")
+        try:
+            cnt = self._scan_into(now, buf, cap, cap)
+            return [(buf[i], buf[cap + i], (<uint32_t*>(buf + 3 * cap))[i]) for i in range(cnt)]
+        finally:
+            free(buf)
+
+    cdef Py_ssize_t _scan_into(self, int64_t now, uint64_t* buf, Py_ssize_t cap, Py_ssize_t want) except -1:
+        """:meth:`_scan` of up to ``want`` rows into one buffer of ``SCAN_WORDS * cap``
+        words: dues at ``buf``, seqs at ``buf + cap``, deadlines at ``buf + 2 * cap``,
+        slots (uint32) from ``buf + 3 * cap``.  The GIL is released while unexpired
+        leases may have to be skipped; with none, the first entry is the answer and
+        releasing it would cost more than the walk.  The caller checked ``_enter``."""
+        cdef Py_ssize_t cnt
+        cdef uint32_t* slots = <uint32_t*>(buf + 3 * cap)
+        cdef int64_t* deadlines = <int64_t*>(buf + 2 * cap)
+        if not self.nleased:
+            return self._scan(now, buf, buf + cap, slots, deadlines, want)
         self.busy = True
         try:
             with nogil:
-                cnt = self._scan(now, buf, buf + cap, <uint32_t*>(buf + 3 * cap), <int64_t*>(buf + 2 * cap), cap)
-            return [(buf[i], buf[cap + i], (<uint32_t*>(buf + 3 * cap))[i]) for i in range(cnt)]
+                cnt = self._scan(now, buf, buf + cap, slots, deadlines, want)
         finally:
             self.busy = False
-            free(buf)
+        return cnt
 
     def next_due(self, int64_t now):
         """Earliest moment (ms) at which a row is or becomes due; -1 when empty.

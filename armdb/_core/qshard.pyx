@@ -37,12 +37,10 @@ import numpy as np
 cnp.import_array()
 
 from armdb._core.fixed cimport SlotFile
-from armdb._core.qindex cimport Entry, KeyIndex
+from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex
 
 cdef enum:
-    KEY_SIZE = 16
-    HEADER_SIZE = 32
-    ROW_HEAD = 48            # key + header
+    ROW_HEAD = 48            # 16-byte key + 32-byte header
     MAX_PAYLOAD = 4096       # armdb.queue.MAX_FIXED_PAYLOAD
     READY = 0
     LEASED = 1
@@ -54,19 +52,17 @@ cdef enum:
 
 cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
 
-# ack() results
-ACKED = 0
-ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
-RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
-FOREIGN = 3     # ack_token: not a token of this handle and shard (the caller says why)
+# ack() and ack_token() results
+cdef enum:
+    _ACKED = 0
+    _ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
+    _RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
+    _FOREIGN = 3     # ack_token: not a token of this handle and shard (the caller says why)
 
-
-cdef inline uint64_t _load_be64(const uint8_t* p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int k
-    for k in range(8):
-        v = (v << 8) | p[k]
-    return v
+ACKED = _ACKED
+ABSENT = _ABSENT
+RELEASED = _RELEASED
+FOREIGN = _FOREIGN
 
 
 cdef inline void _store_be64(uint8_t* p, uint64_t v) noexcept nogil:
@@ -252,7 +248,7 @@ cdef class QueueShard:
             slot = self.sf._pop_free()
         _store_be64(row, due)
         _store_be64(row + 8, seq)
-        _store_le(row + 16, (<uint64_t>READY) | (<uint64_t>0 << 8), 8)   # state, flags, attempts, epoch
+        _store_le(row + 16, READY, 8)                                     # state; flags, attempts, epoch 0
         _store_le(row + 24, 0, 8)                                         # deadline
         _store_le(row + 32, payload_id, 8)
         _store_le(row + 40, <uint64_t>now, 8)                             # pushed
@@ -325,7 +321,7 @@ cdef class QueueShard:
 
         The walk releases the GIL when unexpired leases may have to be skipped.
         """
-        cdef uint64_t stack[4 * SCAN_STACK]
+        cdef uint64_t stack[SCAN_WORDS * SCAN_STACK]
         cdef uint64_t* buf = stack
         cdef Py_ssize_t got = 0, cnt, k, dead = 0
         cdef KeyIndex live = self.live
@@ -334,20 +330,13 @@ cdef class QueueShard:
             return 0
         self._check()
         if n > SCAN_STACK:
-            buf = <uint64_t*>malloc(4 * n * sizeof(uint64_t))
+            buf = <uint64_t*>malloc(SCAN_WORDS * n * sizeof(uint64_t))
             if buf == NULL:
                 raise MemoryError("cannot allocate a scan buffer")
         try:
             while got < n and live.n:
                 live._enter()
-                if live.nleased:
-                    live.busy = True
-                    with nogil:
-                        cnt = live._scan(now, buf, buf + n, <uint32_t*>(buf + 3 * n), <int64_t*>(buf + 2 * n),
-                                         n - got)
-                    live.busy = False
-                else:
-                    cnt = live._scan(now, buf, buf + n, <uint32_t*>(buf + 3 * n), <int64_t*>(buf + 2 * n), n - got)
+                cnt = live._scan_into(now, buf, n, n - got)
                 if cnt == 0:
                     break
                 for k in range(cnt):
@@ -385,33 +374,39 @@ cdef class QueueShard:
         see :meth:`set_lease_types`); FOREIGN when it is not one of this handle and
         shard, and then nothing changes."""
         if self.token_cls is None or not isinstance(token, self.token_cls):
-            return FOREIGN
+            return _FOREIGN
         cdef tuple t = <tuple>token
         if t[0] != self.handle or t[1] != self.fixed.index:
-            return FOREIGN
+            return _FOREIGN
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
         try:
-            return self.ack(t[2], t[3], t[4])
+            due, seq, epoch = t[2], t[3], t[4]
         except (OverflowError, TypeError):  # fields out of range: never issued by us
-            return FOREIGN
+            return _FOREIGN
+        return self._ack(due, seq, epoch)
 
     def ack(self, uint64_t due, uint64_t seq, uint32_t epoch):
         """Delete the row if it still holds the lease ``epoch``; returns ACKED, ABSENT
         or RELEASED (nothing changes unless ACKED)."""
+        return self._ack(due, seq, epoch)
+
+    cdef int _ack(self, uint64_t due, uint64_t seq, uint32_t epoch) except -1:
         cdef Py_ssize_t b = 0, pos = 0, slot
         cdef const uint8_t* p
         cdef Entry* e
         self.live._enter()
         e = self.live._find(due, seq, &b, &pos)
         if e == NULL:
-            return ABSENT
+            return _ABSENT
         slot = e.slot
         p = self._row(slot)
         if p[16] != LEASED or <uint32_t>_load_le(p + 20, 4) != epoch:
-            return RELEASED
+            return _RELEASED
         self._check()
         self._write(slot, SLOT_DELETED, NULL, 0)
         self.sf._push_free(slot)
         self.live._remove(due, seq)
         self.acks += 1
         self._raise_stashed()
-        return ACKED
+        return _ACKED
