@@ -34,6 +34,7 @@ ALL: frozenset[str] = frozenset(
         "txlog.after_append",
         "txlog.after_sync",
         "txlog.after_apply",
+        "txlog.after_rotate",
         "txlog.after_trim",
         "seqmap.after_write",
         # compaction

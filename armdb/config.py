@@ -188,14 +188,22 @@ class ConfigBuilder:
 
 @dataclass(frozen=True)
 class TxConfig:
-    """Transaction settings (T3, T4): ``durable`` fsyncs the log before a commit returns."""
+    """Transaction settings (T3, T4): ``durable`` fsyncs the log before a commit returns.
+
+    ``checkpoint_bytes``: once the log file grows past this many bytes, the commit that
+    crosses it syncs every store and starts a fresh log file (after releasing its locks;
+    other commits go on meanwhile).  Smaller means a shorter replay after a crash and
+    more frequent store syncs.
+    """
 
     durable: bool = False
     log_encryption_key: bytes | None = field(default=None, repr=False)
+    checkpoint_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         _bool(self.durable, "durable")
         _key(self.log_encryption_key, "log_encryption_key")
+        _int(self.checkpoint_bytes, "checkpoint_bytes", 4096)
 
 
 # -- queues -----------------------------------------------------------------------

@@ -263,11 +263,13 @@ class Tx:
                 lock.acquire()
                 held += 1
             plan = self._plan_and_log(steps, registry, now)
-            self._apply(plan, steps)
+            checkpoint_due = self._apply(plan, steps)
         finally:
             while held:
                 held -= 1
                 locks[held].release()
+        if checkpoint_due:
+            self._db.txlog.checkpoint(wait=False)  # syncs the stores: takes their locks
         for store in plan.bitcask:
             store.maybe_compact()  # a rotation under our locks deferred its compaction
         if plan.payload_writes:
@@ -307,12 +309,14 @@ class Tx:
                 # committing at once share one fdatasync (TxLog.sync_to, group commit).
                 db.txlog.sync_to(end)
         except BaseException as e:
-            db.txlog.done()
-            raise self._failed_after_log(steps, plan, e, sync_failed=True) from e
+            err = self._failed_after_log(steps, plan, e, sync_failed=True)
+            db.txlog.done()  # only once the stores are fenced: a checkpoint may follow
+            raise err from e
         return plan
 
-    def _apply(self, plan: _Plan, steps: list[Any]) -> None:
-        """Apply a logged (and, if durable, synced) commit; the caller holds its locks."""
+    def _apply(self, plan: _Plan, steps: list[Any]) -> bool:
+        """Apply a logged (and, if durable, synced) commit; the caller holds its locks.
+        Returns whether the log is due a checkpoint (which the caller runs unlocked)."""
         txlog = self._db.txlog
         try:
             for fn in plan.apply:
@@ -321,9 +325,10 @@ class Tx:
             for fixed_shard in plan.fixed:
                 fixed_shard.raise_sync_error()  # applied in full; its sync failed
         except BaseException as e:
-            raise self._failed_after_log(steps, plan, e) from e
-        finally:
-            txlog.done()
+            err = self._failed_after_log(steps, plan, e)
+            txlog.done()  # only once the stores are fenced: a checkpoint may follow
+            raise err from e
+        return txlog.done()
 
     def _failed_after_log(self, steps: list[Any], plan: _Plan, e: BaseException, *,
                           sync_failed: bool = False) -> TxFailedAfterLog:

@@ -23,9 +23,10 @@ where its version is newer than the slot's (S3); each Bitcask row only where
 its gsn is above the shard's highest (``BitcaskStore.apply``).  Rows for an
 encrypted collection wait until that collection is opened with its key.
 
-Checkpoint: once no commit is between its append and the end of its apply, the
-stores are synced and the log file is replaced by an empty one; this runs when
-the file passes ``CHECKPOINT_BYTES`` and at close.
+Checkpoint: once no commit is between its append and the end of its apply,
+appends move to a fresh log file, the stores are synced, and the old file is
+removed; this runs when the file passes ``TxConfig.checkpoint_bytes`` (by the
+commit that crossed it, after it released its locks) and at close.
 
 Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
 count; it is held for the append only, never across a sync or an apply.
@@ -33,7 +34,8 @@ count; it is held for the append only, never across a sync or an apply.
 group-commit state (a sync is running; the offset the last sync covered): one
 committer at a time leads a sync of everything appended so far while the
 others wait, with the GIL released, so several committing threads share one
-``fdatasync`` (group commit, ``TxLog.sync_to``).
+``fdatasync`` (group commit, ``TxLog.sync_to``).  ``_ckpt_lock`` serialises
+checkpoints; it is taken before ``_lock``, never by a thread that holds a store lock.
 """
 
 from __future__ import annotations
@@ -69,7 +71,6 @@ REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
 _U32 = struct.Struct("<I")
 _ZEROS = bytes(8)
 FLAG_SEALED = 1
-CHECKPOINT_BYTES = 4 << 20
 MAX_BODY = 1 << 30
 _NAME_RE = re.compile(r"^(\d{8})\.log$")
 
@@ -170,6 +171,8 @@ class TxLog:
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
+        self._checkpoint_bytes = db.tx_config.checkpoint_bytes
         self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
         self._path = ""
@@ -179,7 +182,9 @@ class TxLog:
         self._next_txid = 1
         self.poisoned: BaseException | None = None
         self.pending: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
-        self._retained: list[str] = []  # replayed files kept while rows are still owed
+        # Older log files still replayed on open: kept while rows are owed to encrypted
+        # collections not yet opened, or while a checkpoint syncs the stores.
+        self._retained: list[str] = []
         self.commits = 0
         self.replayed = 0
 
@@ -227,15 +232,16 @@ class TxLog:
                 log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
             records.extend(recs)
         self._replay(records)
-        # Start a fresh, empty log (the old files are removed by _reset once the
-        # replayed rows are synced into their stores).
+        # Start a fresh, empty log; the replayer synced the replayed rows into their
+        # stores, so the old files can go.
         self._number = files[-1][0] + 1 if files else 1
         old = [os.path.join(self.dir, name) for _, name in files]
         if self.pending:
             # Rows for encrypted collections are still owed: keep the old files
             # until those collections are opened with their keys.
             self._retained, old = old, []
-        self._start_file(old)
+        self._start_file()
+        self._unlink(old)
         if records:
             self._next_txid = max(r[0] for r in records) + 1
 
@@ -274,7 +280,8 @@ class TxLog:
         self.replayed = len(decoded)
         log.info("replayed %d logged transaction(s)", len(decoded))
 
-    def _start_file(self, old: list[str]) -> None:
+    def _start_file(self) -> None:
+        """Create the next log file and move appends to it (caller holds ``_lock``, no commit in flight)."""
         fs = _fs.FS
         path = os.path.join(self.dir, f"{self._number:08d}.log")
         fd = fs.create_file(path, _file_header(self._number))
@@ -282,12 +289,16 @@ class TxLog:
             fs.close(self._fd)
         self._fd, self._path = fd, path
         self._end = FILE_HEADER_SIZE
-        self._group.reset(fd, FILE_HEADER_SIZE)  # no commit is in flight here
+        self._group.reset(fd, FILE_HEADER_SIZE)
+
+    @staticmethod
+    def _unlink(old: list[str]) -> None:
+        fs = _fs.FS
         for p in old:
             if fs.exists(p):
                 fs.unlink(p)
         if old:
-            fs.fsync_dir(self.dir)
+            fs.fsync_dir(os.path.dirname(old[0]))
 
     @property
     def syncs(self) -> int:
@@ -372,30 +383,51 @@ class TxLog:
             ) from failure
         _fail.point("txlog.after_sync")
 
-    def done(self) -> None:
-        """A commit finished applying (or gave up): maybe checkpoint."""
+    def done(self) -> bool:
+        """A commit finished applying (or gave up).  Returns whether the log is due a
+        :meth:`checkpoint`, which the caller runs once it holds no store lock: the
+        checkpoint takes those locks to sync the stores."""
         with self._lock:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.notify_all()
-            big = self._end > CHECKPOINT_BYTES and not self.pending
-        if big:
-            self.checkpoint()
+            return self._end > self._checkpoint_bytes and not self.pending
 
-    def checkpoint(self) -> None:
-        """Sync every store, then start an empty log file (trim applied records)."""
-        with self._lock:
-            while self._inflight:
-                self._idle.wait()
-            if self.pending or self.poisoned is not None:
-                return
-            if self._end == FILE_HEADER_SIZE and not self._retained:
-                return
+    def checkpoint(self, *, wait: bool = True) -> None:
+        """Trim the applied log: start a fresh log file, sync every store, then remove the
+        old files.
+
+        Appends move to the new file at once (with no commit in flight, so every record in
+        the old files is applied), and other commits go on while the stores sync: a
+        store's sync takes its shard locks, which a committer may hold while it waits to
+        append, so the log's lock is not held across it.  Until the old files are removed
+        they are replayed on open along with the new one, which replay allows (a record
+        whose rows a store already holds is skipped).  A failed store sync leaves them
+        for the next checkpoint.  ``wait=False`` returns at once when another thread is
+        checkpointing (a commit that crossed ``checkpoint_bytes``).
+        """
+        if not self._ckpt_lock.acquire(blocking=wait):
+            return
+        try:
+            with self._lock:
+                while self._inflight:
+                    self._idle.wait()
+                if self.pending or self.poisoned is not None:
+                    return
+                if self._end == FILE_HEADER_SIZE and not self._retained:
+                    return
+                if self._end > FILE_HEADER_SIZE:
+                    self._retained.append(self._path)
+                    self._number += 1
+                    self._start_file()
+                old = list(self._retained)
+            _fail.point("txlog.after_rotate")
             self.db.sync_all_stores()
-            old = [self._path, *self._retained]
-            self._retained = []
-            self._number += 1
-            self._start_file(old)
+            with self._lock:
+                self._retained = [p for p in self._retained if p not in old]
+                self._unlink(old)
+        finally:
+            self._ckpt_lock.release()
         _fail.point("txlog.after_trim")
 
     def close_file(self) -> None:

@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +217,80 @@ def test_t2_crash_during_replay_then_reopen(db_path):
                    env=child_env(ARMDB_FAILPOINT="recovery.mid_replay"))
     assert r2.returncode == 86, r2.stderr
     assert_outbox_consistent(db_path, {int(x) for x in r.stdout.split()})
+
+
+CHECKPOINT_STEPS = """
+import armdb
+from armdb import QueueConfig, TxConfig
+db = armdb.Db.open({path!r}, tx_config=TxConfig(checkpoint_bytes=4096))
+m = db.open_map("docs")
+q = db.open_queue(armdb.queue("jobs", payload=dict, var=True), QueueConfig.balanced().build())
+for i in range(300):
+    q.push({{"n": i}})
+    (lz,) = q.lease()
+    db.tx().put(m, i, "done").ack(q, lz.token).commit()
+    print(i, flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["txlog.after_rotate", "txlog.after_trim"])
+def test_t2_crash_in_a_checkpoint_loses_no_commit(db_path, point):
+    # A 4096-byte checkpoint size: the commits of this child cross it every ~40 steps, and
+    # the child dies right after the log moved to a new file (the stores not yet synced, the
+    # old file still there) or after the old file was removed.
+    r = run_child(CHECKPOINT_STEPS.format(path=str(db_path)), env=child_env(ARMDB_FAILPOINT=point + ":2"))
+    assert r.returncode == 86, r.stderr
+    printed = {int(x) for x in r.stdout.split()}
+    assert len(printed) > 40  # two checkpoints passed before the crash
+    with armdb.Db.open(db_path) as d:
+        done = {k for k, _ in d.open_map("docs").items()}
+        q = d.open_queue(armdb.queue("jobs", payload=dict, var=True), QueueConfig.balanced().build())
+        live = {lz.payload["n"] for lz in q.lease(1000)}
+        assert printed <= done
+        assert not done & live  # each job is either acked with its effect, or still queued
+        assert done | live == set(range(max(done | live) + 1))
+    rep = armdb.check(db_path)
+    assert rep.ok, rep.findings
+
+
+def test_t2_checkpoint_while_other_threads_commit(db_path):
+    # The commit that crosses checkpoint_bytes checkpoints after releasing its locks; the
+    # store syncs take shard locks that committers hold while they wait to append, so
+    # neither may hold what the other waits for.  Before, the crossing commit synced the
+    # stores under its own locks and hung (a var queue's ack holds its payload shard lock).
+    spec = armdb.queue("jobs", payload=dict, var=True)
+    with armdb.Db.open(db_path, tx_config=TxConfig(checkpoint_bytes=4096)) as d:
+        q = d.open_queue(spec, QueueConfig.balanced().build())
+        m = d.open_map("docs", Config.balanced().shard_count(2).build())
+        errors: list[BaseException] = []
+
+        def cycles(base: int) -> None:
+            try:
+                for i in range(base, base + 400):
+                    q.push({"n": i})
+                    for lz in q.lease(1):
+                        if i % 2:
+                            q.ack(lz.token)  # one log commit holding the payload shard's lock
+                        else:
+                            d.tx().put(m, lz.payload["n"], "done").ack(q, lz.token).commit()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=cycles, args=(k * 1000,), daemon=True) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "commits hung with a checkpoint"
+        assert not errors, errors
+        (log_file,) = (db_path / "txlog").glob("*.log")
+        assert log_file.stat().st_size < 4096 + 512  # checkpoints ran
+        total = len(m) + q.len()
+    with armdb.Db.open(db_path) as d:
+        m = d.open_map("docs", Config.balanced().shard_count(2).build())
+        q = d.open_queue(spec, QueueConfig.balanced().build())
+        assert len(m) + q.len() == total
+    assert armdb.check(db_path).ok
 
 
 def test_t2_torn_log_tail_loses_only_that_transaction(db_path):
@@ -576,7 +651,8 @@ OUTBOX_CHILD = """
 import armdb, numpy as np, random, sys
 from armdb import QueueConfig, FixedConfig, Config, TxConfig
 enc = {enc}
-tx_config = TxConfig(log_encryption_key=bytes(range(32, 64))) if enc else None
+# A small checkpoint size: kills land in checkpoints too (log rotation, store syncs).
+tx_config = TxConfig(log_encryption_key=bytes(range(32, 64)) if enc else None, checkpoint_bytes=8192)
 db = armdb.Db.open({path!r}, tx_config=tx_config)
 pc = Config.balanced().encryption_key(bytes(range(32))).build() if enc else Config()
 q = db.open_queue(armdb.queue("jobs", payload=dict, var=True),

@@ -424,6 +424,7 @@ ROWS: list[R] = [
     R("s9_encryption_key_str", lambda w: Config.balanced().encryption_key("k" * 32).build(), ConfigError, r"encryption_key must be 32 bytes"),
     R("t3_durable_str", lambda w: TxConfig(durable="yes"), ConfigError, r"durable must be True or False"),
     R("t4_log_key_short", lambda w: TxConfig(log_encryption_key=bytes(31)), ConfigError, r"log_encryption_key must be 32 bytes"),
+    R("t2_checkpoint_bytes_small", lambda w: TxConfig(checkpoint_bytes=100), ConfigError, r"checkpoint_bytes must be at least 4096"),
     # -- Db.open and the directory (D1, D5, D7) ---------------------------------------------------------
     R("d1_tx_config_wrong_type", lambda w: armdb.Db.open(w.path / "new", tx_config={"durable": True}), ConfigError, r"tx_config must be an armdb\.TxConfig"),
     R("d7_clock_not_callable", lambda w: armdb.Db.open(w.path / "new", clock=123), ConfigError, r"clock must be a callable returning wall-clock milliseconds"),
