@@ -1220,7 +1220,7 @@ class BitcaskStore:
         if self._closed:
             raise DbClosed(f"collection {self.directory!r}")
 
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
         if self._closed:
             raise DbClosed(f"collection {self.directory!r}")
         if self._poisoned is not None:
@@ -1402,7 +1402,7 @@ class BitcaskStore:
         value = self._value_arg(value)
         sh = self._shard(key)
         with sh.lock:
-            self._check_writable()
+            self.check_writable()
             seq = self._next_seq(sh)
             rotated = self._write(sh, key, value, seq)
             self._maybe_sync(sh)
@@ -1430,7 +1430,7 @@ class BitcaskStore:
         key = self._key_arg(key)
         sh = self._shard(key)
         with sh.lock:
-            self._check_writable()
+            self.check_writable()
             if key not in sh.index:
                 return False
             seq = self._next_seq(sh)
@@ -1472,7 +1472,7 @@ class BitcaskStore:
             raise ConfigError(f"gsn must be an int in [1, 2**60), got {gsn!r}")
         sh = self._shard(key)
         with sh.lock:
-            self._check_writable()
+            self.check_writable()
             if gsn <= sh.highest:
                 return False
             if value is None and key not in sh.index:
@@ -1525,7 +1525,7 @@ class BitcaskStore:
         StorageError
             The store is poisoned, or the sync failed (S12).
         """
-        self._check_writable()
+        self.check_writable()
         for sh in self._shards:
             with sh.lock:
                 if sh.dirty:
@@ -1759,7 +1759,7 @@ class BitcaskStore:
         if value is not None:
             value = self._value_arg(value)
         sh = self._shard(key)
-        self._check_writable()
+        self.check_writable()
         if value is None and key not in sh.index:
             return False
         if not isinstance(gsn, int) or not sh.highest < gsn <= SEQ_MASK:
@@ -1809,7 +1809,7 @@ class BitcaskStore:
             An input record fails its checks (nothing is changed).
         StorageError, DbClosed
         """
-        self._check_writable()
+        self.check_writable()
         done = 0
         for sh in self._shards:
             with sh.compact_lock:

@@ -269,7 +269,7 @@ class Tx:
                 held -= 1
                 locks[held].release()
         if checkpoint_due:
-            self._db.txlog.checkpoint(wait=False)  # syncs the stores: takes their locks
+            self._checkpoint()
         for store in plan.bitcask:
             store.maybe_compact()  # a rotation under our locks deferred its compaction
         if plan.payload_writes:
@@ -288,6 +288,19 @@ class Tx:
                 s.queue._notify()
         return ids
 
+    def _checkpoint(self) -> None:
+        """Checkpoint the log after a commit that crossed its size, holding no lock (the
+        store syncs take the stores' locks).  The commit is applied whatever happens here:
+        a failed store sync poisons that store, which refuses later writes with
+        ``StorageError``, and the old log files stay until a checkpoint succeeds."""
+        txlog = self._db.txlog
+        try:
+            txlog.checkpoint(wait=False)
+        except (StorageError, OSError) as e:
+            if not txlog.checkpoint_failed:  # once: every later commit retries it
+                log.warning("log checkpoint failed (%s); the old log files are kept until one succeeds", e)
+            txlog.checkpoint_failed = True
+
     def _plan_and_log(self, steps: list[Any], registry: Any, now: int) -> _Plan:
         """Under the locks: run the streams, build every row, log them (and sync, if durable)."""
         db = self._db
@@ -296,6 +309,12 @@ class Tx:
             if registry is not None:
                 self._expand_streams(steps, registry)
             self._plan(steps, plan, now)
+            # A store fenced by a failed sync refuses the commit before it is logged
+            # (its rows could not be applied; replay would apply them at the reopen).
+            for store in plan.bitcask:
+                store.check_writable()
+            for shard in plan.fixed:
+                shard.check_writable()
             # Only a commit that goes ahead persists the id blocks it drew.
             for name, n in self._drawn.items():
                 db.seqmap.reserve_through(name, n)

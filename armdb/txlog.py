@@ -173,6 +173,7 @@ class TxLog:
         self._idle = threading.Condition(self._lock)
         self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
         self._checkpoint_bytes = db.tx_config.checkpoint_bytes
+        self.checkpoint_failed = False  # a commit's checkpoint failed (warned once)
         self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
         self._path = ""
@@ -234,13 +235,12 @@ class TxLog:
         self._replay(records)
         # Start a fresh, empty log; the replayer synced the replayed rows into their
         # stores, so the old files can go.
-        self._number = files[-1][0] + 1 if files else 1
         old = [os.path.join(self.dir, name) for _, name in files]
         if self.pending:
             # Rows for encrypted collections are still owed: keep the old files
             # until those collections are opened with their keys.
             self._retained, old = old, []
-        self._start_file()
+        self._start_file(files[-1][0] + 1 if files else 1)
         self._unlink(old)
         if records:
             self._next_txid = max(r[0] for r in records) + 1
@@ -280,14 +280,15 @@ class TxLog:
         self.replayed = len(decoded)
         log.info("replayed %d logged transaction(s)", len(decoded))
 
-    def _start_file(self) -> None:
-        """Create the next log file and move appends to it (caller holds ``_lock``, no commit in flight)."""
+    def _start_file(self, number: int) -> None:
+        """Create log file ``number`` and move appends to it (caller holds ``_lock``, no
+        commit in flight); if creating it fails, appends stay where they were."""
         fs = _fs.FS
-        path = os.path.join(self.dir, f"{self._number:08d}.log")
-        fd = fs.create_file(path, _file_header(self._number))
+        path = os.path.join(self.dir, f"{number:08d}.log")
+        fd = fs.create_file(path, _file_header(number))
         if self._fd >= 0:
             fs.close(self._fd)
-        self._fd, self._path = fd, path
+        self._fd, self._path, self._number = fd, path, number
         self._end = FILE_HEADER_SIZE
         self._group.reset(fd, FILE_HEADER_SIZE)
 
@@ -417,9 +418,9 @@ class TxLog:
                 if self._end == FILE_HEADER_SIZE and not self._retained:
                     return
                 if self._end > FILE_HEADER_SIZE:
-                    self._retained.append(self._path)
-                    self._number += 1
-                    self._start_file()
+                    current = self._path
+                    self._start_file(self._number + 1)
+                    self._retained.append(current)
                 old = list(self._retained)
             _fail.point("txlog.after_rotate")
             self.db.sync_all_stores()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -15,12 +16,13 @@ import numpy as np
 import pytest
 
 import armdb
-from armdb import Config, ConfigError, FixedConfig, QueueConfig, TxConfig
+from armdb import Config, ConfigError, FixedConfig, QueueConfig, TxConfig, _fs
 from armdb.errors import (
     EncryptionKeyRequired,
     PayloadTypeError,
     QueueFull,
     StaleToken,
+    StorageError,
     StreamSourceRequiresTx,
     TxFailedAfterLog,
     WrongKey,
@@ -290,6 +292,44 @@ def test_t2_checkpoint_while_other_threads_commit(db_path):
         m = d.open_map("docs", Config.balanced().shard_count(2).build())
         q = d.open_queue(spec, QueueConfig.balanced().build())
         assert len(m) + q.len() == total
+    assert armdb.check(db_path).ok
+
+
+class _FailingDatasync(_fs.RealFS):
+    """The real file system, except that ``fdatasync`` fails with EIO once ``armed``."""
+
+    armed = False
+
+    def fdatasync(self, fd: int) -> None:
+        if self.armed:
+            raise OSError(errno.EIO, "injected")
+        super().fdatasync(fd)
+
+
+def test_t2_failed_checkpoint_sync_keeps_the_commit_and_the_log(db_path):
+    # A commit that crosses checkpoint_bytes is applied before its checkpoint runs: when
+    # the checkpoint's store sync fails, commit() still returns (raising would make a
+    # caller retry a commit that happened), the store is poisoned (S12), and the old
+    # log file stays, so a reopen replays what the store may not hold.
+    fs = _FailingDatasync()
+    with _fs.use(fs):
+        d = armdb.Db.open(db_path, tx_config=TxConfig(checkpoint_bytes=4096))
+        m = d.open_map("docs")
+        fs.armed = True
+        i = 0
+        while len(list((db_path / "txlog").glob("*.log"))) < 2:
+            d.tx().put(m, i, "x" * 40).commit()  # never raises: each of these is applied
+            i += 1
+            assert i < 1000
+        with pytest.raises(StorageError, match="reopen"):
+            d.tx().put(m, "after", 1).commit()
+        fs.armed = False
+        with pytest.raises(StorageError, match="refuses writes"):
+            d.close()  # its checkpoint cannot sync the fenced store either
+    with armdb.Db.open(db_path) as d:
+        m = d.open_map("docs")
+        assert {k: m.get(k) for k in range(i)} == {k: "x" * 40 for k in range(i)}
+        assert "after" not in m
     assert armdb.check(db_path).ok
 
 

@@ -55,6 +55,9 @@ class Profile:
     lease_timeout: float = 0.25
     dead_retention: float | None = None
     sync_interval: float = 0.05
+    # Small, so that harness runs cross it and checkpoint mid-run (a 4 MiB log never filled
+    # in a harness run, which hid a checkpoint deadlock until 2026-12-03).
+    checkpoint_bytes: int = 64 * 1024
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -73,7 +76,8 @@ class Profile:
 
 
 def tx_config(p: Profile) -> TxConfig:
-    return TxConfig(durable=p.durable, log_encryption_key=LOG_KEY if p.enc else None)
+    return TxConfig(durable=p.durable, log_encryption_key=LOG_KEY if p.enc else None,
+                    checkpoint_bytes=p.checkpoint_bytes)
 
 
 def bitcask_config(p: Profile) -> Config:

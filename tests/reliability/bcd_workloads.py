@@ -83,6 +83,7 @@ class World:
     grow_step: int = 64
     max_file_size: int = 64 * 1024
     max_attempts: int = 100
+    checkpoint_bytes: int = 8192  # small: workloads checkpoint mid-run, not only at close
 
     def specs(self) -> dict[str, Any]:
         return {
@@ -114,7 +115,8 @@ class World:
         )
 
     def tx_config(self) -> TxConfig:
-        return TxConfig(durable=self.durable, log_encryption_key=LOG_KEY if self.encrypted else None)
+        return TxConfig(durable=self.durable, log_encryption_key=LOG_KEY if self.encrypted else None,
+                        checkpoint_bytes=self.checkpoint_bytes)
 
 
 class Session:
