@@ -181,11 +181,16 @@ def test_t3_failed_group_sync_fails_every_commit_and_applies_none(db_path: Path)
             assert [k for k in range(followers + 1) if k in maps[k]] == []
             assert q.len() == 0
             assert maps[0].get(-1) == "before"
-            # Later commits are refused before they write anything.
-            with pytest.raises(StorageError, match="earlier log sync failed"):
+            # Later commits are refused before they write anything: by the fenced stores
+            # of the failed group, and by the log itself for any other store.
+            with pytest.raises(StorageError, match="refuses writes after a failed sync"):
                 d.tx().put(maps[1], 99, 99).durable().commit()
+            other = d.open_map("other")
             with pytest.raises(StorageError, match="earlier log sync failed"):
-                d.tx().put(maps[1], 98, 98).commit()
+                d.tx().put(other, 98, 98).durable().commit()
+            with pytest.raises(StorageError, match="earlier log sync failed"):
+                d.tx().put(other, 97, 97).commit()
+            assert 98 not in other and 97 not in other
         finally:
             d._closed = True  # the process "dies" here: no checkpoint over a failed log
             d._dirlock.release()
