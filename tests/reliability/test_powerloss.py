@@ -355,6 +355,10 @@ OUTBOX_D = World(queues=(("vq", True),), maps=("m",), durable=True)
 OUTBOX_ND = World(queues=(("vq", True),), maps=("m",), durable=False)
 VAR_BIG_D = World(queues=(("vq", True),), durable=True, payload_size=5000)
 TWO_SHARDS_D = World(queues=(("fq", False), ("vq", True)), durable=True, shards=2)
+# Outbox commits of ~1.6 KB log records against a 4096-byte checkpoint size: a checkpoint
+# (new log file, store syncs, old file removed) runs after every third commit, mid-script.
+CKPT_D = World(queues=(("vq", True),), maps=("m",), durable=True, value_size=1500, checkpoint_bytes=4096)
+CKPT_ND = World(queues=(("vq", True),), maps=("m",), durable=False, value_size=1500, checkpoint_bytes=4096)
 
 
 def _queue_script(q: str) -> list[str]:
@@ -413,6 +417,8 @@ SCRIPTED: dict[str, tuple[World, list[str]]] = {
     "map_rotation_default": (MAP_ND, _map_script()),
     "outbox_durable": (OUTBOX_D, OUTBOX_SCRIPT),
     "outbox_default": (OUTBOX_ND, OUTBOX_SCRIPT),
+    "checkpoint_durable": (CKPT_D, OUTBOX_SCRIPT),
+    "checkpoint_default": (CKPT_ND, OUTBOX_SCRIPT),
     "var_payload_rotation_durable": (VAR_BIG_D, _big_var_script()),
     "two_shards_durable": (
         TWO_SHARDS_D,
