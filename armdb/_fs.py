@@ -54,11 +54,15 @@ class MappedFile:
         # np.memmap wants a file object; a non-owning one around our fd is enough.
         with open(fd, "r+b", closefd=False) as fobj:
             self.array: np.memmap = np.memmap(fobj, dtype=np.uint8, mode="r+", shape=(length,))
+        # Stores through a memoryview: slicing an np.memmap builds a memmap per call
+        # (several µs, paid by every durable sync for its high-water-mark copy).
+        self._view: memoryview | None = memoryview(self.array)
 
     def write(self, offset: int, data: bytes) -> None:
         """Store ``data`` at ``offset`` and report the write."""
         n = len(data)
-        self.array[offset : offset + n] = np.frombuffer(data, dtype=np.uint8)
+        assert self._view is not None, "write to a closed MappedFile"
+        self._view[offset : offset + n] = data
         self.wrote(offset, n)
 
     def wrote(self, offset: int, length: int) -> None:
@@ -76,6 +80,9 @@ class MappedFile:
 
     def close(self) -> None:
         """Drop the map.  The pages are unmapped once no array view refers to them."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
         self.array = None  # type: ignore[assignment]
 
 
