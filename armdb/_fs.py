@@ -56,7 +56,7 @@ class MappedFile:
             self.array: np.memmap = np.memmap(fobj, dtype=np.uint8, mode="r+", shape=(length,))
         # Stores through a memoryview: slicing an np.memmap builds a memmap per call
         # (several µs, paid by every durable sync for its high-water-mark copy).
-        self._view: memoryview | None = memoryview(self.array)
+        self._view: memoryview | None = self.array.data
 
     def write(self, offset: int, data: bytes) -> None:
         """Store ``data`` at ``offset`` and report the write."""
