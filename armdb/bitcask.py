@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from . import _fail, _fs
+from ._core.fixed import bitcask_record, hint_append
 from ._crypto import OVERHEAD, Sealer
 from .config import Config
 from .errors import (
@@ -105,7 +106,6 @@ REC_HEAD = struct.Struct("<QIIHH")
 REC_HEAD_SIZE = REC_HEAD.size  # 20
 RECORD_MAGIC = 0xB17C
 _RECORD_MAGIC_BYTES = struct.pack("<H", RECORD_MAGIC)
-_VLEN_MAGIC_KLEN = struct.Struct("<IHH")
 _U64 = struct.Struct("<Q")
 # gsn_word, offset, value_len, key_len   (then the key field)
 HINT_ENTRY = struct.Struct("<QQIH")
@@ -124,7 +124,6 @@ _RESERVED_GSN_BITS = 0x7 << 60
 
 MAX_KEY_LEN = 0xFFFF - OVERHEAD  # the key field is u16; a sealed key is 28 bytes longer
 MAX_VALUE_LEN = 0xFFFFFFFF - OVERHEAD
-_ZEROS = bytes(8)
 _MIN_FILE_SIZE = 4096
 _READ_CHUNK = 4 << 20
 _HINT_SPILL = 4 << 20
@@ -342,9 +341,7 @@ class _HintBuilder:
     def add(self, gsn_word: int, offset: int, vlen: int, key_field: bytes) -> None:
         if self.broken:
             return
-        entry = HINT_ENTRY.pack(gsn_word, offset, vlen, len(key_field)) + key_field
-        self.buf += entry
-        self.crc = zlib.crc32(entry, self.crc)
+        self.crc = hint_append(self.buf, self.crc, gsn_word, offset, vlen, key_field)
         self.count += 1
         if len(self.buf) >= _HINT_SPILL:
             self._spill_or_give_up()
@@ -1256,13 +1253,7 @@ class BitcaskStore:
         else:
             kf = key
             vf = b"" if value is None else value
-        klen = len(kf)
-        vlen = len(vf)
-        g8 = _U64.pack(gsn_word)
-        tail = b"".join((_VLEN_MAGIC_KLEN.pack(vlen, RECORD_MAGIC, klen), kf, vf))
-        n = REC_HEAD_SIZE + klen + vlen
-        rec = b"".join((g8, _U32.pack(zlib.crc32(tail, zlib.crc32(g8))), tail, _ZEROS[: -n % 8]))
-        return rec, kf, vlen
+        return bitcask_record(gsn_word, kf, vf, RECORD_MAGIC), kf, len(vf)
 
     def _next_seq(self, sh: _Shard) -> int:
         seq = self._gsn()

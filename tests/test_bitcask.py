@@ -16,9 +16,12 @@ import zlib
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from armdb import _fail, _fs
-from armdb.bitcask import FILE_HEADER_SIZE, BitcaskStore, check_dir
+from armdb._core.fixed import bitcask_record, hint_append
+from armdb.bitcask import FILE_HEADER_SIZE, HINT_ENTRY, RECORD_MAGIC, BitcaskStore, check_dir
 from armdb.config import Config
 from armdb.errors import ConfigError, CorruptionError, FormatError, PayloadTypeError, StorageError
 
@@ -1010,3 +1013,32 @@ def test_s7_hint_with_a_torn_version_field_is_ignored(tmp_path):
     with Db.open(d) as db:
         m = db.open_map("m", Config.balanced().max_file_size(64 * 1024).build())
         assert all(m.get(i) == b"v" * 6000 for i in range(40))
+
+
+# -- the compiled record and hint-entry encoders (SPEC S6: the record layout of docs/format.md) --------
+
+
+def _reference_record(gsn_word: int, kf: bytes, vf: bytes) -> bytes:
+    """The record layout written out with struct and zlib, as the format document gives it."""
+    g8 = struct.pack("<Q", gsn_word)
+    tail = struct.pack("<IHH", len(vf), RECORD_MAGIC, len(kf)) + kf + vf
+    n = 20 + len(kf) + len(vf)
+    return g8 + struct.pack("<I", zlib.crc32(tail, zlib.crc32(g8))) + tail + bytes(-n % 8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    gsn=st.integers(0, 2**64 - 1),
+    kf=st.binary(max_size=300),
+    vf=st.binary(max_size=2000),
+    offset=st.integers(0, 2**64 - 1),
+    crc=st.integers(0, 2**32 - 1),
+)
+def test_s6_compiled_record_and_hint_entry_match_the_format(gsn, kf, vf, offset, crc):
+    assert bitcask_record(gsn, kf, vf, RECORD_MAGIC) == _reference_record(gsn, kf, vf)
+    buf = bytearray(b"head")
+    entry = HINT_ENTRY.pack(gsn, offset, len(vf), len(kf)) + kf
+    assert hint_append(buf, crc, gsn, offset, len(vf), kf) == zlib.crc32(entry, crc)
+    assert buf == b"head" + entry
+    with pytest.raises(TypeError):
+        bitcask_record(gsn, None, vf, RECORD_MAGIC)

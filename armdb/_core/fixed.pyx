@@ -16,7 +16,9 @@ The CRC is the IEEE CRC-32 of zlib (so ``zlib.crc32`` in Python computes the sam
 value), table-driven "slice-by-8" as in Intel's and zlib's implementations.
 """
 
-from libc.stdint cimport int8_t, int64_t, uint8_t, uint32_t, uint64_t
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
 import numpy as np
@@ -120,6 +122,70 @@ def crc32(const uint8_t[::1] data, uint32_t crc=0):
     with nogil:
         r = _crc_update(crc ^ _ONES, &data[0] if data.shape[0] else NULL, data.shape[0]) ^ _ONES
     return r
+
+
+# -- Bitcask records and hint entries (armdb.bitcask; the same CRC kernel) ----------------------
+
+
+cdef inline void _put_u64(uint8_t* p, uint64_t v) noexcept nogil:
+    cdef int i
+    for i in range(8):
+        p[i] = <uint8_t>(v >> (8 * i))
+
+
+cdef inline void _put_u32(uint8_t* p, uint32_t v) noexcept nogil:
+    p[0] = <uint8_t>v
+    p[1] = <uint8_t>(v >> 8)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 24)
+
+
+def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_field not None, uint16_t magic):
+    """One Bitcask data record (docs/format.md): ``gsn_word: u64``, ``crc32: u32`` over
+    everything after it and the gsn word, ``value_len: u32``, ``magic: u16``,
+    ``key_len: u16``, the key and value fields, zero padding to a multiple of 8.
+
+    The fields are already sealed when the collection is encrypted; a tombstone has an
+    empty value field.  The caller checked the lengths (key field at most 0xFFFF bytes).
+    """
+    cdef Py_ssize_t klen = len(key_field)
+    cdef Py_ssize_t vlen = len(value_field)
+    cdef Py_ssize_t n = 20 + klen + vlen
+    cdef Py_ssize_t total = n + ((-n) & 7)
+    rec = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
+    cdef uint32_t crc
+    _put_u64(p, gsn_word)
+    _put_u32(p + 12, <uint32_t>vlen)
+    p[16] = <uint8_t>magic
+    p[17] = <uint8_t>(magic >> 8)
+    p[18] = <uint8_t>klen
+    p[19] = <uint8_t>(klen >> 8)
+    memcpy(p + 20, PyBytes_AS_STRING(key_field), klen)
+    memcpy(p + 20 + klen, PyBytes_AS_STRING(value_field), vlen)
+    memset(p + n, 0, total - n)
+    crc = _crc_update(_ONES, p, 8)
+    crc = _crc_update(crc, p + 12, n - 12) ^ _ONES
+    _put_u32(p + 8, crc)
+    return rec
+
+
+def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_t offset, uint32_t value_len,
+                bytes key_field not None):
+    """Append one hint entry (``gsn_word: u64, offset: u64, value_len: u32, key_len: u16``,
+    then the key field) to ``buf``; returns the running CRC-32 of the entries with it."""
+    cdef Py_ssize_t klen = len(key_field)
+    cdef Py_ssize_t at = len(buf)
+    if PyByteArray_Resize(buf, at + 22 + klen) < 0:
+        raise MemoryError()
+    cdef uint8_t* p = <uint8_t*>PyByteArray_AS_STRING(buf) + at
+    _put_u64(p, gsn_word)
+    _put_u64(p + 8, offset)
+    _put_u32(p + 16, value_len)
+    p[20] = <uint8_t>klen
+    p[21] = <uint8_t>(klen >> 8)
+    memcpy(p + 22, PyBytes_AS_STRING(key_field), klen)
+    return _crc_update(crc ^ _ONES, p, 22 + klen) ^ _ONES
 
 
 def slot_crc(uint32_t meta, const uint8_t[::1] body):
