@@ -426,7 +426,7 @@ class TxLog:
             self.db.sync_all_stores()
             with self._lock:
                 self._retained = [p for p in self._retained if p not in old]
-                self._unlink(old)
+            self._unlink(old)  # appends never touch the old files; checkpoints are serialised
         finally:
             self._ckpt_lock.release()
         _fail.point("txlog.after_trim")
