@@ -40,6 +40,7 @@ from . import _fail
 from ._clock import to_ms
 from ._core import fixed as _k
 from .errors import (
+    ArmdbError,
     ConfigError,
     EncryptionKeyRequired,
     QueueFull,
@@ -296,7 +297,7 @@ class Tx:
         txlog = self._db.txlog
         try:
             txlog.checkpoint(wait=False)
-        except (StorageError, OSError) as e:
+        except (ArmdbError, OSError) as e:  # a sync failure, or the Db closing meanwhile
             if not txlog.checkpoint_failed:  # once: every later commit retries it
                 log.warning("log checkpoint failed (%s); the old log files are kept until one succeeds", e)
             txlog.checkpoint_failed = True
