@@ -305,6 +305,7 @@ class Db:
             self.txlog.close()
         except BaseException as e:
             errors.append(e)
+        self.seqmap.close()  # its write ahead ends before the directory lock is released
         if self._dirlock is not None:
             self._dirlock.release()
             self._dirlock = None

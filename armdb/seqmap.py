@@ -5,7 +5,18 @@ out from blocks of :data:`ID_BLOCK`.  Before the first id of a block is handed o
 the block's end is written to the ``seqmap`` file (tmp + fsync + rename + fsync of
 the directory).  After a crash, counting restarts at the end of every reserved
 block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
-skipped.
+skipped (at most ``2 * ID_BLOCK - 1`` when the next block was reserved ahead).
+
+Reserving ahead: once half of a block is handed out, the next block's reservation
+is posted to an :class:`armdb._core.atomicfile.AtomicWriter`, whose thread writes the
+file without the GIL; the thread that reaches the block's end then finds it on disk
+instead of waiting for two fsyncs and a rename.  Nothing changes for T5: a
+reservation counts (``_reserved``) only once its write is durable, ids are handed
+out only below it, a failed write ahead is dropped (the block's end reserves in the
+foreground and raises there), and every foreground write first waits for the one
+ahead, so the file only moves forward.  Only on the real file system with no
+failpoint armed: the tests' fault-injecting and recording file systems see every
+reservation made by the calling thread, as before.
 
 File layout: ``b"ARMSEQ01"``, ``u32`` format version, ``u32`` body length, msgpack
 ``{name: reserved_end}``, ``u32`` CRC32 of everything before it.
@@ -22,6 +33,7 @@ import zlib
 import msgpack
 
 from . import _fail, _fs
+from ._core.atomicfile import AtomicWriter
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
@@ -71,6 +83,12 @@ class SeqMap:
         # under the lock, only once the old one is empty, so ids still come out increasing.
         self._rest: dict[str, collections.abc.Iterator[int]] = {}
         self.flushes = 0
+        # Reserving ahead (module docstring): the writer and its thread, started on first
+        # need, and the write in flight: (ticket, the reserved map it makes durable).
+        self._writer: AtomicWriter | None = None
+        self._writer_thread: threading.Thread | None = None
+        self._ahead: tuple[int, dict[str, int]] | None = None
+        self._closed = False
 
     def next(self, name: str) -> int:
         """The next id for ``name`` (ids start at 1), reserved on disk before it is returned."""
@@ -80,13 +98,25 @@ class SeqMap:
         with self._lock:
             n = next(self._rest.get(name, _NO_BLOCK), None)  # another thread may have refilled it
             if n is None:
+                if self._ahead is not None:
+                    self._finish_ahead(wait=False)
                 n = self._next.get(name, 1)
                 end = self._reserved.get(name, 1)
                 if n >= end:
-                    end = n + ID_BLOCK
-                    self._reserve(name, end)
-                self._rest[name] = iter(range(n + 1, end))
-                self._next[name] = end
+                    if self._ahead is not None:
+                        self._finish_ahead(wait=True)  # it may hold this very block
+                        end = self._reserved.get(name, 1)
+                    if n >= end:
+                        end = n + ID_BLOCK
+                        self._reserve(name, end)
+                # Hand out the first half of the block, then come back here and post
+                # the next block's reservation while the second half is handed out.
+                stop = end - ID_BLOCK // 2
+                if n + 1 >= stop:
+                    stop = end
+                    self._reserve_ahead(name, end + ID_BLOCK)
+                self._rest[name] = iter(range(n + 1, stop))
+                self._next[name] = stop
             return n
 
     def draw(self, name: str) -> int:
@@ -115,7 +145,48 @@ class SeqMap:
                 self._next[name] = at_least + 1
                 self._rest.pop(name, None)  # its ids are all below the new start
 
+    def _reserve_ahead(self, name: str, end: int) -> None:
+        """Post the reservation of ``name`` through ``end`` to the writer (caller holds ``_lock``)."""
+        if self._closed or self._ahead is not None or type(_fs.FS) is not _fs.RealFS or _fail.armed():
+            return
+        if self._writer is None:
+            self._writer = AtomicWriter(self.path)
+            self._writer_thread = threading.Thread(target=self._writer.run, name="armdb-seqmap", daemon=True)
+            self._writer_thread.start()
+        reserved = dict(self._reserved)
+        reserved[name] = end
+        ticket = self._writer.post(encode(reserved))
+        if ticket:
+            self._ahead = (ticket, reserved)
+
+    def _finish_ahead(self, *, wait: bool) -> None:
+        """Count the write ahead once it is durable (caller holds ``_lock``); a failed one
+        is dropped.  ``wait=False`` leaves one still in flight alone."""
+        assert self._ahead is not None and self._writer is not None
+        ticket, reserved = self._ahead
+        err = self._writer.wait(ticket) if wait else self._writer.result(ticket)
+        if err < 0:
+            return
+        self._ahead = None
+        if err == 0:
+            self._reserved = reserved  # nothing else wrote meanwhile: _reserve waits for it first
+            self.flushes += 1
+            _fail.point("seqmap.after_write")
+
+    def close(self) -> None:
+        """Finish the write ahead and stop the writer's thread (the Db is closing)."""
+        with self._lock:
+            self._closed = True
+            if self._ahead is not None:
+                self._finish_ahead(wait=True)
+        if self._writer is not None:
+            self._writer.stop()
+            assert self._writer_thread is not None
+            self._writer_thread.join()
+
     def _reserve(self, name: str, end: int) -> None:
+        if self._ahead is not None:
+            self._finish_ahead(wait=True)  # one writer at a time, so the file only moves forward
         reserved = dict(self._reserved)
         reserved[name] = end
         try:

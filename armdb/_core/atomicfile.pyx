@@ -1,0 +1,224 @@
+# cython: language_level=3
+"""AtomicWriter: replace one small file durably, in a thread that never takes the GIL.
+
+Why compiled
+------------
+The sequence map (``armdb.seqmap``, SPEC T5) is rewritten once per 1024 ids: a tmp
+file, ``fsync``, ``rename``, ``fsync`` of the directory, about 0.5-0.9 ms on the CI
+machine.  Written by the pushing thread, that wait is 0.5-0.9 us per push of a fixed
+queue whose cycle costs 5 us.  ``SeqMap`` therefore posts the next block's
+reservation here half a block ahead; a Python thread runs :meth:`AtomicWriter.run`,
+which waits for posts and writes them entirely without the GIL.  (A Python thread
+doing the same writes needed the GIL around each of its six system calls, and a
+thread waiting for the GIL while another runs Python waits out the 5 ms switch
+interval: half the reservations were not done when their block ran out.)
+
+The file-system seam
+--------------------
+``armdb/_fs.py`` is the only module that touches the OS for storage, so that the
+fault-injecting and recording file systems of the tests see every call.  ``SeqMap``
+posts here only while the installed file system is ``RealFS`` itself and no
+failpoint is armed; otherwise it writes through ``_fs.FS.write_file_atomic`` in the
+calling thread, as before.  The steps below are those of ``RealFS.write_file_atomic``.
+
+State (guarded by ``mu``): ``posted`` counts posts, ``finished`` the writes done (the
+one in flight is ``posted`` while ``finished < posted``); ``err`` is the errno of the
+last finished write (0: it is durable).  One write at a time: :meth:`post` refuses
+while one is in flight, so the buffer is never replaced under the writer.
+"""
+
+from libc.errno cimport EINTR, errno
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from armdb._core.posix_sync cimport (
+    pthread_cond_broadcast,
+    pthread_cond_destroy,
+    pthread_cond_init,
+    pthread_cond_signal,
+    pthread_cond_t,
+    pthread_cond_wait,
+    pthread_mutex_destroy,
+    pthread_mutex_init,
+    pthread_mutex_lock,
+    pthread_mutex_t,
+    pthread_mutex_unlock,
+)
+
+import os
+
+
+cdef extern from "<fcntl.h>" nogil:
+    int c_open "open"(const char* path, int flags, int mode)
+    int O_WRONLY
+    int O_RDONLY
+    int O_CREAT
+    int O_TRUNC
+    int O_CLOEXEC
+    int O_DIRECTORY
+
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_write "write"(int fd, const void* buf, size_t n)
+    int c_fsync "fsync"(int fd)
+    int c_close "close"(int fd)
+    int c_unlink "unlink"(const char* path)
+
+
+cdef extern from "<stdio.h>" nogil:
+    int c_rename "rename"(const char* old, const char* new)
+
+
+cdef int _replace(const char* tmp, const char* path, const char* dir, const char* buf,
+                  Py_ssize_t n) noexcept nogil:
+    """tmp + write + fsync + close + rename + fsync of the directory; 0 or an errno.
+    A failure before the rename removes the tmp file and leaves ``path`` as it was."""
+    cdef int fd = c_open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
+    cdef int e
+    cdef Py_ssize_t done = 0
+    cdef ssize_t w
+    if fd < 0:
+        return errno
+    while done < n:
+        w = c_write(fd, buf + done, n - done)
+        if w < 0:
+            if errno == EINTR:
+                continue
+            e = errno
+            c_close(fd)
+            c_unlink(tmp)
+            return e
+        done += w
+    if c_fsync(fd) != 0:
+        e = errno
+        c_close(fd)
+        c_unlink(tmp)
+        return e
+    if c_close(fd) != 0:
+        e = errno
+        c_unlink(tmp)
+        return e
+    if c_rename(tmp, path) != 0:
+        e = errno
+        c_unlink(tmp)
+        return e
+    fd = c_open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0)
+    if fd < 0:
+        return errno
+    if c_fsync(fd) != 0:
+        e = errno
+        c_close(fd)
+        return e
+    c_close(fd)
+    return 0
+
+
+cdef class AtomicWriter:
+    """Durable replacement of the file ``path``, done by whichever thread runs :meth:`run`."""
+
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cv_post  # the writer sleeps here until a post (or stop)
+    cdef pthread_cond_t cv_done  # waiters for a write sleep here
+    cdef bytes _path, _tmp, _dir  # file-system encoded; their buffers outlive every write
+    cdef char* buf
+    cdef Py_ssize_t n
+    cdef long long posted, finished
+    cdef int err
+    cdef bint stopping
+
+    def __cinit__(self, str path):
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_cond_init(&self.cv_post, NULL)
+        pthread_cond_init(&self.cv_done, NULL)
+        self.buf = NULL
+        self.n = 0
+        self.posted = self.finished = 0
+        self.err = 0
+        self.stopping = False
+
+    def __init__(self, str path):
+        self._path = os.fsencode(path)
+        self._tmp = os.fsencode(path + ".tmp")
+        self._dir = os.fsencode(os.path.dirname(path) or ".")
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self.cv_post)
+        pthread_cond_destroy(&self.cv_done)
+        pthread_mutex_destroy(&self.mu)
+        free(self.buf)
+
+    def post(self, bytes data not None):
+        """Hand ``data`` to the writer; returns its ticket, or 0 (nothing posted) while an
+        earlier write is still in flight or the writer was stopped."""
+        cdef Py_ssize_t n = len(data)
+        cdef char* copy = <char*>malloc(n if n else 1)
+        if copy == NULL:
+            raise MemoryError()
+        memcpy(copy, <const char*>data, n)
+        cdef long long ticket = 0
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            if self.finished == self.posted and not self.stopping:
+                free(self.buf)
+                self.buf = copy
+                self.n = n
+                self.posted += 1
+                ticket = self.posted
+                pthread_cond_signal(&self.cv_post)
+            pthread_mutex_unlock(&self.mu)
+        if ticket == 0:
+            free(copy)
+        return ticket
+
+    def result(self, long long ticket):
+        """-1 while write ``ticket`` is in flight, else its errno (0: the file is durable)."""
+        cdef int r
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            r = self.err if self.finished >= ticket else -1
+            pthread_mutex_unlock(&self.mu)
+        return r
+
+    def wait(self, long long ticket):
+        """Wait (without the GIL) for write ``ticket``; returns its errno (0: durable)."""
+        cdef int r
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            while self.finished < ticket:
+                pthread_cond_wait(&self.cv_done, &self.mu)
+            r = self.err
+            pthread_mutex_unlock(&self.mu)
+        return r
+
+    def run(self):
+        """The writer loop: returns once :meth:`stop` was called and no write is left."""
+        cdef const char* buf
+        cdef Py_ssize_t n
+        cdef int e
+        cdef const char* tmp = self._tmp
+        cdef const char* path = self._path
+        cdef const char* dir = self._dir
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            while True:
+                while self.finished == self.posted and not self.stopping:
+                    pthread_cond_wait(&self.cv_post, &self.mu)
+                if self.finished == self.posted:
+                    break  # stopping, nothing left
+                buf = self.buf
+                n = self.n
+                pthread_mutex_unlock(&self.mu)
+                e = _replace(tmp, path, dir, buf, n)
+                pthread_mutex_lock(&self.mu)
+                self.err = e
+                self.finished = self.posted
+                pthread_cond_broadcast(&self.cv_done)
+            pthread_mutex_unlock(&self.mu)
+
+    def stop(self):
+        """Make :meth:`run` return after the write in flight (if any); later posts are refused."""
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            self.stopping = True
+            pthread_cond_signal(&self.cv_post)
+            pthread_mutex_unlock(&self.mu)

@@ -1,0 +1,93 @@
+"""The sequence map's id blocks reserved ahead by a writer without the GIL (SPEC T5).
+
+``SeqMap`` posts the next block's reservation to ``armdb._core.atomicfile.AtomicWriter``
+once half a block is handed out (only on the real file system, no failpoint armed);
+a reservation counts only once its write is durable.  The kill -9 tests of T5
+(``test_t5_ids_never_reused_across_crashes``, the kill loop) run on this path too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import armdb
+from armdb import StorageError
+from armdb._core.atomicfile import AtomicWriter
+from armdb.seqmap import ID_BLOCK, decode
+
+Pings = armdb.queue("pings", payload=np.dtype([("a", "<u8")]))
+
+
+def _reserved_on_disk(db_path: Path, name: str) -> int:
+    return decode((db_path / "seqmap").read_bytes(), "seqmap")[name]
+
+
+def test_t5_next_block_is_reserved_ahead_and_counted_only_once_durable(db_path: Path) -> None:
+    with armdb.Db.open(db_path) as d:
+        q = d.open_queue(Pings)
+        sm = d.seqmap
+        ids = [q.push((i,)) for i in range(ID_BLOCK // 2 + 1)]
+        # Half the first block is out: the second block's reservation was posted.
+        assert sm._ahead is not None  # counted only at the next block boundary, once durable
+        assert sm._reserved["q:pings"] == ID_BLOCK + 1
+        ids += [q.push((i,)) for i in range(3 * ID_BLOCK)]
+        assert ids == list(range(1, len(ids) + 1))
+        # Every id handed out is below what the file on disk reserves.
+        assert max(ids) < _reserved_on_disk(db_path, "q:pings")
+        assert sm._reserved["q:pings"] <= _reserved_on_disk(db_path, "q:pings")
+        flushes = sm.flushes
+        assert 3 <= flushes <= 5  # about one write per block, as T5 says
+        thread = sm._writer_thread
+        assert thread is not None and thread.is_alive()
+    assert not thread.is_alive()  # close stops the writer before releasing the directory lock
+    on_disk = _reserved_on_disk(db_path, "q:pings")
+    assert on_disk - max(ids) <= 2 * ID_BLOCK  # at most the block ahead is skipped
+    with armdb.Db.open(db_path) as d:
+        assert d.open_queue(Pings).push((0,)) == on_disk  # counting restarts at the reserved end
+
+
+def test_t5_a_failed_write_ahead_is_dropped_and_the_block_end_raises(db_path: Path) -> None:
+    with armdb.Db.open(db_path) as d:
+        q = d.open_queue(Pings)
+        first = [q.push((i,)) for i in range(ID_BLOCK // 2 - 2)]
+        # A directory where the writer's tmp file goes: its open fails (EISDIR), as the
+        # foreground's does.
+        (db_path / "seqmap.tmp").mkdir()
+        more = [q.push((i,)) for i in range(ID_BLOCK // 2 + 2)]  # the rest of block 1
+        assert more[-1] == ID_BLOCK
+        with pytest.raises(StorageError, match="reserving ids failed"):
+            q.push((0,))
+        assert q.len() == ID_BLOCK  # nothing was written for the refused push
+        (db_path / "seqmap.tmp").rmdir()
+        after = q.push((0,))
+        assert after == ID_BLOCK + 1 and after < _reserved_on_disk(db_path, "q:pings")
+        assert len(set(first + more + [after])) == ID_BLOCK + 1
+    assert armdb.check(db_path).ok
+
+
+def test_atomic_writer_replaces_the_file_and_reports_errors(tmp_path: Path) -> None:
+    import threading
+
+    path = tmp_path / "f"
+    w = AtomicWriter(str(path))
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    ticket = w.post(b"one")
+    assert ticket == 1
+    assert w.wait(ticket) == 0 and w.result(ticket) == 0
+    assert path.read_bytes() == b"one" and not (tmp_path / "f.tmp").exists()
+    (tmp_path / "f.tmp").mkdir()
+    ticket = w.post(b"two")
+    assert w.wait(ticket) != 0  # an errno: the file is as it was
+    assert path.read_bytes() == b"one"
+    (tmp_path / "f.tmp").rmdir()
+    assert w.wait(w.post(b"")) == 0 and path.read_bytes() == b""
+    w.stop()
+    t.join(10)
+    assert not t.is_alive()
+    assert w.post(b"late") == 0  # refused once stopped
+    assert os.listdir(tmp_path) == ["f"]
