@@ -91,3 +91,36 @@ def test_atomic_writer_replaces_the_file_and_reports_errors(tmp_path: Path) -> N
     assert not t.is_alive()
     assert w.post(b"late") == 0  # refused once stopped
     assert os.listdir(tmp_path) == ["f"]
+
+
+KILL_CHILD = """
+import armdb, numpy as np
+db = armdb.Db.open({path!r})
+q = db.open_queue(armdb.queue("pings", payload=np.dtype([("a", "<u8")])))
+while True:
+    print(q.push((0,)), flush=True)
+"""
+
+
+@pytest.mark.crash
+def test_t5_no_id_comes_back_after_kills_during_writes_ahead(db_path: Path) -> None:
+    # SIGKILL at random points of a push loop that crosses many blocks, so kills land
+    # before, during and after writes ahead; every id printed (returned) is unique.
+    import random
+    import signal
+    import time
+
+    from .conftest import spawn_child
+
+    rng = random.Random(5)
+    seen: set[int] = set()
+    for _ in range(int(os.environ.get("ARMDB_KILLS_T5", "8"))):
+        p = spawn_child(KILL_CHILD.format(path=str(db_path)))
+        time.sleep(rng.uniform(0.5, 1.5))
+        os.kill(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        ids = [int(x) for x in out.split()]
+        assert not seen.intersection(ids)
+        seen.update(ids)
+    assert len(seen) > 4 * ID_BLOCK  # the runs crossed several block boundaries
+    assert armdb.check(db_path).ok
