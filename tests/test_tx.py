@@ -286,7 +286,7 @@ def test_t2_checkpoint_while_other_threads_commit(db_path):
         assert not any(t.is_alive() for t in threads), "commits hung with a checkpoint"
         assert not errors, errors
         (log_file,) = (db_path / "txlog").glob("*.log")
-        assert log_file.stat().st_size < 4096 + 512  # checkpoints ran
+        assert int(log_file.stem) > 5  # checkpoints ran (each starts the next numbered file)
         total = len(m) + q.len()
     with armdb.Db.open(db_path) as d:
         m = d.open_map("docs", Config.balanced().shard_count(2).build())
