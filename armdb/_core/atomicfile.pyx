@@ -156,16 +156,18 @@ cdef class AtomicWriter:
             raise MemoryError()
         memcpy(copy, <const char*>data, n)
         cdef long long ticket = 0
-        with nogil:
-            pthread_mutex_lock(&self.mu)
-            if self.finished == self.posted and not self.stopping:
-                free(self.buf)
-                self.buf = copy
-                self.n = n
-                self.posted += 1
-                ticket = self.posted
-                pthread_cond_signal(&self.cv_post)
-            pthread_mutex_unlock(&self.mu)
+        # The GIL stays held: the writer holds mu only for a few stores and never takes
+        # the GIL, and releasing it here would make this thread wait for it again
+        # behind any thread running Python (up to the 5 ms switch interval).
+        pthread_mutex_lock(&self.mu)
+        if self.finished == self.posted and not self.stopping:
+            free(self.buf)
+            self.buf = copy
+            self.n = n
+            self.posted += 1
+            ticket = self.posted
+            pthread_cond_signal(&self.cv_post)
+        pthread_mutex_unlock(&self.mu)
         if ticket == 0:
             free(copy)
         return ticket
@@ -173,10 +175,9 @@ cdef class AtomicWriter:
     def result(self, long long ticket):
         """-1 while write ``ticket`` is in flight, else its errno (0: the file is durable)."""
         cdef int r
-        with nogil:
-            pthread_mutex_lock(&self.mu)
-            r = self.err if self.finished >= ticket else -1
-            pthread_mutex_unlock(&self.mu)
+        pthread_mutex_lock(&self.mu)  # with the GIL, as in post()
+        r = self.err if self.finished >= ticket else -1
+        pthread_mutex_unlock(&self.mu)
         return r
 
     def wait(self, long long ticket):
@@ -217,8 +218,7 @@ cdef class AtomicWriter:
 
     def stop(self):
         """Make :meth:`run` return after the write in flight (if any); later posts are refused."""
-        with nogil:
-            pthread_mutex_lock(&self.mu)
-            self.stopping = True
-            pthread_cond_signal(&self.cv_post)
-            pthread_mutex_unlock(&self.mu)
+        pthread_mutex_lock(&self.mu)
+        self.stopping = True
+        pthread_cond_signal(&self.cv_post)
+        pthread_mutex_unlock(&self.mu)
