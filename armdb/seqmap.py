@@ -79,8 +79,9 @@ class SeqMap:
         self._next = dict(self._reserved)
         # The rest of the reserved block of each name, handed out by next() without the
         # lock: next() on a range iterator is one atomic step under the GIL.  Ids in it
-        # are below ``_next`` (which is the block's end), and a new iterator is installed,
-        # under the lock, only once the old one is empty, so ids still come out increasing.
+        # are below ``_next`` (where that range stops: the block's middle or its end), and
+        # a new iterator is installed, under the lock, only once the old one is empty, so
+        # ids still come out increasing.
         self._rest: dict[str, collections.abc.Iterator[int]] = {}
         self.flushes = 0
         # Reserving ahead (module docstring): the writer and its thread, started on first
