@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import _fail
+from ._core.atomicfile import pwrite_all
 
 PAGE = _mmap.PAGESIZE
 
@@ -111,13 +112,8 @@ class RealFS:
         return b"".join(chunks)
 
     def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(fd, view, offset)
-            if n == 0:
-                raise OSError(errno.EIO, "pwrite wrote nothing")
-            view = view[n:]
-            offset += n
+        # Not os.pwrite: it gives the GIL up for a page-cache write (armdb._core.atomicfile).
+        pwrite_all(fd, data, offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

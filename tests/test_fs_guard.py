@@ -12,7 +12,9 @@ the package is registered, and every registered name is reached somewhere.
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import re
 import tokenize
 from pathlib import Path
@@ -201,3 +203,22 @@ def test_guard_every_registered_failpoint_is_used() -> None:
 @pytest.mark.parametrize("name", sorted(_fail.ALL))
 def test_guard_failpoint_names_are_dotted_lowercase(name: str) -> None:
     assert re.fullmatch(r"[a-z]+(\.[a-z_]+)+", name), name
+
+
+def test_realfs_pwrite_writes_everything_and_raises_oserror(tmp_path) -> None:
+    # RealFS.pwrite is armdb._core.atomicfile.pwrite_all (keeps the GIL): whole writes at
+    # any offset, from bytes or a memoryview, and the errno of a failed write.
+    from armdb import _fs
+
+    fs = _fs.RealFS()
+    fd = fs.open(str(tmp_path / "f"), os.O_RDWR | os.O_CREAT)
+    try:
+        fs.pwrite(fd, b"abc", 5)
+        fs.pwrite(fd, memoryview(b"xyz123")[3:], 0)
+        fs.pwrite(fd, b"", 100)
+        assert fs.pread(fd, 100, 0) == b"123\0\0abc"
+    finally:
+        fs.close(fd)
+    with pytest.raises(OSError) as err:
+        fs.pwrite(fd, b"x", 0)  # closed descriptor
+    assert err.value.errno == errno.EBADF

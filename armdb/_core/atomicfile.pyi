@@ -2,7 +2,9 @@
 
 from typing import final
 
-__all__ = ["AtomicWriter"]
+__all__ = ["AtomicWriter", "pwrite_all"]
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None: ...
 
 @final
 class AtomicWriter:
