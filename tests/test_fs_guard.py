@@ -222,3 +222,17 @@ def test_realfs_pwrite_writes_everything_and_raises_oserror(tmp_path) -> None:
     with pytest.raises(OSError) as err:
         fs.pwrite(fd, b"x", 0)  # closed descriptor
     assert err.value.errno == errno.EBADF
+
+
+def test_realfs_pwrite_of_a_large_buffer_is_whole(tmp_path) -> None:
+    # Writes above 256 KiB are made without the GIL; the bytes must be the same.
+    from armdb import _fs
+
+    fs = _fs.RealFS()
+    data = bytes(range(256)) * 4096 + b"tail"  # 1 MiB + 4 bytes
+    fd = fs.open(str(tmp_path / "big"), os.O_RDWR | os.O_CREAT)
+    try:
+        fs.pwrite(fd, data, 7)
+        assert fs.pread(fd, len(data), 7) == data
+    finally:
+        fs.close(fd)

@@ -29,8 +29,8 @@ CPython's switch interval (5 ms) forces a hand-over.  A var queue cycle makes th
 such writes (body, log record, tombstone): beside one busy thread it ran at 2,700
 cycles/s instead of 31,000.  A write into the page cache takes a microsecond or two,
 so holding the GIL through it costs the other threads less than the hand-over costs
-this one (``RealFS.pwrite``; reads and syncs, which can wait for the disk, still
-release it).
+this one (``RealFS.pwrite``).  Writes above 256 KiB (compaction copies, large
+values) and reads and syncs, which can wait for the disk, still release it.
 
 State (guarded by ``mu``): ``posted`` counts posts, ``finished`` the writes done (the
 one in flight is ``posted`` while ``finished < posted``); ``err`` is the errno of the
@@ -81,17 +81,26 @@ cdef extern from "<stdio.h>" nogil:
     int c_rename "rename"(const char* old, const char* new)
 
 
+cdef Py_ssize_t _BIG_WRITE = 256 * 1024
+
+
 def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
-    """Write all of ``data`` at ``offset`` of ``fd``, holding the GIL (module docstring).
-    Raises ``OSError`` as ``os.pwrite`` would."""
+    """Write all of ``data`` at ``offset`` of ``fd``, holding the GIL for writes of up to
+    256 KiB (module docstring).  Raises ``OSError`` as ``os.pwrite`` would."""
     cdef Py_ssize_t n = data.shape[0]
     cdef Py_ssize_t done = 0
     cdef ssize_t w
     cdef int e
     while done < n:
-        w = c_pwrite(fd, &data[done], n - done, offset + done)
-        if w < 0:
+        if n - done > _BIG_WRITE:
+            # A long copy (compaction, a large value): worth handing the GIL over.
+            with nogil:
+                w = c_pwrite(fd, &data[done], n - done, offset + done)
+                e = errno
+        else:
+            w = c_pwrite(fd, &data[done], n - done, offset + done)
             e = errno
+        if w < 0:
             if e == EINTR:
                 continue
             raise OSError(e, os.strerror(e))
