@@ -40,7 +40,6 @@ from . import _fail
 from ._clock import to_ms
 from ._core import fixed as _k
 from .errors import (
-    ArmdbError,
     ConfigError,
     EncryptionKeyRequired,
     QueueFull,
@@ -270,7 +269,7 @@ class Tx:
                 held -= 1
                 locks[held].release()
         if checkpoint_due:
-            self._checkpoint()
+            self._db.txlog.checkpoint_after_commit()  # syncs the stores: takes their locks
         for store in plan.bitcask:
             store.maybe_compact()  # a rotation under our locks deferred its compaction
         if plan.payload_writes:
@@ -288,19 +287,6 @@ class Tx:
                 notified.append(s.queue)
                 s.queue._notify()
         return ids
-
-    def _checkpoint(self) -> None:
-        """Checkpoint the log after a commit that crossed its size, holding no lock (the
-        store syncs take the stores' locks).  The commit is applied whatever happens here:
-        a failed store sync poisons that store, which refuses later writes with
-        ``StorageError``, and the old log files stay until a checkpoint succeeds."""
-        txlog = self._db.txlog
-        try:
-            txlog.checkpoint(wait=False)
-        except (ArmdbError, OSError) as e:  # a sync failure, or the Db closing meanwhile
-            if not txlog.checkpoint_failed:  # once: every later commit retries it
-                log.warning("log checkpoint failed (%s); the old log files are kept until one succeeds", e)
-            txlog.checkpoint_failed = True
 
     def _plan_and_log(self, steps: list[Any], registry: Any, now: int) -> _Plan:
         """Under the locks: run the streams, build every row, log them (and sync, if durable)."""

@@ -53,7 +53,7 @@ import msgpack
 from . import _fail, _fs
 from ._core.groupsync import GroupSync
 from ._crypto import Sealer
-from .errors import CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
+from .errors import ArmdbError, CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
 
 if TYPE_CHECKING:
     from .db import Db
@@ -173,7 +173,7 @@ class TxLog:
         self._idle = threading.Condition(self._lock)
         self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
         self._checkpoint_bytes = db.tx_config.checkpoint_bytes
-        self.checkpoint_failed = False  # a commit's checkpoint failed (warned once)
+        self._checkpoint_warned = False  # a commit's checkpoint failed (warned once)
         self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
         self._path = ""
@@ -292,14 +292,13 @@ class TxLog:
         self._end = FILE_HEADER_SIZE
         self._group.reset(fd, FILE_HEADER_SIZE)
 
-    @staticmethod
-    def _unlink(old: list[str]) -> None:
+    def _unlink(self, old: list[str]) -> None:
         fs = _fs.FS
         for p in old:
             if fs.exists(p):
                 fs.unlink(p)
         if old:
-            fs.fsync_dir(os.path.dirname(old[0]))
+            fs.fsync_dir(self.dir)
 
     @property
     def syncs(self) -> int:
@@ -430,6 +429,18 @@ class TxLog:
         finally:
             self._ckpt_lock.release()
         _fail.point("txlog.after_trim")
+
+    def checkpoint_after_commit(self) -> None:
+        """The checkpoint a commit that crossed ``checkpoint_bytes`` runs once it holds no
+        lock.  The commit is applied whatever happens here: a failed store sync fences
+        that store, which refuses later writes with ``StorageError``, and the old log
+        files stay until a checkpoint succeeds; the failure is logged once, not raised."""
+        try:
+            self.checkpoint(wait=False)
+        except (ArmdbError, OSError) as e:  # a sync failure, or the Db closing meanwhile
+            if not self._checkpoint_warned:
+                log.warning("log checkpoint failed (%s); the old log files are kept until one succeeds", e)
+            self._checkpoint_warned = True
 
     def close_file(self) -> None:
         """Close the descriptor without a checkpoint (a failed open)."""

@@ -9,6 +9,10 @@ a reservation counts only once its write is durable.  The kill -9 tests of T5
 from __future__ import annotations
 
 import os
+import random
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,8 @@ import armdb
 from armdb import StorageError
 from armdb._core.atomicfile import AtomicWriter
 from armdb.seqmap import ID_BLOCK, decode
+
+from .conftest import spawn_child
 
 Pings = armdb.queue("pings", payload=np.dtype([("a", "<u8")]))
 
@@ -70,8 +76,6 @@ def test_t5_a_failed_write_ahead_is_dropped_and_the_block_end_raises(db_path: Pa
 
 
 def test_atomic_writer_replaces_the_file_and_reports_errors(tmp_path: Path) -> None:
-    import threading
-
     path = tmp_path / "f"
     w = AtomicWriter(str(path))
     t = threading.Thread(target=w.run, daemon=True)
@@ -106,12 +110,6 @@ while True:
 def test_t5_no_id_comes_back_after_kills_during_writes_ahead(db_path: Path) -> None:
     # SIGKILL at random points of a push loop that crosses many blocks, so kills land
     # before, during and after writes ahead; every id printed (returned) is unique.
-    import random
-    import signal
-    import time
-
-    from .conftest import spawn_child
-
     rng = random.Random(5)
     seen: set[int] = set()
     for _ in range(int(os.environ.get("ARMDB_KILLS_T5", "8"))):

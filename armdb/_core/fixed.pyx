@@ -127,17 +127,9 @@ def crc32(const uint8_t[::1] data, uint32_t crc=0):
 # -- Bitcask records and hint entries (armdb.bitcask; the same CRC kernel) ----------------------
 
 
-cdef inline void _put_u64(uint8_t* p, uint64_t v) noexcept nogil:
-    cdef int i
-    for i in range(8):
-        p[i] = <uint8_t>(v >> (8 * i))
-
-
-cdef inline void _put_u32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = <uint8_t>v
-    p[1] = <uint8_t>(v >> 8)
-    p[2] = <uint8_t>(v >> 16)
-    p[3] = <uint8_t>(v >> 24)
+cdef inline void _store_u64(uint8_t* p, uint64_t v) noexcept nogil:
+    _store_u32(p, <uint32_t>v)
+    _store_u32(p + 4, <uint32_t>(v >> 32))
 
 
 def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_field not None, uint16_t magic):
@@ -155,8 +147,8 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     rec = PyBytes_FromStringAndSize(NULL, total)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
     cdef uint32_t crc
-    _put_u64(p, gsn_word)
-    _put_u32(p + 12, <uint32_t>vlen)
+    _store_u64(p, gsn_word)
+    _store_u32(p + 12, <uint32_t>vlen)
     p[16] = <uint8_t>magic
     p[17] = <uint8_t>(magic >> 8)
     p[18] = <uint8_t>klen
@@ -166,7 +158,7 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     memset(p + n, 0, total - n)
     crc = _crc_update(_ONES, p, 8)
     crc = _crc_update(crc, p + 12, n - 12) ^ _ONES
-    _put_u32(p + 8, crc)
+    _store_u32(p + 8, crc)
     return rec
 
 
@@ -179,9 +171,9 @@ def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_
     if PyByteArray_Resize(buf, at + 22 + klen) < 0:
         raise MemoryError()
     cdef uint8_t* p = <uint8_t*>PyByteArray_AS_STRING(buf) + at
-    _put_u64(p, gsn_word)
-    _put_u64(p + 8, offset)
-    _put_u32(p + 16, value_len)
+    _store_u64(p, gsn_word)
+    _store_u64(p + 8, offset)
+    _store_u32(p + 16, value_len)
     p[20] = <uint8_t>klen
     p[21] = <uint8_t>(klen >> 8)
     memcpy(p + 22, PyBytes_AS_STRING(key_field), klen)
