@@ -5,9 +5,9 @@ out from blocks of :data:`ID_BLOCK`.  Before the first id of a block is handed o
 the block's end is written to the ``seqmap`` file (tmp + fsync + rename + fsync of
 the directory).  After a crash, counting restarts at the end of every reserved
 block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
-skipped (at most ``2 * ID_BLOCK - 1`` when the next block was reserved ahead).
+skipped (fewer than ``2 * ID_BLOCK`` when the next block was reserved ahead).
 
-Reserving ahead: once half of a block is handed out, the next block's reservation
+Reserving ahead: once a quarter of a block is handed out, the next block's reservation
 is posted to an :class:`armdb._core.atomicfile.AtomicWriter`, whose thread writes the
 file without the GIL; the thread that reaches the block's end then finds it on disk
 instead of waiting for two fsyncs and a rename.  Nothing changes for T5: a
@@ -37,6 +37,7 @@ from ._core.atomicfile import AtomicWriter
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
+_AHEAD_AT = 3 * ID_BLOCK // 4  # post the next block once less than this is left reserved
 _NO_BLOCK: collections.abc.Iterator[int] = iter(())  # the rest of a block not yet reserved: empty
 MAGIC = b"ARMSEQ01"
 FORMAT_VERSION = 1
@@ -79,7 +80,7 @@ class SeqMap:
         self._next = dict(self._reserved)
         # The rest of the reserved block of each name, handed out by next() without the
         # lock: next() on a range iterator is one atomic step under the GIL.  Ids in it
-        # are below ``_next`` (where that range stops: the block's middle or its end), and
+        # are below ``_next`` (where that range stops: a quarter of a block on), and
         # a new iterator is installed, under the lock, only once the old one is empty, so
         # ids still come out increasing.
         self._rest: dict[str, collections.abc.Iterator[int]] = {}
@@ -110,14 +111,14 @@ class SeqMap:
                     if n >= end:
                         end = n + ID_BLOCK
                         self._reserve(name, end)
-                # Hand out the first half of the block, then come back here and post
-                # the next block's reservation while the second half is handed out.
-                stop = end - ID_BLOCK // 2
-                if n + 1 >= stop:
-                    stop = end
-                    self._reserve_ahead(name, end + ID_BLOCK)
+                # Hand out a quarter of a block at a time.  From the second quarter on,
+                # each return here posts the next block's reservation until one is
+                # durable: a post is refused while another name's is in flight.
+                stop = min(end, n + ID_BLOCK // 4)
                 self._rest[name] = iter(range(n + 1, stop))
                 self._next[name] = stop
+                if end - stop < _AHEAD_AT:
+                    self._reserve_ahead()
             return n
 
     def draw(self, name: str) -> int:
@@ -146,8 +147,12 @@ class SeqMap:
                 self._next[name] = at_least + 1
                 self._rest.pop(name, None)  # its ids are all below the new start
 
-    def _reserve_ahead(self, name: str, end: int) -> None:
-        """Post the reservation of ``name`` through ``end`` to the writer (caller holds ``_lock``)."""
+    def _reserve_ahead(self) -> None:
+        """Post the next block of every name with less than ``_AHEAD_AT`` ids reserved
+        beyond those handed out to the writer (caller holds ``_lock``).  One write
+        carries them all: names that advance together would otherwise take turns at
+        the single write in flight, and a name whose turn never came would reserve
+        in the foreground at its block's end."""
         if self._closed or self._ahead is not None or type(_fs.FS) is not _fs.RealFS or _fail.armed():
             return
         if self._writer is None:
@@ -155,7 +160,10 @@ class SeqMap:
             self._writer_thread = threading.Thread(target=self._writer.run, name="armdb-seqmap", daemon=True)
             self._writer_thread.start()
         reserved = dict(self._reserved)
-        reserved[name] = end
+        for name, n in self._next.items():
+            end = reserved.get(name, 1)
+            if end - n < _AHEAD_AT:
+                reserved[name] = max(end, n) + ID_BLOCK
         ticket = self._writer.post(encode(reserved))
         if ticket:
             self._ahead = (ticket, reserved)

@@ -36,9 +36,10 @@ def test_t5_next_block_is_reserved_ahead_and_counted_only_once_durable(db_path: 
     with armdb.Db.open(db_path) as d:
         q = d.open_queue(Pings)
         sm = d.seqmap
-        ids = [q.push((i,)) for i in range(ID_BLOCK // 2 + 1)]
-        # Half the first block is out: the second block's reservation was posted.
-        assert sm._ahead is not None  # counted only at the next block boundary, once durable
+        ids = [q.push((i,)) for i in range(ID_BLOCK // 4 + 1)]
+        # A quarter of the first block is out: the second block's reservation was posted.
+        assert sm._ahead is not None  # counted only once durable
+        assert sm._ahead[1]["q:pings"] == 2 * ID_BLOCK + 1
         assert sm._reserved["q:pings"] == ID_BLOCK + 1
         ids += [q.push((i,)) for i in range(3 * ID_BLOCK)]
         assert ids == list(range(1, len(ids) + 1))
@@ -56,14 +57,40 @@ def test_t5_next_block_is_reserved_ahead_and_counted_only_once_durable(db_path: 
         assert d.open_queue(Pings).push((0,)) == on_disk  # counting restarts at the reserved end
 
 
+def test_t5_names_advancing_together_all_reserve_ahead(db_path: Path) -> None:
+    # A var queue's push draws a row id and a gsn: both blocks end together, and one
+    # write ahead carries both, so neither reserves in the foreground.
+    other = armdb.queue("other", payload=np.dtype([("a", "<u8")]))
+    with armdb.Db.open(db_path) as d:
+        q1, q2 = d.open_queue(Pings), d.open_queue(other)
+        sm = d.seqmap
+        q1.push((0,))
+        q2.push((0,))  # each name's first block is reserved in the foreground
+        foreground: list[str] = []
+        reserve = sm._reserve
+
+        def counted(name: str, end: int) -> None:
+            foreground.append(name)
+            reserve(name, end)
+
+        sm._reserve = counted  # type: ignore[method-assign]
+        for i in range(4 * ID_BLOCK):
+            last = q1.push((i,)), q2.push((i,))
+            if i % 64 == 0:
+                time.sleep(0.002)  # the writer's fsyncs take about a millisecond
+        assert foreground == []
+        for name, n in zip(("q:pings", "q:other"), last):
+            assert n < sm._reserved[name] < n + 2 * ID_BLOCK  # at most the block ahead is skipped
+
+
 def test_t5_a_failed_write_ahead_is_dropped_and_the_block_end_raises(db_path: Path) -> None:
     with armdb.Db.open(db_path) as d:
         q = d.open_queue(Pings)
-        first = [q.push((i,)) for i in range(ID_BLOCK // 2 - 2)]
+        first = [q.push((i,)) for i in range(ID_BLOCK // 4 - 2)]
         # A directory where the writer's tmp file goes: its open fails (EISDIR), as the
         # foreground's does.
         (db_path / "seqmap.tmp").mkdir()
-        more = [q.push((i,)) for i in range(ID_BLOCK // 2 + 2)]  # the rest of block 1
+        more = [q.push((i,)) for i in range(ID_BLOCK - len(first))]  # the rest of block 1: three posts fail
         assert more[-1] == ID_BLOCK
         with pytest.raises(StorageError, match="reserving ids failed"):
             q.push((0,))
