@@ -460,6 +460,10 @@ class Tx:
         steps.extend(extra)
 
     def _plan(self, steps: list[Any], plan: _Plan, now: int) -> None:
+        if len(steps) == 1 and type(steps[0]) is _Settle:
+            # A lone settle (Queue.ack/nack on a var queue): no push to cap, no second token.
+            self._plan_settle(steps[0], plan, now)
+            return
         # Q21: judge each queue's cap once, on the net effect.
         net: dict[Queue[Any], list[int]] | None = None
         settles = False
@@ -631,7 +635,13 @@ def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | N
     steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead)]
     if db.txlog.sealer is None:
         tx._check_keys(steps, [])
-    tx._commit_locked(steps, tx._locks(steps, []), None)
+    # The two locks of Tx._locks, in its order, without its general pass.
+    sh = q._token_shard(token)  # a stale token is refused before any lock
+    payload = q._payload
+    assert payload is not None
+    pdir, plock = payload.shard_lock(q._key_bytes(token.seq))
+    locks = [plock, sh.lock] if pdir < sh.fixed.directory else [sh.lock, plock]
+    tx._commit_locked(steps, locks, None)
 
 
 def direct_put_refused(name: str) -> StreamSourceRequiresTx:

@@ -7,13 +7,17 @@ import os
 import random
 import shutil
 import signal
+import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import armdb
 from armdb import Config, ConfigError, FixedConfig, QueueConfig, TxConfig, _fs
@@ -331,6 +335,18 @@ def test_t2_failed_checkpoint_sync_keeps_the_commit_and_the_log(db_path):
         assert {k: m.get(k) for k in range(i)} == {k: "x" * 40 for k in range(i)}
         assert "after" not in m
     assert armdb.check(db_path).ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(txid=st.integers(0, 2**64 - 1), flags=st.integers(0, 2**32 - 1), body=st.binary(max_size=3000))
+def test_t2_compiled_log_record_matches_the_format(txid, flags, body):
+    from armdb.txlog import REC_MAGIC, encode_record, parse_records
+
+    head = struct.pack("<IIQI", REC_MAGIC, flags, txid, len(body))
+    reference = head + struct.pack("<I", zlib.crc32(body, zlib.crc32(head))) + body + bytes(-(24 + len(body)) % 8)
+    rec = encode_record(txid, body, flags)
+    assert rec == reference
+    assert parse_records(rec, 0) == ([(txid, flags, body)], len(rec), None)
 
 
 def test_t2_torn_log_tail_loses_only_that_transaction(db_path):

@@ -162,6 +162,27 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     return rec
 
 
+def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not None):
+    """One transaction-log record (docs/format.md): ``magic: u32, flags: u32, txid: u64,
+    body_len: u32``, ``crc32: u32`` over those 20 bytes then the body, the body, zero
+    padding to a multiple of 8.  The same bytes as ``armdb.txlog``'s reference encoder."""
+    cdef Py_ssize_t blen = len(body)
+    cdef Py_ssize_t n = 24 + blen
+    cdef Py_ssize_t total = n + ((-n) & 7)
+    if blen > 0xFFFFFFFF:
+        raise OverflowError("log record body above 4 GiB")
+    rec = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
+    _store_u32(p, magic)
+    _store_u32(p + 4, flags)
+    _store_u64(p + 8, txid)
+    _store_u32(p + 16, <uint32_t>blen)
+    memcpy(p + 24, PyBytes_AS_STRING(body), blen)
+    memset(p + n, 0, total - n)
+    _store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
+    return rec
+
+
 def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_t offset, uint32_t value_len,
                 bytes key_field not None):
     """Append one hint entry (``gsn_word: u64, offset: u64, value_len: u32, key_len: u16``,
