@@ -39,6 +39,7 @@ from typing import Any
 
 import msgpack
 
+from ._pack import packb
 from .bitcask import BitcaskStore
 from .errors import PayloadTypeError, StreamSourceRequiresTx
 
@@ -112,7 +113,7 @@ def encode_value(value: object) -> bytes:
         64 bits, ...).
     """
     try:
-        return msgpack.packb(value, use_bin_type=True)  # type: ignore[no-any-return]
+        return packb(value)
     except (TypeError, ValueError, OverflowError) as e:
         raise PayloadTypeError(
             f"map value of type {type(value).__name__} cannot be serialised with msgpack ({e}); "

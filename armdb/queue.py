@@ -52,6 +52,7 @@ from . import _fail, _fs
 from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
+from ._pack import packb
 from .config import QueueConfig
 from .db import QUEUE_META, validate_name
 from .errors import (
@@ -303,7 +304,7 @@ class _VarCodec:
                 )
             obj = value
         try:
-            return msgpack.packb(obj, use_bin_type=True)
+            return packb(obj)
         except (TypeError, ValueError, OverflowError) as e:
             raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
 

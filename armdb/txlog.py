@@ -54,6 +54,7 @@ from . import _fail, _fs
 from ._core import fixed as _k
 from ._core.groupsync import GroupSync
 from ._crypto import Sealer
+from ._pack import packb
 from .errors import ArmdbError, CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
 
 if TYPE_CHECKING:
@@ -317,7 +318,7 @@ class TxLog:
     def append(self, rows: list[Any]) -> int:
         """Append one commit record; returns the log's end offset after it.  The
         caller must call :meth:`done` after applying (or failing to apply) it."""
-        body = msgpack.packb(rows, use_bin_type=True)
+        body = packb(rows)
         with self._lock:
             if self.poisoned is not None or self._group.err:
                 failure = self.poisoned or os.strerror(self._group.err)

@@ -128,6 +128,10 @@ def test_q1_var_unencodable_writes_nothing(db):
     with pytest.raises(PayloadTypeError, match="msgpack"):
         qq.push(Job(1, object()))  # type: ignore[arg-type]
     assert qq.len() == 0 and qq.stats().payload_writes == 0
+    # The thread's packer dropped the half-packed value: the next payload is whole.
+    qq.push(Job(2, "x"))
+    (lease,) = qq.lease(1)
+    assert lease.payload == Job(2, "x")
 
 
 @pytest.mark.parametrize(
