@@ -1314,11 +1314,14 @@ class BitcaskStore:
             of = files.get(old[0])
             if of is not None:
                 of.dead += old[2]
-            hs = set(old[4] or ())
-            if old_put:
-                hs.add(old[0])
-            hs.discard(fid)
-            holders = frozenset(h for h in hs if h in files) or None
+            # An overwrite in the active file of a key no older file holds (the common
+            # case) leaves nothing to mask: holders stays None.
+            if old[4] is not None or (old_put and old[0] != fid):
+                hs = set(old[4] or ())
+                if old_put:
+                    hs.add(old[0])
+                hs.discard(fid)
+                holders = frozenset(h for h in hs if h in files) or None
         if gsn_word & TOMBSTONE:
             if holders is None:
                 sh.files[fid].dead += size  # nothing older left to mask: garbage at once

@@ -787,12 +787,14 @@ class Queue(Generic[T]):
             return out
         leases: list[Lease[T]] = []
         decode = typing.cast(_VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
+        handle = self._handle
+        new = tuple.__new__  # the NamedTuples without their Python-level __new__
         for due, seq, shard_no, attempt, epoch, _ in out:
             body = self._body_for_lease(shard_no, due, seq, epoch)
             if body is None:
                 continue  # the lease expired meanwhile and the row was settled elsewhere
-            payload = decode(body)
-            leases.append(Lease(seq, payload, attempt, dl, LeaseToken(self._handle, shard_no, due, seq, epoch)))
+            token = new(LeaseToken, (handle, shard_no, due, seq, epoch))
+            leases.append(new(Lease, (seq, decode(body), attempt, dl, token)))
         return leases
 
     def _body_for_lease(self, shard_no: int, due: int, seq: int, epoch: int) -> bytes | None:
