@@ -146,6 +146,32 @@ class _Worker(threading.Thread):
             del db
 
 
+_OPEN: weakref.WeakSet[Db] = weakref.WeakSet()  # every open Db of this process
+
+
+def _after_fork_in_child() -> None:
+    """Retire the Dbs a forked child inherited (docs/operations.md, "Processes").
+
+    The child shares their files, mappings and directory lock with the parent but has
+    none of their threads (flusher, id write ahead, a group commit's sync leader), and
+    another thread may have held one of their locks at the fork.  Used, they could hang
+    or overwrite the parent's pages; closed, they would release the parent's lock.  So
+    they are marked closed and nothing else is touched: every call raises ``DbClosed``,
+    ``close()`` is a no-op, and the parent goes on undisturbed.
+    """
+    for db in list(_OPEN):
+        if not db._closed:
+            db._closed = True
+            db._closed_why = (
+                f" (inherited across fork() from process {os.getppid()}: a Db belongs to the process "
+                f"that opened it, so open one in each worker process)"
+            )
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Db:
     """An open armdb database directory.  Use :meth:`Db.open`."""
 
@@ -162,6 +188,7 @@ class Db:
         self._workers: list[_Worker] = []
         self._dirlock: DirLock | None = None
         self._waker: Any = None
+        self._closed_why = ""  # why an operation finds the Db closed, when not close()
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -236,6 +263,7 @@ class Db:
             self._dirlock = None
             raise
         self._start_workers()
+        _OPEN.add(self)
 
     def _start_workers(self) -> None:
         from .queue import start_queue_workers
@@ -273,7 +301,7 @@ class Db:
 
     def check_open(self) -> None:
         if self._closed:
-            raise DbClosed(f"database {self.path!r}")
+            raise DbClosed(f"database {self.path!r}{self._closed_why}")
 
     def close(self) -> None:
         """Flush every collection and release the directory lock.  Stop writers first.

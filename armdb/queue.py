@@ -627,7 +627,7 @@ class Queue(Generic[T]):
     def _check(self) -> int:
         """Raise DbClosed if closed; run retention when due; return now (ms)."""
         if self._closed or self._db._closed:
-            raise DbClosed(f"queue {self.name!r} (its Db is closed)")
+            raise DbClosed(f"queue {self.name!r} (its Db is closed){self._db._closed_why}")
         now = int(self._clock())
         if now >= self._next_retention:
             self._sweep(raise_errors=False, now=now)

@@ -75,6 +75,52 @@ def test_d1_second_open_from_subprocess_names_parent_pid(db_path: Path) -> None:
     assert f"already open by process {os.getpid()}" in r.stdout
 
 
+def test_d1_forked_child_can_neither_use_nor_release_the_parents_db(db_path: Path) -> None:
+    # A child forked after the open inherits the Db without its threads and shares its
+    # files and lock: every call there raises DbClosed (saying why), close() touches
+    # nothing, and the parent keeps its lock and goes on, across id blocks.
+    r = run_child(
+        f"""
+        import gc, os, armdb, numpy as np
+        db = armdb.Db.open({str(db_path)!r})
+        q = db.open_queue(armdb.queue("pings", payload=np.dtype([("a", "<u8")])))
+        m = db.open_map("m")
+        for i in range(700):
+            q.push((i,))  # a write ahead of the next id block is under way
+        m.put("k", 1)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            for n, op in enumerate((lambda: q.push((0,)), lambda: m.put("k", 2), db.tx, lambda: q.lease(1))):
+                try:
+                    op()
+                    code = code or 10 + n
+                except armdb.DbClosed as e:
+                    if "fork()" not in str(e):
+                        code = code or 20 + n
+            db.close()
+            db.shutdown()
+            del db, q, m
+            gc.collect()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("CHILD", os.waitstatus_to_exitcode(status))
+        try:
+            armdb.Db.open({str(db_path)!r})
+            print("UNLOCKED")
+        except armdb.DbLocked:
+            print("LOCKED")
+        ids = [q.push((i,)) for i in range(3000)]
+        assert len(set(ids)) == 3000 and min(ids) == 701
+        assert q.len() == 3700 and m.get("k") == 1
+        db.close()
+        print("CHECK", armdb.check({str(db_path)!r}).ok)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["CHILD", "0", "LOCKED", "CHECK", "True"], r.stdout
+
+
 def test_d1_sigkilled_holder_releases_the_lock(db_path: Path) -> None:
     child = spawn_child(
         f"""
