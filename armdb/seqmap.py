@@ -7,8 +7,8 @@ the directory).  After a crash, counting restarts at the end of every reserved
 block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
 skipped (fewer than ``2 * ID_BLOCK`` when the next block was reserved ahead).
 
-Reserving ahead: once a quarter of a block is handed out, the next block's reservation
-is posted to an :class:`armdb._core.atomicfile.AtomicWriter`, whose thread writes the
+Reserving ahead: as soon as a name hands out ids from a block, the next block's
+reservation is posted to an :class:`armdb._core.atomicfile.AtomicWriter`, whose thread writes the
 file without the GIL; the thread that reaches the block's end then finds it on disk
 instead of waiting for two fsyncs and a rename.  Nothing changes for T5: a
 reservation counts (``_reserved``) only once its write is durable, ids are handed
@@ -37,7 +37,6 @@ from ._core.atomicfile import AtomicWriter
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
-_AHEAD_AT = 3 * ID_BLOCK // 4  # post the next block once less than this is left reserved
 _NO_BLOCK: collections.abc.Iterator[int] = iter(())  # the rest of a block not yet reserved: empty
 MAGIC = b"ARMSEQ01"
 FORMAT_VERSION = 1
@@ -111,13 +110,13 @@ class SeqMap:
                     if n >= end:
                         end = n + ID_BLOCK
                         self._reserve(name, end)
-                # Hand out a quarter of a block at a time.  From the second quarter on,
-                # each return here posts the next block's reservation until one is
-                # durable: a post is refused while another name's is in flight.
+                # Hand out a quarter of a block at a time.  Until the next block is
+                # reserved, each return here posts its reservation: a post is refused
+                # while another is in flight, and a failed one is dropped.
                 stop = min(end, n + ID_BLOCK // 4)
                 self._rest[name] = iter(range(n + 1, stop))
                 self._next[name] = stop
-                if end - stop < _AHEAD_AT:
+                if end - stop < ID_BLOCK:
                     self._reserve_ahead()
             return n
 
@@ -148,8 +147,8 @@ class SeqMap:
                 self._rest.pop(name, None)  # its ids are all below the new start
 
     def _reserve_ahead(self) -> None:
-        """Post the next block of every name with less than ``_AHEAD_AT`` ids reserved
-        beyond those handed out to the writer (caller holds ``_lock``).  One write
+        """Post the next block of every name with less than a block reserved beyond the
+        ids handed out to the writer (caller holds ``_lock``).  One write
         carries them all: names that advance together would otherwise take turns at
         the single write in flight, and a name whose turn never came would reserve
         in the foreground at its block's end."""
@@ -162,7 +161,7 @@ class SeqMap:
         reserved = dict(self._reserved)
         for name, n in self._next.items():
             end = reserved.get(name, 1)
-            if end - n < _AHEAD_AT:
+            if end - n < ID_BLOCK:
                 reserved[name] = max(end, n) + ID_BLOCK
         ticket = self._writer.post(encode(reserved))
         if ticket:
