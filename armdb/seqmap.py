@@ -147,8 +147,8 @@ class SeqMap:
                 self._rest.pop(name, None)  # its ids are all below the new start
 
     def _reserve_ahead(self) -> None:
-        """Post the next block of every name with less than a block reserved beyond the
-        ids handed out to the writer (caller holds ``_lock``).  One write
+        """Post to the writer the next block of every name that has less than a block
+        reserved beyond the ids it handed out (caller holds ``_lock``).  One write
         carries them all: names that advance together would otherwise take turns at
         the single write in flight, and a name whose turn never came would reserve
         in the foreground at its block's end."""

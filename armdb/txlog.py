@@ -108,7 +108,7 @@ def _torn_header(raw: bytes) -> bool:
 
 def encode_record(txid: int, body: bytes, flags: int) -> bytes:
     """One record: its head (``_REC_HEAD``), the CRC-32 of head and body, the body, zero
-    padding to 8 bytes.  Encoded in C (tests/test_txlog.py checks it against ``_REC_HEAD``)."""
+    padding to 8 bytes.  Encoded in C (a test in tests/test_tx.py checks it against ``_REC_HEAD``)."""
     return _k.log_record(REC_MAGIC, flags, txid, body)
 
 

@@ -86,7 +86,7 @@ def test_d1_forked_child_can_neither_use_nor_release_the_parents_db(db_path: Pat
         q = db.open_queue(armdb.queue("pings", payload=np.dtype([("a", "<u8")])))
         m = db.open_map("m")
         for i in range(700):
-            q.push((i,))  # a write ahead of the next id block is under way
+            q.push((i,))  # the id write ahead runs in its own thread now
         m.put("k", 1)
         pid = os.fork()
         if pid == 0:
