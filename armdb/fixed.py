@@ -202,7 +202,7 @@ class FixedShard:
                 torn -= 1
                 occupied = int(np.count_nonzero(self.status == OCCUPIED))
             self.sf.occupied = occupied
-            self._fill_holes()
+            self.fill_holes()
             self._build_free_list()
             if torn:
                 log.warning("%s: %d torn slot(s) found on open; they are not served", self.path, torn)
@@ -323,11 +323,13 @@ class FixedShard:
         if sf.hwm > mark:
             sf.dirty_lo, sf.dirty_hi = HEADER_PAGE, HEADER_PAGE + sf.hwm * self.slot_size
 
-    def _fill_holes(self) -> None:
-        """Never-written slots below the mark become deleted tombstones (open).
+    def fill_holes(self) -> None:
+        """Never-written slots below the mark become deleted tombstones (open, and the
+        log replay before its sync).
 
-        A crash can leave some (a transaction's later slot reached the disk, an earlier
-        one did not); no all-zero slot may ever sit below a mark on disk.
+        A power cut can leave some: a later slot's write reached the disk and an earlier
+        one's did not, or the log replay writes a logged slot past a direct push whose
+        unsynced write was lost.  No all-zero slot may ever sit below a mark on disk.
         """
         for slot in np.flatnonzero(self.status[: self.sf.hwm] == FREE).tolist():
             self.sf.put(slot, DELETED, b"")

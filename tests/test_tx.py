@@ -184,6 +184,46 @@ def test_t2_replay_applies_logged_unapplied_commit(db_path):
     assert rep.ok, rep.findings
 
 
+def test_t2_replay_past_a_lost_unsynced_slot_leaves_no_hole(db_path):
+    # SPEC T2, S11: without fsync, a power cut can lose a direct push's header write
+    # (slot 0) while the log record of a later commit (its push in slot 1) survives.
+    # Replay writes slot 1; the never-written slot 0 below it must become a tombstone
+    # before the replay's sync records a high-water mark over both, or the next open
+    # refuses the store ("read as never written").
+    code = f"""
+    import armdb
+    from armdb import QueueConfig, FixedConfig
+    from dataclasses import dataclass
+    @dataclass
+    class Job:
+        doc_id: int
+        reason: str
+    db = armdb.Db.open({str(db_path)!r})
+    q = db.open_queue(armdb.queue("jobs", payload=Job, var=True), QueueConfig.balanced().header_config(
+        FixedConfig.balanced().grow_step(256).enable_fsync(False).build()).build())
+    q.push(Job(1, "a"))
+    db.tx().push(q, Job(2, "b")).commit()
+    """
+    r = run_child(code, env=child_env(ARMDB_FAILPOINT="txlog.after_append"))
+    assert r.returncode == 86, r.stderr
+    from armdb.fixed import HEADER_PAGE, decode_header
+
+    data = db_path / "collections" / "jobs" / "shard-000" / "fixed.data"
+    raw = bytearray(data.read_bytes())
+    slot_size = decode_header(bytes(raw[:HEADER_PAGE]), str(data))[0]
+    assert any(raw[HEADER_PAGE : HEADER_PAGE + slot_size])  # the direct push's slot
+    raw[HEADER_PAGE : HEADER_PAGE + slot_size] = bytes(slot_size)  # its page never reached the disk
+    data.write_bytes(bytes(raw))
+    with armdb.Db.open(db_path) as d:
+        assert d.txlog.replayed == 1
+        q = d.open_queue(VarQ, cfg())
+        assert q.len() == 1  # the logged push; the unsynced direct push is lost
+        (lz,) = q.lease()
+        assert lz.payload == Job(2, "b")
+    rep = armdb.check(db_path)
+    assert rep.ok, rep.findings
+
+
 OUTBOX_STEPS = """
 import armdb, numpy as np, sys
 db = armdb.Db.open({path!r})
