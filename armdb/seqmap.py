@@ -7,7 +7,7 @@ the directory).  After a crash, counting restarts at the end of every reserved
 block, so no id is handed out twice; at most ``ID_BLOCK - 1`` ids per name are
 skipped (fewer than ``2 * ID_BLOCK`` when the next block was reserved ahead).
 
-Reserving ahead: as soon as a name hands out ids from a block, the next block's
+Reserving ahead: once a name has handed out a quarter of a block, the next block's
 reservation is posted to an :class:`armdb._core.atomicfile.AtomicWriter`, whose thread writes the
 file without the GIL; the thread that reaches the block's end then finds it on disk
 instead of waiting for two fsyncs and a rename.  Nothing changes for T5: a
@@ -37,6 +37,9 @@ from ._core.atomicfile import AtomicWriter
 from .errors import FormatError, StorageError
 
 ID_BLOCK = 1024
+# Post the next block once less than this is left of the reserved one (from its second
+# quarter on: a Db that draws only a few ids never starts the writer).
+_AHEAD_AT = 3 * ID_BLOCK // 4
 _NO_BLOCK: collections.abc.Iterator[int] = iter(())  # the rest of a block not yet reserved: empty
 MAGIC = b"ARMSEQ01"
 FORMAT_VERSION = 1
@@ -110,13 +113,14 @@ class SeqMap:
                     if n >= end:
                         end = n + ID_BLOCK
                         self._reserve(name, end)
-                # Hand out a quarter of a block at a time.  Until the next block is
-                # reserved, each return here posts its reservation: a post is refused
-                # while another is in flight, and a failed one is dropped.
+                # Hand out a quarter of a block at a time.  From the second quarter on,
+                # until the next block is reserved, each return here posts its
+                # reservation: a post is refused while another is in flight, and a
+                # failed one is dropped.
                 stop = min(end, n + ID_BLOCK // 4)
                 self._rest[name] = iter(range(n + 1, stop))
                 self._next[name] = stop
-                if end - stop < ID_BLOCK:
+                if end - stop < _AHEAD_AT:
                     self._reserve_ahead()
             return n
 

@@ -92,7 +92,7 @@ def test_t5_a_failed_write_ahead_is_dropped_and_the_block_end_raises(db_path: Pa
     with armdb.Db.open(db_path) as d:
         q = d.open_queue(Pings)
         sm = d.seqmap
-        first = [q.push((0,))]  # reserves block 1 and posts block 2
+        first = [q.push((i,)) for i in range(ID_BLOCK // 4 + 1)]  # reserves block 1, posts block 2
         with sm._lock:
             if sm._ahead is not None:
                 sm._finish_ahead(wait=True)
@@ -100,7 +100,7 @@ def test_t5_a_failed_write_ahead_is_dropped_and_the_block_end_raises(db_path: Pa
         # A directory where the writer's tmp file goes: its open fails (EISDIR), as the
         # foreground's does.
         (db_path / "seqmap.tmp").mkdir()
-        more = [q.push((i,)) for i in range(2 * ID_BLOCK - 1)]  # blocks 1 and 2: block 3's posts fail
+        more = [q.push((i,)) for i in range(2 * ID_BLOCK - len(first))]  # blocks 1 and 2: block 3's posts fail
         assert more[-1] == 2 * ID_BLOCK
         with pytest.raises(StorageError, match="reserving ids failed"):
             q.push((0,))
