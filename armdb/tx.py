@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self
 from . import _fail
 from ._clock import to_ms
 from ._core import fixed as _k
+from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
     EncryptionKeyRequired,
@@ -548,19 +549,18 @@ class Tx:
         q = s.queue
         token = s.token
         sh = q._token_shard(token)
-        slot, hdr = q._validate_locked(sh, token)
-        _state, flags, attempts, epoch, deadline, pid, pushed = hdr
-        version = _k.ring_next(int(sh.fixed.versions[slot]))
         coll = q.name
         if s.ack:
+            # One call each to find the leased slot and, once logged, to free it.
+            slot, version = sh.settle_slot(token.due, token.seq, token.epoch)
+            if slot < 0:
+                raise q._stale(token, version == ABSENT)
             plan.rows.append(["F", coll, sh.fixed.index, slot, version, DELETED, b""])
             plan.add_fixed(sh.fixed)
 
             def apply_ack() -> None:
-                sh.fixed.free(slot, version)
-                sh.live.remove(token.due, token.seq)
+                sh.ack_slot(token.due, token.seq, slot, version)
                 q._cache_drop(token.seq)
-                sh.acks += 1
 
             plan.apply.append(apply_ack)
             payload = q._payload
@@ -571,6 +571,9 @@ class Tx:
                 plan.add_bitcask(payload)
                 plan.apply.append(lambda: payload.write_locked(key, None, gsn))
             return
+        slot, hdr = q._validate_locked(sh, token)
+        _state, flags, attempts, epoch, deadline, pid, pushed = hdr
+        version = _k.ring_next(int(sh.fixed.versions[slot]))
         extra = b"" if q._payload is not None else q._payload_bytes(sh, slot)
         if s.dead or attempts >= q.config.max_attempts:
             if s.dead:

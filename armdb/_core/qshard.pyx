@@ -51,6 +51,7 @@ cdef enum:
     CHUNK_BYTES = 65536      # payload records are handed out of arrays of about this size
 
 cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
+cdef uint32_t _RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring (S3)
 
 # ack() and ack_token() results
 cdef enum:
@@ -207,15 +208,17 @@ cdef class QueueShard:
             self.fixed.check_writable()
         return 0
 
-    cdef int _write(self, Py_ssize_t slot, int st, const uint8_t* row, Py_ssize_t n) except -1:
-        """One slot write, ordered on a durable store, then the write hook if due."""
+    cdef int _write(self, Py_ssize_t slot, int st, const uint8_t* row, Py_ssize_t n,
+                    uint32_t version=0) except -1:
+        """One slot write (``version`` 0: the next on the ring), ordered on a durable
+        store, then the write hook if due."""
         cdef SlotFile sf = self.sf
         if self.ordered and sf.status[slot] == SLOT_OCCUPIED:
-            sf._put(slot, st, row, n, 0, False)
+            sf._put(slot, st, row, n, version, False)
             self.fixed.sync_redo()
             sf.commit()
         else:
-            sf._put(slot, st, row, n, 0, True)
+            sf._put(slot, st, row, n, version, True)
         if self.hooked or (self.sync_every >= 0 and _monotonic() - sf.last_sync >= self.sync_every):
             self.hook_ran = True
             self.fixed.after_write(slot)
@@ -369,20 +372,42 @@ cdef class QueueShard:
         return r
 
     # -- ack ----------------------------------------------------------------------
-    def ack_token(self, token):
-        """:meth:`ack` of a lease token (``token_cls(handle, shard, due, seq, epoch)``,
-        see :meth:`set_lease_types`); FOREIGN when it is not one of this handle and
-        shard, and then nothing changes."""
+    cdef int _token_key(self, token, uint64_t* due, uint64_t* seq, uint32_t* epoch) except -1:
+        """The key and epoch of a lease token (``token_cls(handle, shard, due, seq,
+        epoch)``, see :meth:`set_lease_types`): 0, or FOREIGN when it is not one of this
+        handle and shard."""
         if self.token_cls is None or not isinstance(token, self.token_cls):
             return _FOREIGN
         cdef tuple t = <tuple>token
         if t[0] != self.handle or t[1] != self.fixed.index:
             return _FOREIGN
-        cdef uint64_t due, seq
-        cdef uint32_t epoch
         try:
-            due, seq, epoch = t[2], t[3], t[4]
+            due[0], seq[0], epoch[0] = t[2], t[3], t[4]
         except (OverflowError, TypeError):  # fields out of range: never issued by us
+            return _FOREIGN
+        return 0
+
+    cdef int _leased(self, uint64_t due, uint64_t seq, uint32_t epoch, Py_ssize_t* slot) except -1:
+        """0 with the row's slot if it still holds the lease ``epoch``, else ABSENT or RELEASED."""
+        cdef Py_ssize_t b = 0, pos = 0
+        cdef const uint8_t* p
+        cdef Entry* e
+        self.live._enter()
+        e = self.live._find(due, seq, &b, &pos)
+        if e == NULL:
+            return _ABSENT
+        slot[0] = e.slot
+        p = self._row(e.slot)
+        if p[16] != LEASED or <uint32_t>_load_le(p + 20, 4) != epoch:
+            return _RELEASED
+        return 0
+
+    def ack_token(self, token):
+        """:meth:`ack` of a lease token; FOREIGN when it is not one of this handle and
+        shard, and then nothing changes."""
+        cdef uint64_t due = 0, seq = 0
+        cdef uint32_t epoch = 0
+        if self._token_key(token, &due, &seq, &epoch):
             return _FOREIGN
         return self._ack(due, seq, epoch)
 
@@ -391,18 +416,37 @@ cdef class QueueShard:
         or RELEASED (nothing changes unless ACKED)."""
         return self._ack(due, seq, epoch)
 
+    def settle_slot(self, uint64_t due, uint64_t seq, uint32_t epoch):
+        """For a logged ack (``db.tx()``, and a var queue's own ack): ``(slot, version)``
+        of the row keyed ``(due, seq)`` if it still holds the lease ``epoch``,
+        ``version`` being the one the logged row gives the freed slot; ``(-1, code)``
+        with code ABSENT or RELEASED otherwise.  Changes nothing; :meth:`ack_slot`
+        applies, under the same hold of the lock."""
+        cdef uint32_t v
+        cdef Py_ssize_t slot = -1
+        cdef int r = self._leased(due, seq, epoch, &slot)
+        if r:
+            return -1, r
+        v = (self.sf.versions[slot] + 1) & _RING_MASK
+        return slot, (v if v else 1)
+
+    def ack_slot(self, uint64_t due, uint64_t seq, Py_ssize_t slot, uint32_t version):
+        """Apply a logged ack that :meth:`settle_slot` found: free ``slot`` with
+        ``version`` and drop its key.  A failed timed sync stays stashed on the shard
+        (``FixedShard.raise_sync_error``) for the caller to raise once the whole
+        commit is applied."""
+        self._check()
+        self._write(slot, SLOT_DELETED, NULL, 0, version)
+        self.sf._push_free(slot)
+        self.live._remove(due, seq)
+        self.acks += 1
+        self.hook_ran = False  # a stashed sync error is now the caller's to raise
+
     cdef int _ack(self, uint64_t due, uint64_t seq, uint32_t epoch) except -1:
-        cdef Py_ssize_t b = 0, pos = 0, slot
-        cdef const uint8_t* p
-        cdef Entry* e
-        self.live._enter()
-        e = self.live._find(due, seq, &b, &pos)
-        if e == NULL:
-            return _ABSENT
-        slot = e.slot
-        p = self._row(slot)
-        if p[16] != LEASED or <uint32_t>_load_le(p + 20, 4) != epoch:
-            return _RELEASED
+        cdef Py_ssize_t slot = -1
+        cdef int r = self._leased(due, seq, epoch, &slot)
+        if r:
+            return r
         self._check()
         self._write(slot, SLOT_DELETED, NULL, 0)
         self.sf._push_free(slot)
