@@ -8,6 +8,7 @@ import random
 import shutil
 import signal
 import struct
+import textwrap
 import threading
 import time
 import zlib
@@ -153,15 +154,24 @@ def test_t1_same_token_twice_in_one_tx(db):
 # -- T2 log and replay ------------------------------------------------------------------------------
 
 
+CHILD_JOB = """\
+import armdb
+from armdb import QueueConfig, FixedConfig
+from dataclasses import dataclass
+@dataclass
+class Job:
+    doc_id: int
+    reason: str
+"""
+
+
+def _job_child(body: str) -> str:
+    """A child script that declares ``Job`` (VarQ's payload), then runs ``body``."""
+    return CHILD_JOB + textwrap.dedent(body)
+
+
 def test_t2_replay_applies_logged_unapplied_commit(db_path):
-    code = f"""
-    import armdb, numpy as np
-    from armdb import QueueConfig, FixedConfig
-    from dataclasses import dataclass
-    @dataclass
-    class Job:
-        doc_id: int
-        reason: str
+    code = _job_child(f"""
     db = armdb.Db.open({str(db_path)!r})
     q = db.open_queue(armdb.queue("jobs", payload=Job, var=True),
         QueueConfig.balanced().header_config(FixedConfig.balanced().grow_step(256).build()).build())
@@ -169,7 +179,7 @@ def test_t2_replay_applies_logged_unapplied_commit(db_path):
     q.push(Job(1, "a"))
     (lz,) = q.lease()
     db.tx().put(m, "done", 1).ack(q, lz.token).push(q, Job(2, "b")).commit()
-    """
+    """)
     r = run_child(code, env=child_env(ARMDB_FAILPOINT="txlog.after_append"))
     assert r.returncode == 86, r.stderr
     with armdb.Db.open(db_path) as d:
@@ -190,20 +200,13 @@ def test_t2_replay_past_a_lost_unsynced_slot_leaves_no_hole(db_path):
     # Replay writes slot 1; the never-written slot 0 below it must become a tombstone
     # before the replay's sync records a high-water mark over both, or the next open
     # refuses the store ("read as never written").
-    code = f"""
-    import armdb
-    from armdb import QueueConfig, FixedConfig
-    from dataclasses import dataclass
-    @dataclass
-    class Job:
-        doc_id: int
-        reason: str
+    code = _job_child(f"""
     db = armdb.Db.open({str(db_path)!r})
     q = db.open_queue(armdb.queue("jobs", payload=Job, var=True), QueueConfig.balanced().header_config(
         FixedConfig.balanced().grow_step(256).enable_fsync(False).build()).build())
     q.push(Job(1, "a"))
     db.tx().push(q, Job(2, "b")).commit()
-    """
+    """)
     r = run_child(code, env=child_env(ARMDB_FAILPOINT="txlog.after_append"))
     assert r.returncode == 86, r.stderr
     from armdb.fixed import HEADER_PAGE, decode_header
