@@ -428,8 +428,12 @@ class Tx:
             if q._payload is not None:
                 for (k, _), lock in q._payload.all_locks():
                     locks[k] = lock
-        if len(locks) == 1:
+        n = len(locks)
+        if n == 1:
             return list(locks.values())
+        if n == 2:  # the common commit (a var ack; a put and a push): one comparison
+            (ka, la), (kb, lb) = locks.items()
+            return [la, lb] if ka < kb else [lb, la]
         return [locks[k] for k in sorted(locks)]
 
     def _expand_streams(self, steps: list[Any], registry: Any) -> None:
@@ -638,13 +642,7 @@ def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | N
     steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead)]
     if db.txlog.sealer is None:
         tx._check_keys(steps, [])
-    # The two locks of Tx._locks, in its order, without its general pass.
-    sh = q._token_shard(token)  # a stale token is refused before any lock
-    payload = q._payload
-    assert payload is not None
-    pdir, plock = payload.shard_lock(q._key_bytes(token.seq))
-    locks = [plock, sh.lock] if pdir < sh.fixed.directory else [sh.lock, plock]
-    tx._commit_locked(steps, locks, None)
+    tx._commit_locked(steps, tx._locks(steps, []), None)
 
 
 def direct_put_refused(name: str) -> StreamSourceRequiresTx:

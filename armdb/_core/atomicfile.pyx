@@ -9,7 +9,7 @@ The sequence map (``armdb.seqmap``, SPEC T5) is rewritten once per 1024 ids: a t
 file, ``fsync``, ``rename``, ``fsync`` of the directory, about 0.5-0.9 ms on the CI
 machine.  Written by the pushing thread, that wait is 0.5-0.9 us per push of a fixed
 queue whose cycle costs 5 us.  ``SeqMap`` therefore posts the next block's
-reservation here half a block ahead; a Python thread runs :meth:`AtomicWriter.run`,
+reservation here ahead of the block's end; a Python thread runs :meth:`AtomicWriter.run`,
 which waits for posts and writes them entirely without the GIL.  (A Python thread
 doing the same writes needed the GIL around each of its six system calls, and a
 thread waiting for the GIL while another runs Python waits out the 5 ms switch

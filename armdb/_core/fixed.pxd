@@ -4,6 +4,12 @@
 from libc.stdint cimport uint8_t, uint32_t
 
 
+cdef inline uint32_t ring_step(uint32_t version) noexcept nogil:
+    """The slot version after ``version`` on the 30-bit ring, never 0 (S3)."""
+    cdef uint32_t v = (version + 1) & 0x3FFFFFFF
+    return v if v else 1
+
+
 cdef class SlotFile:
     cdef uint8_t[:, ::1] slots
     cdef uint32_t[::1] versions

@@ -208,10 +208,7 @@ def slot_crc(uint32_t meta, const uint8_t[::1] body):
 
 def ring_next(uint32_t version):
     """The version after ``version`` on the 30-bit ring (never 0, so meta != 0 once written)."""
-    cdef uint32_t v = (version + 1) & _MASK
-    if v == 0:
-        v = 1
-    return v
+    return ring_step(version)
 
 
 def compare(uint32_t a, uint32_t b):
@@ -430,9 +427,7 @@ cdef class SlotFile:
         cdef Py_ssize_t size = self.size, width = size - 8
         cdef uint32_t v = version & _MASK
         if v == 0:
-            v = (self.versions[i] + 1) & _MASK
-            if v == 0:
-                v = 1
+            v = ring_step(self.versions[i])
         cdef uint32_t meta = (v << 2) | <uint32_t>st
         cdef uint8_t* rec = &self.redo[_REDO_OFFSET]
         cdef uint8_t* img = rec + _REDO_HEAD

@@ -36,7 +36,7 @@ import numpy as np
 
 cnp.import_array()
 
-from armdb._core.fixed cimport SlotFile
+from armdb._core.fixed cimport SlotFile, ring_step
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex
 
 cdef enum:
@@ -51,7 +51,6 @@ cdef enum:
     CHUNK_BYTES = 65536      # payload records are handed out of arrays of about this size
 
 cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
-cdef uint32_t _RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring (S3)
 
 # ack() and ack_token() results
 cdef enum:
@@ -372,21 +371,6 @@ cdef class QueueShard:
         return r
 
     # -- ack ----------------------------------------------------------------------
-    cdef int _token_key(self, token, uint64_t* due, uint64_t* seq, uint32_t* epoch) except -1:
-        """The key and epoch of a lease token (``token_cls(handle, shard, due, seq,
-        epoch)``, see :meth:`set_lease_types`): 0, or FOREIGN when it is not one of this
-        handle and shard."""
-        if self.token_cls is None or not isinstance(token, self.token_cls):
-            return _FOREIGN
-        cdef tuple t = <tuple>token
-        if t[0] != self.handle or t[1] != self.fixed.index:
-            return _FOREIGN
-        try:
-            due[0], seq[0], epoch[0] = t[2], t[3], t[4]
-        except (OverflowError, TypeError):  # fields out of range: never issued by us
-            return _FOREIGN
-        return 0
-
     cdef int _leased(self, uint64_t due, uint64_t seq, uint32_t epoch, Py_ssize_t* slot) except -1:
         """0 with the row's slot if it still holds the lease ``epoch``, else ABSENT or RELEASED."""
         cdef Py_ssize_t b = 0, pos = 0
@@ -403,11 +387,19 @@ cdef class QueueShard:
         return 0
 
     def ack_token(self, token):
-        """:meth:`ack` of a lease token; FOREIGN when it is not one of this handle and
+        """:meth:`ack` of a lease token (``token_cls(handle, shard, due, seq, epoch)``,
+        see :meth:`set_lease_types`); FOREIGN when it is not one of this handle and
         shard, and then nothing changes."""
-        cdef uint64_t due = 0, seq = 0
-        cdef uint32_t epoch = 0
-        if self._token_key(token, &due, &seq, &epoch):
+        if self.token_cls is None or not isinstance(token, self.token_cls):
+            return _FOREIGN
+        cdef tuple t = <tuple>token
+        if t[0] != self.handle or t[1] != self.fixed.index:
+            return _FOREIGN
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
+        try:
+            due, seq, epoch = t[2], t[3], t[4]
+        except (OverflowError, TypeError):  # fields out of range: never issued by us
             return _FOREIGN
         return self._ack(due, seq, epoch)
 
@@ -422,35 +414,34 @@ cdef class QueueShard:
         ``version`` being the one the logged row gives the freed slot; ``(-1, code)``
         with code ABSENT or RELEASED otherwise.  Changes nothing; :meth:`ack_slot`
         applies, under the same hold of the lock."""
-        cdef uint32_t v
         cdef Py_ssize_t slot = -1
         cdef int r = self._leased(due, seq, epoch, &slot)
         if r:
             return -1, r
-        v = (self.sf.versions[slot] + 1) & _RING_MASK
-        return slot, (v if v else 1)
+        return slot, ring_step(self.sf.versions[slot])
 
     def ack_slot(self, uint64_t due, uint64_t seq, Py_ssize_t slot, uint32_t version):
         """Apply a logged ack that :meth:`settle_slot` found: free ``slot`` with
         ``version`` and drop its key.  A failed timed sync stays stashed on the shard
         (``FixedShard.raise_sync_error``) for the caller to raise once the whole
         commit is applied."""
+        self._free_row(due, seq, slot, version)
+        self.hook_ran = False  # a stashed sync error is now the caller's to raise
+
+    cdef int _free_row(self, uint64_t due, uint64_t seq, Py_ssize_t slot, uint32_t version) except -1:
+        """Delete an acked row: its slot (``version`` 0: the next), free stack, key, count."""
         self._check()
         self._write(slot, SLOT_DELETED, NULL, 0, version)
         self.sf._push_free(slot)
         self.live._remove(due, seq)
         self.acks += 1
-        self.hook_ran = False  # a stashed sync error is now the caller's to raise
+        return 0
 
     cdef int _ack(self, uint64_t due, uint64_t seq, uint32_t epoch) except -1:
         cdef Py_ssize_t slot = -1
         cdef int r = self._leased(due, seq, epoch, &slot)
         if r:
             return r
-        self._check()
-        self._write(slot, SLOT_DELETED, NULL, 0)
-        self.sf._push_free(slot)
-        self.live._remove(due, seq)
-        self.acks += 1
+        self._free_row(due, seq, slot, 0)
         self._raise_stashed()
         return _ACKED
