@@ -25,8 +25,11 @@ test: $(STAMP)
 reliability: $(STAMP)
 	ARMDB_KILLS=2000 ARMDB_CRASH_STATES=200000 ARMDB_HYP_EXAMPLES=5000 $(PY) -m pytest -q -m 'slow or not slow' tests
 
+# The asv suite once over (quick), then the side-by-side run against the peers (SPEC C3).
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench]'
+	cd asv_bench && $(abspath $(VENV))/bin/asv machine --yes > /dev/null
+	cd asv_bench && $(abspath $(VENV))/bin/asv run --python=same --quick
 	$(PY) -m armdb bench --quick
 
 lint: $(STAMP)
