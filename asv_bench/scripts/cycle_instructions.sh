@@ -1,0 +1,36 @@
+#!/bin/sh
+# Instructions per queue cycle, counted by callgrind: (Ir(N) - Ir(0)) / N, so that the
+# interpreter's start-up cancels out.  Wall-clock A/B runs on a shared 2-core host move
+# by 30% or more within minutes; this count moves by 1-2k (docs/performance.md).
+#
+# Usage: asv_bench/scripts/cycle_instructions.sh [var|fixed] [N] [TREE]
+#   TREE: the checkout whose armdb to import (default: this one); build it first.
+# Needs valgrind.  Queues are configured as `python -m armdb bench` configures them.
+set -eu
+kind=${1:-var}
+n=${2:-6000}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+tree=${3:-$here}
+py=${PYTHON:-$here/.venv/bin/python}
+prog='
+import sys, tempfile
+from armdb import _bench as B
+kind, n = sys.argv[1], int(sys.argv[2])
+spec = B.BenchVar if kind == "var" else B.BenchFixed
+make = B.body if kind == "var" else B._fixed_payload
+with tempfile.TemporaryDirectory() as d:
+    db, q = B.open_armdb(d, spec)
+    items = [make(i) for i in range(n)]
+    for x in items:
+        q.push(x)
+        (lease,) = q.lease(1)
+        q.ack(lease.token)
+    db.shutdown()
+'
+ir() {
+    PYTHONPATH=$tree valgrind --tool=callgrind --callgrind-out-file=/dev/null "$py" -c "$prog" "$kind" "$1" 2>&1 |
+        awk '/Collected/ {print $4}'
+}
+a=$(ir 0)
+b=$(ir "$n")
+echo "$kind cycle, $tree: $(( (b - a) / n )) instructions"
