@@ -38,6 +38,7 @@ from .errors import (
     WrongKey,
 )
 from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
 __version__ = "0.1.0"
@@ -50,6 +51,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptionError",
+    "Cut",
     "Db",
     "DbClosed",
     "DbLocked",
@@ -65,6 +67,7 @@ __all__ = [
     "QueueFull",
     "QueueSpec",
     "QueueStats",
+    "SalvageReport",
     "SchemaMismatch",
     "StaleToken",
     "SchemaRegistry",
@@ -77,4 +80,5 @@ __all__ = [
     "errors",
     "failpoints",
     "queue",
+    "salvage",
 ]

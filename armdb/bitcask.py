@@ -70,6 +70,7 @@ from ._core.fixed import bitcask_record, hint_append
 from ._crypto import OVERHEAD, Sealer
 from .config import Config
 from .errors import (
+    SALVAGE_HINT,
     ArmdbError,
     ConfigError,
     CorruptionError,
@@ -1072,7 +1073,7 @@ class BitcaskStore:
                 raise CorruptionError(
                     f"{f.path}: corrupt record at offset {scan.bad}, followed by a valid record at offset "
                     f"{found}: this is damage, not a torn write; restore the file from a backup "
-                    f"(armdb.check lists every bad record)"
+                    f"(armdb.check lists every bad record). {SALVAGE_HINT}"
                 )
             plan.truncate_to = scan.end
             plan.torn = f.size - scan.end

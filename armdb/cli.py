@@ -7,6 +7,9 @@
 ``bench``
     armdb's queue benchmarks beside SQLite-based peers, in one run (C3); the
     workloads live in :mod:`armdb._bench`.
+``salvage DIR [--dry-run]``
+    Cut the files that open refuses under S7 at their bad record
+    (:func:`armdb.salvage`; docs/operations.md).
 
 This is the one module of the package that prints: it is the user interface.
 Progress bars go to stderr, results to stdout.
@@ -36,6 +39,7 @@ from .db import COLLECTIONS, META_FILE, QUEUE_META, Db
 from .errors import ArmdbError, DbLocked
 from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
 from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
+from .salvage import salvage
 
 __all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
 
@@ -516,7 +520,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
     bench.add_argument("--only", metavar="SUBSTR", help="run only workloads whose name contains SUBSTR")
     bench.set_defaults(func=_cmd_bench)
+
+    salv = sub.add_parser(
+        "salvage", help="cut the files that open refuses (a bad record with valid ones after it) at the bad record"
+    )
+    salv.add_argument("dir", help="database directory (not open anywhere)")
+    salv.add_argument("--dry-run", action="store_true", help="only print what would be cut")
+    salv.set_defaults(func=_cmd_salvage)
     return parser
+
+
+def _cmd_salvage(args: argparse.Namespace) -> int:
+    print(salvage(args.dir, dry_run=args.dry_run))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -117,3 +117,11 @@ def as_storage_error(e: OSError, what: str) -> OSError:
     )
     err.__cause__ = e
     return err
+
+
+# What an S7 refusal (a bad record with valid ones after it) adds to "restore from a backup".
+SALVAGE_HINT = (
+    "After a power loss without durable() or fsync, unsynced writes can reach the disk out of order "
+    "and leave exactly this; 'python -m armdb salvage DIR' then cuts the file at the bad record and "
+    "keeps the cut bytes (docs/operations.md, Salvage)"
+)

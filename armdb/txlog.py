@@ -55,7 +55,15 @@ from ._core import fixed as _k
 from ._core.groupsync import GroupSync
 from ._crypto import Sealer
 from ._pack import packb
-from .errors import ArmdbError, CorruptionError, EncryptionKeyRequired, FormatError, StorageError, WrongKey
+from .errors import (
+    SALVAGE_HINT,
+    ArmdbError,
+    CorruptionError,
+    EncryptionKeyRequired,
+    FormatError,
+    StorageError,
+    WrongKey,
+)
 
 if TYPE_CHECKING:
     from .db import Db
@@ -229,7 +237,7 @@ class TxLog:
                 if after is not None:
                     raise CorruptionError(
                         f"{path}: transaction log record at offset {bad} is damaged but later records are "
-                        f"intact; refusing to guess. Restore the database from a backup"
+                        f"intact; refusing to guess. Restore the database from a backup. {SALVAGE_HINT}"
                     )
                 log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
             records.extend(recs)

@@ -1,0 +1,275 @@
+"""``armdb.salvage``: the explicit way out of an S7 refusal (docs/operations.md, "Salvage").
+
+Open refuses a file in which a bad record has valid records after it (SPEC S7): that
+is damage, not a torn write, and open never drops valid records on its own.  Such a
+file is not always damage, though.  Without ``durable()`` or fsync, the kernel writes
+unsynced pages back in any order, so a power cut can lose an appended record while a
+later one survives (about 1% of the non-durable crash states of the power-loss
+harness, docs/reliability.md).  The database is then consistent up to the hole and
+cannot be opened.
+
+``salvage`` is the step a user takes on purpose, after reading what it will drop: in
+every file where open would refuse, it cuts the file at the bad record, so that the
+next open finds a torn tail and keeps everything before it.  The records after the cut
+are lost to the database, like the last writes of a non-durable commit after a power
+loss; their bytes are kept in ``DIR/salvaged/`` so that nothing is destroyed.
+
+It looks exactly where open refuses:
+
+* the transaction log's files (``txlog/NNNNNNNN.log``): a damaged record with a valid
+  record after it;
+* the active (newest appendable) data file of every Bitcask shard: a corrupt record
+  with a valid record after it.  Sealed files are never appended to after their sync;
+  a bad record in one is damage that salvage does not touch.
+
+Like :func:`armdb.check` it takes the directory lock (``DbLocked`` while the database is
+open) and needs no encryption key: record CRCs cover the sealed bytes.  All file access
+goes through ``armdb._fs``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import _fs
+from .bitcask import (
+    _DATA_RE,
+    DATA_MAGIC,
+    FILE_HEADER_SIZE,
+    FLAG_COMPACTED,
+    META_NAME,
+    PENDING_NAME,
+    _data_name,
+    _decode_meta,
+    _decode_pending,
+    _Header,
+    _next_valid,
+    _parse_header,
+    _Scan,
+    _shard_dir,
+)
+from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
+from .errors import CorruptionError, FormatError
+from .txlog import _NAME_RE, _check_file_header, _valid_record_after, parse_records
+from .txlog import DIR as TXLOG_DIR
+from .txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
+
+__all__ = ["Cut", "SalvageReport", "salvage"]
+
+SALVAGED_DIR = "salvaged"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One file cut at a bad record.
+
+    Attributes
+    ----------
+    path : str
+        The file, relative to the database directory.
+    offset : int
+        Where the bad record starts; the file ends here after the cut.
+    next_valid : int
+        The first valid record after it (why open refused).
+    dropped_bytes : int
+        Bytes cut away.
+    dropped_records : int
+        Valid records among them (lost to the database).
+    kept_as : str or None
+        Where the cut bytes were saved, relative to the database (None on a dry run).
+    """
+
+    path: str
+    offset: int
+    next_valid: int
+    dropped_bytes: int
+    dropped_records: int
+    kept_as: str | None
+
+
+@dataclass(frozen=True)
+class SalvageReport:
+    """The result of :func:`salvage`: the files cut (or, on a dry run, that would be)."""
+
+    dry_run: bool
+    cuts: list[Cut] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.cuts:
+            return "armdb.salvage: nothing to cut (open refuses no file under S7)"
+        verb = "would cut" if self.dry_run else "cut"
+        lines = [f"armdb.salvage: {verb} {len(self.cuts)} file(s)"]
+        for c in self.cuts:
+            line = (
+                f"  - {c.path}: at offset {c.offset} (a valid record follows at {c.next_valid}); "
+                f"{c.dropped_bytes} bytes, {c.dropped_records} valid record(s) dropped"
+            )
+            if c.kept_as is not None:
+                line += f", kept in {c.kept_as}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def salvage(path: str | os.PathLike[str], *, dry_run: bool = False) -> SalvageReport:
+    """Cut every file that open refuses under SPEC S7 at its bad record.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The database directory; it must not be open.
+    dry_run : bool
+        Report what would be cut and change nothing.
+
+    Returns
+    -------
+    SalvageReport
+        Every cut, with the bytes and valid records it drops.
+
+    Raises
+    ------
+    FormatError
+        ``path`` is not an armdb database.
+    DbLocked
+        The database is open, in this process or another one.
+    """
+    directory = os.path.abspath(os.fspath(path))
+    fs = _fs.FS
+    if not fs.exists(os.path.join(directory, META_FILE)):
+        raise FormatError(f"{directory}: not an armdb database ({META_FILE} is missing); nothing to salvage")
+    lock = DirLock(directory)
+    try:
+        found = _log_cuts(directory) + _bitcask_cuts(directory)
+        cuts = [c if dry_run else _cut(directory, c) for c in found]
+    finally:
+        lock.release()
+    return SalvageReport(dry_run, cuts)
+
+
+def _rel(directory: str, path: str) -> str:
+    return os.path.relpath(path, directory)
+
+
+def _log_cuts(directory: str) -> list[Cut]:
+    fs = _fs.FS
+    d = os.path.join(directory, TXLOG_DIR)
+    if not fs.isdir(d):
+        return []
+    cuts = []
+    for name in sorted(n for n in fs.listdir(d) if _NAME_RE.match(n)):
+        p = os.path.join(d, name)
+        raw = fs.read_file(p)
+        try:
+            _check_file_header(raw, p)
+        except FormatError:
+            continue  # open ignores a torn header without records, and refuses any other: not S7
+        _recs, _end, bad = parse_records(raw, LOG_HEADER_SIZE)
+        if bad is None:
+            continue
+        after = _valid_record_after(raw, bad)
+        if after is None:
+            continue  # a torn tail: open cuts it itself
+        kept = 0
+        pos: int | None = after
+        while pos is not None:  # the valid records among the bytes cut away
+            recs, _end, bad2 = parse_records(raw, pos)
+            kept += len(recs)
+            pos = None if bad2 is None else _valid_record_after(raw, bad2)
+        cuts.append(Cut(_rel(directory, p), bad, after, len(raw) - bad, kept, None))
+    return cuts
+
+
+def _bitcask_cuts(directory: str) -> list[Cut]:
+    fs = _fs.FS
+    cdir = os.path.join(directory, COLLECTIONS)
+    if not fs.isdir(cdir):
+        return []
+    cuts = []
+    for name in sorted(fs.listdir(cdir)):
+        d = os.path.join(cdir, name)
+        if not fs.isdir(d) or fs.exists(os.path.join(d, QUEUE_META)) or not fs.exists(os.path.join(d, META_NAME)):
+            continue  # queue header stores (slots, no records) and folders that are not collections
+        meta_path = os.path.join(d, META_NAME)
+        meta = _decode_meta(fs.read_file(meta_path), meta_path)
+        for i in range(meta.shard_count):
+            cut = _active_file_cut(directory, _shard_dir(d, i), meta.encrypted)
+            if cut is not None:
+                cuts.append(cut)
+    return cuts
+
+
+def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
+    """The cut of a shard's active data file, if open would refuse it (``BitcaskStore._load_active``)."""
+    fs = _fs.FS
+    if not fs.isdir(sdir):
+        return None
+    names = fs.listdir(sdir)
+    pending: set[int] = set()
+    if PENDING_NAME in names:
+        marker = os.path.join(sdir, PENDING_NAME)
+        pending = set(_decode_pending(fs.read_file(marker), marker))
+    active: int | None = None
+    for n in names:
+        m = _DATA_RE.match(n)
+        if m is None or int(m.group(1)) in pending:
+            continue
+        fid = int(m.group(1))
+        head = _read_header(os.path.join(sdir, n))
+        if head is None or not head.flags & FLAG_COMPACTED:  # an appender, as open counts them
+            active = fid if active is None else max(active, fid)
+    if active is None:
+        return None
+    p = os.path.join(sdir, _data_name(active))
+    if _read_header(p) is None:
+        return None  # open resets a zero header, or refuses it when records follow: not a cut here
+    fd = fs.open(p, os.O_RDONLY)
+    try:
+        size = fs.size(fd)
+        scan = _Scan(fd, size, encrypted)
+        for _rec in scan:
+            pass
+        if scan.bad is None:
+            return None
+        after = _next_valid(fd, size, scan.bad, encrypted)
+        if after is None:
+            return None  # a torn tail: open cuts it itself
+        kept = 0
+        pos: int | None = after
+        while pos is not None:
+            rest = _Scan(fd, size, encrypted, start=pos)
+            kept += sum(1 for _ in rest)
+            pos = None if rest.bad is None else _next_valid(fd, size, rest.bad, encrypted)
+    finally:
+        fs.close(fd)
+    return Cut(_rel(directory, p), scan.bad, after, size - scan.bad, kept, None)
+
+
+def _read_header(path: str) -> _Header | None:
+    fs = _fs.FS
+    fd = fs.open(path, os.O_RDONLY)
+    try:
+        raw = fs.pread(fd, FILE_HEADER_SIZE, 0)
+    finally:
+        fs.close(fd)
+    try:
+        return _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
+    except (FormatError, CorruptionError):
+        return None
+
+
+def _cut(directory: str, c: Cut) -> Cut:
+    """Keep the bytes after ``c.offset`` in ``salvaged/``, durably, then cut the file there."""
+    fs = _fs.FS
+    path = os.path.join(directory, c.path)
+    keep_dir = os.path.join(directory, SALVAGED_DIR)
+    fs.makedirs(keep_dir)
+    kept = os.path.join(keep_dir, f"{c.path.replace(os.sep, '__')}@{c.offset}")
+    fd = fs.open(path, os.O_RDWR)
+    try:
+        tail = fs.pread(fd, c.dropped_bytes, c.offset)
+        fs.write_file_atomic(kept, tail)  # before the cut: a crash in between loses nothing
+        fs.ftruncate(fd, c.offset)
+        fs.fsync(fd)
+    finally:
+        fs.close(fd)
+    return Cut(c.path, c.offset, c.next_valid, c.dropped_bytes, c.dropped_records, _rel(directory, kept))
