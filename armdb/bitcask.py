@@ -163,6 +163,16 @@ def _shard_dir(directory: str, i: int) -> str:
     return os.path.join(directory, f"shard-{i:03d}")
 
 
+def _read_file_header(path: str) -> bytes:
+    """The first ``FILE_HEADER_SIZE`` bytes of a data or hint file (fewer if it is shorter)."""
+    fs = _fs.FS
+    fd = fs.open(path, os.O_RDONLY)
+    try:
+        return fs.pread(fd, FILE_HEADER_SIZE, 0)
+    finally:
+        fs.close(fd)
+
+
 def _file_header(fid: int, flags: int, base_gsn: int, nonce: int) -> bytes:
     head = FILE_HEAD.pack(DATA_MAGIC, FORMAT_VERSION, flags, fid, base_gsn, nonce, 0)[:-4]
     return head + _U32.pack(zlib.crc32(head))
@@ -929,11 +939,7 @@ class BitcaskStore:
         headers: dict[int, _Header | None] = {}
         for fid in data_fids:
             path = os.path.join(sdir, _data_name(fid))
-            fd = fs.open(path, os.O_RDONLY)
-            try:
-                raw = fs.pread(fd, FILE_HEADER_SIZE, 0)
-            finally:
-                fs.close(fd)
+            raw = _read_file_header(path)
             head = _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
             if head is not None:
                 if head.flags & FLAG_ENCRYPTED != want:
@@ -948,11 +954,7 @@ class BitcaskStore:
             headers[fid] = head
         for fid in hint_fids:
             path = os.path.join(sdir, _hint_name(fid))
-            fd = fs.open(path, os.O_RDONLY)
-            try:
-                raw = fs.pread(fd, FILE_HEADER_SIZE, 0)
-            finally:
-                fs.close(fd)
+            raw = _read_file_header(path)
             try:
                 _parse_header(raw, path, HINT_MAGIC, "Bitcask hint")
             except CorruptionError:
@@ -2217,11 +2219,7 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
     want = FLAG_ENCRYPTED if encrypted else 0
     heads: dict[int, _Header] = {}
     for fid, path in sorted(data.items()):
-        fd = fs.open(path, os.O_RDONLY)
-        try:
-            raw = fs.pread(fd, FILE_HEADER_SIZE, 0)
-        finally:
-            fs.close(fd)
+        raw = _read_file_header(path)
         try:
             head = _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
         except (FormatError, CorruptionError) as e:

@@ -36,7 +36,6 @@ from . import _fs
 from .bitcask import (
     _DATA_RE,
     DATA_MAGIC,
-    FILE_HEADER_SIZE,
     FLAG_COMPACTED,
     META_NAME,
     PENDING_NAME,
@@ -46,6 +45,7 @@ from .bitcask import (
     _Header,
     _next_valid,
     _parse_header,
+    _read_file_header,
     _Scan,
     _shard_dir,
 )
@@ -245,14 +245,8 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
 
 
 def _read_header(path: str) -> _Header | None:
-    fs = _fs.FS
-    fd = fs.open(path, os.O_RDONLY)
     try:
-        raw = fs.pread(fd, FILE_HEADER_SIZE, 0)
-    finally:
-        fs.close(fd)
-    try:
-        return _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
+        return _parse_header(_read_file_header(path), path, DATA_MAGIC, "Bitcask data")
     except (FormatError, CorruptionError):
         return None
 
