@@ -168,3 +168,30 @@ def test_c_salvage_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "nothing to cut" in capsys.readouterr().out
     assert main(["salvage", str(tmp_path / "none")]) == 1
     assert "not an armdb database" in capsys.readouterr().err
+
+
+def test_s7_q15_salvaged_var_queue_drops_the_rows_whose_bodies_were_cut(tmp_path: Path) -> None:
+    # A var queue's body file loses a record in the middle; after salvage, the rows whose
+    # bodies went with the cut are dropped at open (never a header without its body, Q15).
+    path = tmp_path / "db"
+    jobs = armdb.queue("jobs", payload=dict, var=True)
+    cfg = armdb.QueueConfig.balanced().payload_config(Config.balanced().shard_count(1).build()).build()
+    with Db.open(path) as db:
+        q = db.open_queue(jobs, cfg)
+        for i in range(20):
+            q.push({"n": i})
+    data = path / "collections" / "jobs.payload" / "shard-000" / "00000001.data"
+    offsets = _record_offsets(data)
+    assert len(offsets) == 20
+    _zero(data, offsets[12], 24)
+    with Db.open(path) as db, pytest.raises(CorruptionError, match="armdb salvage"):
+        db.open_queue(jobs, cfg)
+
+    (cut,) = armdb.salvage(path).cuts
+    assert (cut.offset, cut.dropped_records) == (offsets[12], 7)
+    with Db.open(path) as db:
+        q = db.open_queue(jobs, cfg)
+        assert len(q) == 12
+        assert q.stats().repaired_on_open == 8  # rows 12..19
+        assert sorted(lease.payload["n"] for lease in q.lease(20)) == list(range(12))
+    assert armdb.check(path).ok
