@@ -4,8 +4,8 @@ Open refuses a file in which a bad record has valid records after it (SPEC S7): 
 is damage, not a torn write, and open never drops valid records on its own.  Such a
 file is not always damage, though.  Without ``durable()`` or fsync, the kernel writes
 unsynced pages back in any order, so a power cut can lose an appended record while a
-later one survives (about 1% of the non-durable crash states of the power-loss
-harness, docs/reliability.md).  The database is then consistent up to the hole and
+later one survives (1.3-4.7% of the crash states of the power-loss harness,
+docs/reliability.md).  The database is then consistent up to the hole and
 cannot be opened.
 
 ``salvage`` is the step a user takes on purpose, after reading what it will drop: in
