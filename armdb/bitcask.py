@@ -173,6 +173,19 @@ def _read_file_header(path: str) -> bytes:
         fs.close(fd)
 
 
+def _appenders(headers: dict[int, _Header | None], pending: set[int]) -> list[int]:
+    """The data files a shard appended to, oldest first: the last is the active one.
+
+    Files pending deletion (an interrupted compaction's inputs) and compaction outputs
+    are not; a file whose header is zero (``None``: created just before a crash) is.
+    """
+    return [
+        fid
+        for fid in sorted(headers)
+        if fid not in pending and ((h := headers[fid]) is None or not h.flags & FLAG_COMPACTED)
+    ]
+
+
 def _file_header(fid: int, flags: int, base_gsn: int, nonce: int) -> bytes:
     head = FILE_HEAD.pack(DATA_MAGIC, FORMAT_VERSION, flags, fid, base_gsn, nonce, 0)[:-4]
     return head + _U32.pack(zlib.crc32(head))
@@ -971,7 +984,7 @@ class BitcaskStore:
             raise CorruptionError(
                 f"{path}: data file header is missing or zero (offset 0); restore from a backup"
             )
-        appenders = [fid for fid in live if (h := headers[fid]) is None or not h.flags & FLAG_COMPACTED]
+        appenders = _appenders(headers, pending)
         plan.active = appenders[-1] if appenders else None
         self._check_active_present(plan, live, appenders, hint_fids)
         try:

@@ -30,15 +30,17 @@ goes through ``armdb._fs``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import _fs
 from .bitcask import (
     _DATA_RE,
     DATA_MAGIC,
-    FLAG_COMPACTED,
+    FILE_HEADER_SIZE,
     META_NAME,
     PENDING_NAME,
+    _appenders,
     _data_name,
     _decode_meta,
     _decode_pending,
@@ -169,12 +171,7 @@ def _log_cuts(directory: str) -> list[Cut]:
         after = _valid_record_after(raw, bad)
         if after is None:
             continue  # a torn tail: open cuts it itself
-        kept = 0
-        pos: int | None = after
-        while pos is not None:  # the valid records among the bytes cut away
-            recs, _end, bad2 = parse_records(raw, pos)
-            kept += len(recs)
-            pos = None if bad2 is None else _valid_record_after(raw, bad2)
+        kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda bad: _valid_record_after(raw, bad))
         cuts.append(Cut(_rel(directory, p), bad, after, len(raw) - bad, kept, None))
     return cuts
 
@@ -208,40 +205,52 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
     if PENDING_NAME in names:
         marker = os.path.join(sdir, PENDING_NAME)
         pending = set(_decode_pending(fs.read_file(marker), marker))
-    active: int | None = None
-    for n in names:
-        m = _DATA_RE.match(n)
-        if m is None or int(m.group(1)) in pending:
-            continue
-        fid = int(m.group(1))
-        head = _read_header(os.path.join(sdir, n))
-        if head is None or not head.flags & FLAG_COMPACTED:  # an appender, as open counts them
-            active = fid if active is None else max(active, fid)
-    if active is None:
-        return None
-    p = os.path.join(sdir, _data_name(active))
-    if _read_header(p) is None:
-        return None  # open resets a zero header, or refuses it when records follow: not a cut here
+    heads = {
+        int(m.group(1)): _read_header(os.path.join(sdir, n)) for n in names if (m := _DATA_RE.match(n))
+    }
+    appenders = _appenders(heads, pending)  # as open picks the active file
+    if not appenders or heads[appenders[-1]] is None:
+        return None  # no data file; or a zero header, which open resets or refuses: not a cut here
+    p = os.path.join(sdir, _data_name(appenders[-1]))
     fd = fs.open(p, os.O_RDONLY)
     try:
         size = fs.size(fd)
-        scan = _Scan(fd, size, encrypted)
-        for _rec in scan:
-            pass
-        if scan.bad is None:
+        _n, bad = _data_run(fd, size, encrypted, FILE_HEADER_SIZE)
+        if bad is None:
             return None
-        after = _next_valid(fd, size, scan.bad, encrypted)
+        after = _next_valid(fd, size, bad, encrypted)
         if after is None:
             return None  # a torn tail: open cuts it itself
-        kept = 0
-        pos: int | None = after
-        while pos is not None:
-            rest = _Scan(fd, size, encrypted, start=pos)
-            kept += sum(1 for _ in rest)
-            pos = None if rest.bad is None else _next_valid(fd, size, rest.bad, encrypted)
+        kept = _valid_records(
+            after, lambda pos: _data_run(fd, size, encrypted, pos), lambda bad: _next_valid(fd, size, bad, encrypted)
+        )
     finally:
         fs.close(fd)
-    return Cut(_rel(directory, p), scan.bad, after, size - scan.bad, kept, None)
+    return Cut(_rel(directory, p), bad, after, size - bad, kept, None)
+
+
+def _valid_records(
+    pos: int | None, run: Callable[[int], tuple[int, int | None]], next_valid: Callable[[int], int | None]
+) -> int:
+    """The valid records from ``pos`` to the end of a file, across any later bad ones:
+    ``run(pos)`` counts a run of valid records and gives the bad offset ending it (or
+    None at the end), ``next_valid(bad)`` the next valid record after that."""
+    kept = 0
+    while pos is not None:
+        n, bad = run(pos)
+        kept += n
+        pos = None if bad is None else next_valid(bad)
+    return kept
+
+
+def _log_run(raw: bytes, pos: int) -> tuple[int, int | None]:
+    recs, _end, bad = parse_records(raw, pos)
+    return len(recs), bad
+
+
+def _data_run(fd: int, size: int, encrypted: bool, pos: int) -> tuple[int, int | None]:
+    scan = _Scan(fd, size, encrypted, start=pos)
+    return sum(1 for _ in scan), scan.bad
 
 
 def _read_header(path: str) -> _Header | None:
