@@ -165,13 +165,13 @@ def _log_cuts(directory: str) -> list[Cut]:
             _check_file_header(raw, p)
         except FormatError:
             continue  # open ignores a torn header without records, and refuses any other: not S7
-        _recs, _end, bad = parse_records(raw, LOG_HEADER_SIZE)
+        _n, bad = _log_run(raw, LOG_HEADER_SIZE)
         if bad is None:
             continue
         after = _valid_record_after(raw, bad)
         if after is None:
             continue  # a torn tail: open cuts it itself
-        kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda bad: _valid_record_after(raw, bad))
+        kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda b: _valid_record_after(raw, b))
         cuts.append(Cut(_rel(directory, p), bad, after, len(raw) - bad, kept, None))
     return cuts
 
@@ -222,7 +222,7 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
         if after is None:
             return None  # a torn tail: open cuts it itself
         kept = _valid_records(
-            after, lambda pos: _data_run(fd, size, encrypted, pos), lambda bad: _next_valid(fd, size, bad, encrypted)
+            after, lambda pos: _data_run(fd, size, encrypted, pos), lambda b: _next_valid(fd, size, b, encrypted)
         )
     finally:
         fs.close(fd)
