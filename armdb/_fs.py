@@ -100,6 +100,9 @@ class RealFS:
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
 
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
     def pread(self, fd: int, n: int, offset: int) -> bytes:
         chunks = []
         while n > 0:
@@ -148,6 +151,11 @@ class RealFS:
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
+
+    def writable(self, path: str) -> bool:
+        """Whether this process may create files in the directory ``path`` (a read-only
+        mount or missing permission says no; root ignores permission bits)."""
+        return os.access(path, os.W_OK | os.X_OK)
 
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))

@@ -21,10 +21,12 @@ What it checks:
 * every other collection is a Bitcask store, checked by ``armdb.bitcask.check_dir``;
 * the transaction log ``txlog/``, checked by ``armdb.txlog.check_dir``.
 
-Locking: ``check`` takes the directory lock exactly like ``Db.open`` (so it raises
-``DbLocked`` while the database is open anywhere) and releases it before returning.
-Taking the lock rewrites the pid in ``LOCK``, as every open does; nothing else is
-ever written, created, truncated or renamed.  All file access goes through
+Locking: on a directory it may write, ``check`` takes the directory lock exactly like
+``Db.open`` (so it raises ``DbLocked`` while the database is open anywhere) and
+releases it before returning; taking the lock rewrites the pid in ``LOCK``, as every
+open does.  On a directory it cannot write (a read-only mount, a backup, SPEC D10) it
+only locks an existing ``LOCK`` read-only, which still sees a live owner, and writes
+nothing at all.  Nothing else is ever written, created, truncated or renamed.  All file access goes through
 ``armdb._fs`` like the rest of the library.
 """
 
@@ -94,6 +96,8 @@ def check(path: str | os.PathLike[str]) -> CheckReport:
     ------
     DbLocked
         The database is open, in this process or another one.
+    ConfigError
+        Its ``LOCK`` is not a regular file of its own (a symbolic link, a folder...).
     """
     directory = os.path.abspath(os.fspath(path))
     fs = _fs.FS
@@ -102,7 +106,7 @@ def check(path: str | os.PathLike[str]) -> CheckReport:
     if not fs.exists(os.path.join(directory, META_FILE)):
         # Not ours (or never opened): do not even create a LOCK file in it.
         return CheckReport(False, [f"{directory}: not an armdb database ({META_FILE} is missing)"])
-    lock = DirLock(directory)
+    lock = DirLock.for_inspection(directory)
     try:
         findings = _Checker(directory).run()
     finally:

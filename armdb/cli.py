@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _fs
 from .config import QueueConfig
-from .db import COLLECTIONS, META_FILE, QUEUE_META, Db
+from .db import COLLECTIONS, META_FILE, QUEUE_META, Db, DirLock
 from .errors import ArmdbError, DbLocked
 from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
 from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
@@ -455,39 +455,80 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if not _fs.FS.exists(os.path.join(path, META_FILE)):
         print(f"armdb stats: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
         return 1
+    if not _fs.FS.writable(path):
+        return _stats_read_only(os.path.abspath(path))
     try:
         db = Db.open(path)
     except DbLocked as e:
         print(f"armdb stats: {e}", file=sys.stderr)
         return 1
     try:
-        names = queue_names(db.path)
-        if not names:
-            print(f"{db.path}: no queues")
-            return 0
-        print(f"database {db.path}")
-        for name in names:
-            s = inspect_queue(db.path, name, db.clock())
-            print()
-            print(f"queue {s.name} ({s.flavour}, {s.shards} shard{'s' if s.shards != 1 else ''})")
-            rows = [
-                ("live", s.live),
-                ("ready", s.ready),
-                ("leased", s.leased),
-                ("  of which expired", s.expired),
-                ("delayed", s.delayed),
-                ("dead", s.dead),
-                ("torn slots", s.torn),
-                ("slots allocated", s.slots_allocated),
-                ("header file logical bytes", s.header_file_logical_bytes),
-                ("header file physical bytes", s.header_file_physical_bytes),
-            ]
-            if s.flavour == "var":
-                rows.append(("payload file bytes", s.payload_bytes))
-            print(format_table(("stat", "value"), rows))
+        _print_stats(db.path, db.clock(), "")
     finally:
         db.shutdown()
     return 0
+
+
+def _stats_read_only(path: str) -> int:
+    """Stats of a database in a directory this process cannot write (a read-only mount, a
+    backup): read from the files as they are, without opening (and so recovering) it."""
+    try:
+        lock = DirLock.for_inspection(path)
+    except DbLocked as e:
+        print(f"armdb stats: {e}", file=sys.stderr)
+        return 1
+    try:
+        _print_stats(path, time.time_ns() // 1_000_000, " (read-only directory: the files as stored, not recovered)")
+    finally:
+        lock.release()
+    return 0
+
+
+def _print_stats(path: str, now_ms: int, note: str) -> None:
+    names = queue_names(path)
+    if not names:
+        print(f"{path}: no queues{note}")
+        return
+    print(f"database {path}{note}")
+    for name in names:
+        s = inspect_queue(path, name, now_ms)
+        print()
+        print(f"queue {s.name} ({s.flavour}, {s.shards} shard{'s' if s.shards != 1 else ''})")
+        rows = [
+            ("live", s.live),
+            ("ready", s.ready),
+            ("leased", s.leased),
+            ("  of which expired", s.expired),
+            ("delayed", s.delayed),
+            ("dead", s.dead),
+            ("torn slots", s.torn),
+            ("slots allocated", s.slots_allocated),
+            ("header file logical bytes", s.header_file_logical_bytes),
+            ("header file physical bytes", s.header_file_physical_bytes),
+        ]
+        if s.flavour == "var":
+            rows.append(("payload file bytes", s.payload_bytes))
+        print(format_table(("stat", "value"), rows))
+
+
+# -- check -------------------------------------------------------------------------------------
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0 when clean, 1 with findings, 2 when the database cannot be inspected."""
+    from .check import check
+
+    path = args.dir
+    if not _fs.FS.exists(os.path.join(path, META_FILE)):
+        print(f"armdb check: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
+        return 2
+    try:
+        report = check(path)
+    except ArmdbError as e:  # open elsewhere, or a lock file that is not ours
+        print(f"armdb check: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.ok else 1
 
 
 # -- bench (C3) --------------------------------------------------------------------------------
@@ -514,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print the stats of every queue in a database (SPEC C2)")
     stats.add_argument("dir", help="database directory")
     stats.set_defaults(func=_cmd_stats)
+
+    chk = sub.add_parser("check", help="check every file of a database that is not open (read-only)")
+    chk.add_argument("dir", help="database directory (a read-only copy is fine)")
+    chk.set_defaults(func=_cmd_check)
 
     bench = sub.add_parser("bench", help="benchmark armdb beside SQLite-based queues (SPEC C3)")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")

@@ -21,9 +21,11 @@ only a weak reference to the Db so that dropping the last reference closes it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import weakref
@@ -90,26 +92,77 @@ def check_meta(raw: bytes, path: str) -> None:
 
 
 class DirLock:
-    """An exclusive ``flock`` on ``<dir>/LOCK`` holding the owner's pid (D1)."""
+    """An exclusive ``flock`` on ``<dir>/LOCK`` holding the owner's pid (D1).
 
-    def __init__(self, directory: str) -> None:
+    ``LOCK`` must be a regular file of its own: a symbolic link, a hard link to another
+    file, a folder or a fifo there is refused with a ``ConfigError`` naming what to
+    remove, so that writing the pid can never change another file.
+
+    With ``write=False`` (read-only inspection, D10) nothing is created or written: an
+    existing ``LOCK`` is opened read-only and locked, which still refuses a database
+    that is open elsewhere, and a missing one is left missing.
+    """
+
+    def __init__(self, directory: str, *, write: bool = True) -> None:
         fs = _fs.FS
         self.path = os.path.join(directory, LOCK_FILE)
-        self.fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
-        if not fs.flock(self.fd):
-            raw = fs.pread(self.fd, 32, 0)
-            fs.close(self.fd)
+        self.fd = -1
+        flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+        try:
+            # O_NOFOLLOW: never a symlink; O_NONBLOCK: a fifo cannot hang the open.
+            fd = fs.open(self.path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            if write:
+                raise
+            return  # nobody ever opened this copy for writing: nothing to lock
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError(self._refusal("is a symbolic link")) from None
+            if e.errno == errno.EISDIR:
+                raise ConfigError(self._refusal("is a directory")) from None
+            if e.errno == errno.ENXIO:
+                raise ConfigError(self._refusal("is a socket")) from None
+            raise
+        try:
+            st = fs.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                kinds = {stat.S_IFDIR: "directory", stat.S_IFIFO: "fifo", stat.S_IFSOCK: "socket"}
+                kind = kinds.get(stat.S_IFMT(st.st_mode), "special file")
+                raise ConfigError(self._refusal(f"is a {kind}"))
+            if st.st_nlink != 1:
+                raise ConfigError(self._refusal(f"has other hard links ({st.st_nlink - 1}) to its contents"))
+        except BaseException:
+            fs.close(fd)
+            raise
+        if not fs.flock(fd):
+            raw = fs.pread(fd, 32, 0)
+            fs.close(fd)
             try:
                 pid: int | None = int(raw.decode().strip())
             except ValueError:
                 pid = None
             raise DbLocked(directory, pid)
-        try:
-            fs.ftruncate(self.fd, 0)
-            fs.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        if not write:
+            return
+        try:  # the lock is held and LOCK is our own regular file: record the owner
+            fs.ftruncate(fd, 0)
+            fs.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
             self.release()
             raise
+
+    def _refusal(self, what: str) -> str:
+        return (
+            f"{self.path} {what}; armdb's lock file must be a regular file of its own: "
+            f"remove {self.path} (armdb creates it again) and open the database again"
+        )
+
+    @classmethod
+    def for_inspection(cls, directory: str) -> DirLock:
+        """The lock as read-only inspection takes it (D10): as ``Db.open`` does where the
+        directory is writable, without writing anything where it is not."""
+        return cls(directory, write=_fs.FS.writable(directory))
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -205,7 +258,8 @@ class Db:
         Parameters
         ----------
         path : str or os.PathLike
-            The database directory; created if missing.
+            The database directory; created if missing (private to its owner, see
+            docs/operations.md).  An existing directory must be empty or a database.
         tx_config : TxConfig, optional
             Transaction defaults (durability, log encryption key).
         schema : SchemaRegistry, optional
@@ -219,12 +273,21 @@ class Db:
             Another open ``Db`` (this or another process) holds the directory.
         FormatError
             The directory holds files of another kind or a newer format.
+        ConfigError
+            An empty path; a file, or a non-empty directory that holds no database
+            (nothing is created there); a lock file that is not a regular file of
+            its own; a clock that does not return plausible milliseconds.
         """
         if tx_config is not None and not isinstance(tx_config, TxConfig):
             raise ConfigError("tx_config must be an armdb.TxConfig")
         if clock is not None and not callable(clock):
             raise ConfigError("clock must be a callable returning wall-clock milliseconds")
-        db = cls(os.fspath(path), tx_config, schema, clock)
+        fspath = os.fspath(path)
+        if not isinstance(fspath, str):
+            raise ConfigError(f"the database path must be a str or an os.PathLike of str, not {type(fspath).__name__}")
+        if not fspath:
+            raise ConfigError("the database path is empty; give the directory of the database")
+        db = cls(fspath, tx_config, schema, clock)
         try:
             db._open()
         except OSError as e:
@@ -235,6 +298,8 @@ class Db:
         fs = _fs.FS
         if fs.exists(self.path) and not fs.isdir(self.path):
             raise ConfigError(f"{self.path} exists and is not a directory; give armdb a directory path")
+        if fs.isdir(self.path):
+            self._refuse_foreign_directory()
         fs.makedirs(self.path)
         self._dirlock = DirLock(self.path)
         try:
@@ -264,6 +329,21 @@ class Db:
             raise
         self._start_workers()
         _OPEN.add(self)
+
+    def _refuse_foreign_directory(self) -> None:
+        """D9: an existing directory becomes a database only when it is empty.  A database
+        whose creation was cut short (only ``LOCK`` or ``db.meta.tmp`` written) counts as
+        empty; anything else without ``db.meta`` belongs to someone else."""
+        fs = _fs.FS
+        if fs.exists(os.path.join(self.path, META_FILE)):
+            return
+        foreign = [n for n in fs.listdir(self.path) if n not in (LOCK_FILE, META_FILE + ".tmp")]
+        if foreign:
+            shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigError(
+                f"{self.path} is not empty ({shown}) and holds no armdb database (no {META_FILE}); "
+                f"give armdb a new or empty directory, or the directory of an existing database"
+            )
 
     def _start_workers(self) -> None:
         from .queue import start_queue_workers

@@ -1,0 +1,286 @@
+"""The database directory as hostile ground: the lock file, read-only inspection, what
+``Db.open`` refuses to take over, file modes, and the clock (SPEC D1, D7, D9, D10).
+
+Read-only directories: root ignores permission bits, so as root (CI) the read-only view
+is a real read-only bind mount of the database; as another user it is the same directory
+with its folders made ``0555``.  Either way the process cannot write there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import armdb
+from armdb import Config, ConfigError, Db, DbLocked, FixedConfig, QueueConfig, cli
+from armdb.check import check
+
+from .conftest import FakeClock
+
+PAYLOAD = np.dtype([("doc", "<u8"), ("flags", "<u4")])
+Pings = armdb.queue("pings", payload=PAYLOAD)
+SMALL = QueueConfig.balanced().header_config(FixedConfig.balanced().grow_step(8).build()).build()
+
+
+@dataclass
+class Job:
+    doc_id: int
+    reason: str
+
+
+Jobs = armdb.queue("jobs", payload=Job, var=True)
+
+
+def tree(path: Path) -> dict[str, tuple[str, int]]:
+    """Content hash (or link target) and mode of every entry under ``path``."""
+    out: dict[str, tuple[str, int]] = {}
+    for p in sorted(path.rglob("*")):
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            digest = "-> " + os.readlink(p)
+        elif stat.S_ISREG(st.st_mode):
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            digest = "<dir>"
+        out[str(p.relative_to(path))] = (digest, st.st_mode)
+    return out
+
+
+def small_db(path: Path) -> None:
+    """A closed database with a fixed queue (ready, leased, dead rows), a var queue and a map."""
+    with Db.open(path, clock=FakeClock()) as db:
+        q = db.open_queue(Pings, SMALL)
+        for i in range(5):
+            q.push((i, i))
+        leases = q.lease(2)
+        q.nack(leases[0].token, dead=True)
+        jobs = db.open_queue(Jobs)
+        jobs.push(Job(1, "a"))
+        db.open_map("m").put("k", "v")
+
+
+@contextlib.contextmanager
+def read_only_view(path: Path, mountpoint: Path) -> Iterator[Path]:
+    """``path`` as a directory this process cannot write (see the module docstring)."""
+    if os.geteuid() == 0:
+        mountpoint.mkdir()
+        subprocess.run(["mount", "--bind", str(path), str(mountpoint)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(mountpoint)], check=True)
+            assert not os.access(mountpoint, os.W_OK)
+            yield mountpoint
+        finally:
+            subprocess.run(["umount", str(mountpoint)], check=True)
+        return
+    dirs = [path, *(p for p in path.rglob("*") if p.is_dir() and not p.is_symlink())]
+    modes = {d: d.stat().st_mode for d in dirs}
+    for d in reversed(dirs):
+        d.chmod(0o555)
+    try:
+        assert not os.access(path, os.W_OK)
+        yield path
+    finally:
+        for d in dirs:
+            d.chmod(stat.S_IMODE(modes[d]))
+
+
+# ---------------------------------------------------------------- the lock file (D1)
+
+
+def test_d1_lock_symlink_is_refused_and_its_target_untouched(db_path: Path, tmp_path: Path) -> None:
+    small_db(db_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (db_path / "LOCK").unlink()
+    (db_path / "LOCK").symlink_to(victim)
+    before = tree(db_path)
+    with pytest.raises(ConfigError, match=r"LOCK.* symbolic link.*remove"):
+        Db.open(db_path)
+    with pytest.raises(ConfigError, match=r"LOCK.* symbolic link.*remove"):
+        check(db_path)
+    assert victim.read_text() == "precious\n"
+    assert tree(db_path) == before
+    (db_path / "LOCK").unlink()  # what the message says to do
+    with Db.open(db_path) as db:
+        assert db.open_map("m").get("k") == "v"
+
+
+def test_d1_dangling_lock_symlink_creates_nothing(tmp_path: Path) -> None:
+    db_path = tmp_path / "db"
+    db_path.mkdir()
+    target = tmp_path / "elsewhere" / "planted"
+    (tmp_path / "elsewhere").mkdir()
+    (db_path / "LOCK").symlink_to(target)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        Db.open(db_path)
+    assert not target.exists()
+    assert sorted(os.listdir(db_path)) == ["LOCK"]
+
+
+def test_d1_lock_hard_link_to_another_file_is_refused(db_path: Path, tmp_path: Path) -> None:
+    small_db(db_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (db_path / "LOCK").unlink()
+    os.link(victim, db_path / "LOCK")
+    with pytest.raises(ConfigError, match=r"LOCK.*other (hard )?links.*remove"):
+        Db.open(db_path)
+    with pytest.raises(ConfigError, match=r"LOCK.*other (hard )?links"):
+        check(db_path)
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_d1_lock_that_is_not_a_regular_file_is_refused(db_path: Path, kind: str) -> None:
+    small_db(db_path)
+    lock = db_path / "LOCK"
+    lock.unlink()
+    if kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(ConfigError, match=rf"LOCK.* is a {kind}.*remove"):
+        Db.open(db_path)
+    with pytest.raises(ConfigError, match=rf"LOCK.* is a {kind}"):
+        check(db_path)
+    with read_only_view(db_path, db_path.parent / "ro") as ro:  # read-only inspection too
+        with pytest.raises(ConfigError, match=rf"LOCK.* is a {kind}"):
+            check(ro)
+
+
+def test_d1_lock_is_private_and_not_inherited(db_path: Path) -> None:
+    with Db.open(db_path) as db:
+        fd = db._dirlock.fd  # type: ignore[union-attr]
+        assert os.get_inheritable(fd) is False
+        assert os.fstat(fd).st_nlink == 1
+
+
+# ---------------------------------------------------------- read-only inspection (D10)
+
+
+def test_d10_check_on_a_read_only_directory_writes_nothing(db_path: Path, tmp_path: Path) -> None:
+    small_db(db_path)
+    (db_path / "LOCK").write_text("424242\n")  # a stale pid that check must leave alone
+    before = tree(db_path)
+    with read_only_view(db_path, tmp_path / "ro") as ro:
+        report = check(ro)
+        assert report.ok, report.findings
+        assert tree(ro) == before
+    assert tree(db_path) == before
+
+
+def test_d10_check_on_a_read_only_copy_without_a_lock_file(db_path: Path, tmp_path: Path) -> None:
+    small_db(db_path)
+    (db_path / "LOCK").unlink()  # e.g. a backup that left it out
+    before = tree(db_path)
+    with read_only_view(db_path, tmp_path / "ro") as ro:
+        assert check(ro).ok
+    assert tree(db_path) == before
+
+
+def test_d10_read_only_check_still_sees_a_live_owner(db_path: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        small_db(db_path)  # a non-root view chmods the open database's folders: keep it short
+    with Db.open(db_path, clock=FakeClock()) as db:
+        db.open_map("m").put("k", "v")
+        with read_only_view(db_path, tmp_path / "ro") as ro:
+            with pytest.raises(DbLocked, match=rf"process {os.getpid()}\b"):
+                check(ro)
+            assert cli.main(["check", str(ro)]) == 2
+            assert cli.main(["stats", str(ro)]) == 1
+
+
+def test_d10_cli_stats_and_check_on_a_read_only_directory(
+    db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small_db(db_path)
+    before = tree(db_path)
+    with read_only_view(db_path, tmp_path / "ro") as ro:
+        assert cli.main(["stats", str(ro)]) == 0
+        out = capsys.readouterr().out
+        assert "queue pings (fixed, 1 shard)" in out
+        assert "queue jobs (var" in out
+        assert "read-only" in out
+        assert cli.main(["check", str(ro)]) == 0
+        assert "OK" in capsys.readouterr().out
+    assert tree(db_path) == before
+
+
+def test_d10_check_on_a_writable_directory_takes_the_lock_as_before(db_path: Path) -> None:
+    small_db(db_path)
+    (db_path / "LOCK").write_text("424242\n")
+    assert check(db_path).ok
+    assert (db_path / "LOCK").read_text().strip() == str(os.getpid())
+    with Db.open(db_path):
+        with pytest.raises(DbLocked):
+            check(db_path)
+    assert cli.main(["check", str(db_path)]) == 0
+
+
+def test_cli_check_exit_codes(db_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", str(tmp_path / "missing")]) == 2
+    assert not (tmp_path / "missing").exists()
+    small_db(db_path)
+    (db_path / "collections" / "pings" / "queue.meta").write_bytes(b"garbage")
+    assert cli.main(["check", str(db_path)]) == 1
+    assert "queue.meta" in capsys.readouterr().out
+
+
+# --------------------------------------------------- what Db.open refuses to take over (D9)
+
+
+def test_d9_empty_path_raises_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="empty"):
+        Db.open("")
+    assert os.listdir(tmp_path) == []
+
+
+def test_d9_non_empty_directory_without_db_meta_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"\xff\xd8 not a database")
+    (other / "sub").mkdir()
+    before = tree(other)
+    with pytest.raises(ConfigError, match=r"not empty.*db\.meta"):
+        Db.open(other)
+    assert tree(other) == before  # no LOCK, no db.meta, no collections/
+
+
+def test_d9_a_lock_file_alone_is_a_creation_cut_short(tmp_path: Path) -> None:
+    # A crash between taking the lock and writing db.meta leaves LOCK (and maybe db.meta.tmp).
+    d = tmp_path / "db"
+    d.mkdir()
+    (d / "LOCK").write_text("999999\n")
+    (d / "db.meta.tmp").write_bytes(b"half")
+    with Db.open(d) as db:
+        db.open_map("m").put(1, 2)
+    assert check(d).ok
+
+
+def test_d9_missing_and_empty_directories_become_databases(tmp_path: Path) -> None:
+    nested = tmp_path / "a" / "b" / "db"
+    with Db.open(nested) as db:
+        db.open_map("m").put(1, 2)
+    assert (nested / "db.meta").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Db.open(empty).shutdown()
+    assert (empty / "db.meta").is_file()
+    with Db.open(nested) as db:  # and an existing database opens as before
+        assert db.open_map("m").get(1) == 2
+
+
+def test_d9_path_must_be_text(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="path"):
+        Db.open(os.fsencode(tmp_path / "db"))  # type: ignore[arg-type]
+    assert not (tmp_path / "db").exists()
