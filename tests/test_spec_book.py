@@ -9,6 +9,7 @@ rules, and neither are the reliability invariants I1-I10 (docs/reliability.md).
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -22,8 +23,8 @@ SKIPPED_DIRS = {"__pycache__", ".venv", "build", ".git", ".hypothesis", ".pytest
 
 # The families this book states (D, S, Q, T, C) are cited freely in prose, so any id
 # of theirs counts, except one that a quote closes at once or that follows a byte-order
-# mark: that is a NumPy dtype ("S8", '<S16', "|S4").
-_LOOSE = re.compile(r"(?<![\w<>|=])([DSQTC][1-9][0-9]?)(?![\w\"'])")
+# mark: that is a NumPy dtype ("S8", '<S16', "|S4").  "S7's" is a citation.
+_LOOSE = re.compile(r"(?<![\w<>|=])([DSQTC][1-9][0-9]?)(?![\w\"]|'(?!s\b))")
 # The families not built yet (P processes, G PostgreSQL, R replication) share their
 # letters with other names ("P1 + S" in performance.md), so only a plain citation
 # counts: after "SPEC" or "rule(s)", or a parenthesis holding nothing but rule ids.
@@ -64,12 +65,21 @@ def _scanned_files() -> list[Path]:
     return files
 
 
+def _text(path: Path) -> str:
+    """The text a reader sees; for a notebook its cells, not its outputs (base64 images)."""
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix != ".ipynb":
+        return raw
+    cells = json.loads(raw).get("cells", [])
+    return "\n".join("".join(cell.get("source", [])) for cell in cells)
+
+
 def _citations() -> dict[str, list[str]]:
-    """Rule id -> the ``file:line`` places that cite it."""
+    """Rule id -> the ``file:line`` places that cite it (a notebook's line within its cells)."""
     where: dict[str, list[str]] = defaultdict(list)
     for path in _scanned_files():
         rel = path.relative_to(ROOT)
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(_text(path).splitlines(), 1):
             for rule in cited_ids(line):
                 where[rule].append(f"{rel}:{number}")
     return where
@@ -108,6 +118,7 @@ def test_the_scanner_reads_citations_and_skips_dtypes() -> None:
     assert cited_ids("# -- lease (Q9-Q11) ------") == {"Q9", "Q10", "Q11"}
     assert cited_ids("the operations of Q29–Q36") == {f"Q{n}" for n in range(29, 37)}
     assert cited_ids('"""S4/D6: a fixed.data cut short"""') == {"S4", "D6"}
+    assert cited_ids("counted as S7's own refusal") == {"S7"}
     assert cited_ids("open refuses it under S7, as SPEC D5 says") == {"S7", "D5"}
     # P, G and R only as plain citations: "P1 + S" is a variable of performance.md.
     assert cited_ids("at most (P1 + S) / P8 = 2.7x") == set()
