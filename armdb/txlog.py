@@ -49,6 +49,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
 
 from . import _fail, _fs
 from ._core import fixed as _k
@@ -157,16 +158,90 @@ def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
 
 
 def _valid_record_after(raw: bytes, pos: int) -> int | None:
-    """The offset of a valid record somewhere after ``pos`` (8-byte aligned), if any."""
-    p = pos + 8
-    magic = struct.pack("<I", REC_MAGIC)
-    while True:
-        p = raw.find(magic, p)
-        if p < 0:
-            return None
-        if (p - FILE_HEADER_SIZE) % 8 == 0 and _parse_one(raw, p) is not None:
-            return p
-        p += 1
+    """The offset of the first valid record after ``pos`` (8-byte aligned), if any.
+
+    One forward pass, with bounded work per candidate, so that a crafted file cannot
+    make open quadratic: every aligned offset from ``pos + 8`` whose magic, length and
+    end are plausible is a candidate, and all candidates are CRC-checked together.  A
+    candidate's CRC covers its 20 head bytes and then its body ``raw[a:e]``; with the
+    running CRC ``C(x)`` of ``raw[:x]`` (one pass over the file, taken only at the
+    candidates' body starts and ends) it is ``T_L(crc(head) ^ C(a)) ^ C(e)``, where
+    ``T_L`` is the CRC register's linear map for ``L = e - a`` zero bytes, applied in
+    ``log2(L)`` table steps (``_shift_zeros``).  The verdict is the one checking each
+    candidate with :func:`_parse_one` gives (tests/test_hostile_log.py compares them).
+    """
+    n = len(raw)
+    first = pos + 8
+    first += -(first - FILE_HEADER_SIZE) % 8
+    if first + REC_HEAD_SIZE > n:
+        return None
+    words = np.frombuffer(raw, dtype="<u4", count=n // 4)
+    # Aligned offsets are multiples of 4 (FILE_HEADER_SIZE is), so each field is a word.
+    m = (n - REC_HEAD_SIZE - first) // 8 + 1
+    base = first // 4
+    magic = words[base : base + 2 * m : 2]
+    offsets = first + 8 * np.flatnonzero(magic == REC_MAGIC).astype(np.int64)
+    if offsets.size == 0:
+        return None
+    blen = words[offsets // 4 + 4].astype(np.int64)
+    ok = (blen <= MAX_BODY) & (offsets + REC_HEAD_SIZE + blen <= n)
+    offsets, blen = offsets[ok], blen[ok]
+    if offsets.size == 0:
+        return None
+    stored = words[offsets // 4 + 5]
+    starts = offsets + REC_HEAD_SIZE
+    ends = starts + blen
+    # Running CRC at every body start and end, in one pass over the file.
+    marks, where = np.unique(np.concatenate((starts, ends)), return_inverse=True)
+    view = memoryview(raw)
+    prefix = np.empty(marks.size, dtype=np.uint32)
+    crc, prev = 0, 0
+    for i, x in enumerate(marks.tolist()):
+        crc = zlib.crc32(view[prev:x], crc)
+        prefix[i] = crc
+        prev = x
+    c_start, c_end = prefix[where[: starts.size]], prefix[where[starts.size :]]
+    heads = np.fromiter((zlib.crc32(view[p : p + _REC_HEAD.size]) for p in offsets.tolist()), np.uint32, offsets.size)
+    crcs = _shift_zeros(heads ^ c_start, blen) ^ c_end
+    hits = np.flatnonzero(crcs == stored)
+    return int(offsets[hits[0]]) if hits.size else None
+
+
+_SHIFT_TABLES: list[np.ndarray] = []
+
+
+def _shift_tables() -> list[np.ndarray]:
+    """For k = 0..30: the CRC-32 register's map for ``2**k`` zero bytes as four 256-entry
+    tables (one per byte of the register; the map is linear over GF(2))."""
+    if _SHIFT_TABLES:
+        return _SHIFT_TABLES
+    mask = 0xFFFFFFFF
+    cols = np.array([~zlib.crc32(b"\0", ~(1 << j) & mask) & mask for j in range(32)], dtype=np.uint32)
+    b = np.arange(256, dtype=np.uint32)
+    tables: list[np.ndarray] = []
+    for _k in range(MAX_BODY.bit_length()):
+        tab = np.zeros((4, 256), dtype=np.uint32)
+        for i in range(4):
+            for bit in range(8):
+                tab[i] ^= np.where((b >> bit) & 1 == 1, cols[8 * i + bit], np.uint32(0))
+        tables.append(tab)
+        cols = _apply(tab, cols)  # the map for twice as many zero bytes: this one applied twice
+    _SHIFT_TABLES[:] = tables
+    return _SHIFT_TABLES
+
+
+def _apply(tab: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return tab[0][v & 0xFF] ^ tab[1][(v >> 8) & 0xFF] ^ tab[2][(v >> 16) & 0xFF] ^ tab[3][v >> 24]
+
+
+def _shift_zeros(v: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``v[i]`` run through ``lengths[i]`` zero bytes of the CRC-32 register, for every i."""
+    v = v.astype(np.uint32, copy=True)
+    for k, tab in enumerate(_shift_tables()):
+        sel = np.flatnonzero((lengths >> k) & 1)
+        if sel.size:
+            v[sel] = _apply(tab, v[sel])
+    return v
 
 
 class TxLog:
