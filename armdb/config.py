@@ -30,6 +30,10 @@ QUEUE_GROW_STEP = 100_000
 MAX_ATTEMPTS = 0xFFFF
 MIN_FILE_SIZE = 64 * 1024
 KEY_LEN = 32
+# The most shards a collection can have: checked when a config is built and when a meta
+# file is read, so a damaged or hostile meta file cannot make open create and map
+# thousands of shard files (docs/format.md).
+MAX_SHARD_COUNT = 256
 
 
 def _int(value: object, name: str, minimum: int) -> int:
@@ -38,6 +42,15 @@ def _int(value: object, name: str, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}")
     return value
+
+
+def _shards(value: object) -> int | None:
+    if value is None:
+        return None
+    n = _int(value, "shard_count", 1)
+    if n > MAX_SHARD_COUNT:
+        raise ConfigError(f"shard_count must be at most {MAX_SHARD_COUNT}, got {n}")
+    return n
 
 
 def _bool(value: object, name: str) -> bool:
@@ -97,7 +110,7 @@ class FixedConfigBuilder:
     def build(self) -> FixedConfig:
         v = dict(self._values)
         return FixedConfig(
-            shard_count=None if v.get("shard_count") is None else _int(v["shard_count"], "shard_count", 1),
+            shard_count=_shards(v.get("shard_count")),
             grow_step=_int(v.get("grow_step", 4096), "grow_step", 1),
             sync_interval=_nonneg(v.get("sync_interval", 0.05), "sync_interval"),
             enable_fsync=_bool(v.get("enable_fsync", True), "enable_fsync"),
@@ -173,7 +186,7 @@ class ConfigBuilder:
         if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1:
             raise ConfigError(f"compaction_threshold must be a number in (0, 1], got {ratio!r}")
         return Config(
-            shard_count=None if v.get("shard_count") is None else _int(v["shard_count"], "shard_count", 1),
+            shard_count=_shards(v.get("shard_count")),
             max_file_size=_int(v.get("max_file_size", 256 * 1024 * 1024), "max_file_size", MIN_FILE_SIZE),
             compaction_threshold=float(ratio),
             enable_fsync=_bool(v.get("enable_fsync", True), "enable_fsync"),
