@@ -65,6 +65,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import numpy as np
+
 from . import _fail, _fs
 from ._core.fixed import bitcask_record, hint_append
 from ._crypto import OVERHEAD, Sealer
@@ -551,40 +553,147 @@ class _Scan:
             self.bad = pos
 
 
-def _check_record(win: _Window, pos: int, encrypted: bool) -> Scanned | None:
-    head = win.view(pos, REC_HEAD_SIZE)
-    if head is None:
-        return None
-    gsn_word, crc, vlen, magic, klen = REC_HEAD.unpack(head)
-    if not _plausible(gsn_word, magic, klen, vlen, encrypted):
-        return None
-    n = REC_HEAD_SIZE + klen + vlen
-    rsize = _pad8(n)
-    if pos + rsize > win.size:
-        return None
-    body = win.view(pos, n)
-    if body is None or _record_crc(body, n) != crc:
-        return None
-    return (pos, gsn_word, klen, vlen, rsize, bytes(body[REC_HEAD_SIZE : REC_HEAD_SIZE + klen]))
+# -- the search for a valid record after a bad one (S7) ------------------------------------
+#
+# Open tells a torn tail (nothing valid after the first bad record) from damage (a valid
+# record follows) by looking for a valid record at every 8-aligned offset after the bad
+# one.  A candidate may claim a length up to the end of the file, so checking each CRC
+# directly costs up to the file size per candidate: quadratic on a crafted file.  Instead
+# one forward pass keeps the running CRC-32 of the region and checks every candidate in
+# constant time, from the linearity of CRC-32: with Z(p) the running zlib CRC from the
+# region's start to offset p and h the CRC of a candidate's gsn word,
+#     crc32(M[c+12 : e], h) == Z(e) ^ shift(h ^ Z(c+12), e - c - 12)
+# where shift(v, L) is what L zero bytes do to the CRC register (v times x**(8L) modulo
+# the polynomial).  shift is computed with numpy for a chunk's candidates at once, from
+# one table per power of two of L (the register map of 2**k zero bytes, by byte).
+
+_CRC_POLY = 0xEDB88320  # CRC-32 (zlib), bit-reflected
+_SHIFT_BITS = 48  # candidate lengths below 2**48 bytes
+_SEARCH_CHUNK = 1 << 20
+_shift_tables: np.ndarray | None = None
+
+
+def _apply_crc_map(table: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return table[0][v & 0xFF] ^ table[1][(v >> 8) & 0xFF] ^ table[2][(v >> 16) & 0xFF] ^ table[3][v >> 24]
+
+
+def _crc_shift_tables() -> np.ndarray:
+    """``[k, byte position, byte value]``: the CRC register map of ``2**k`` zero bytes."""
+    global _shift_tables
+    if _shift_tables is None:
+        one = []
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ _CRC_POLY if c & 1 else c >> 1
+            one.append(c)
+        # The image of each register bit after one zero byte: s -> (s >> 8) ^ T[s & 0xFF].
+        cols = np.array([((1 << i) >> 8) ^ one[(1 << i) & 0xFF] for i in range(32)], dtype=np.uint32)
+        bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1  # [byte value, bit]
+        tables = np.zeros((_SHIFT_BITS, 4, 256), dtype=np.uint32)
+        for k in range(_SHIFT_BITS):
+            for b in range(4):
+                picked = np.where(bits == 1, cols[8 * b : 8 * b + 8][None, :], 0).astype(np.uint32)
+                tables[k, b] = np.bitwise_xor.reduce(picked, axis=1)
+            cols = _apply_crc_map(tables[k], cols)  # 2**(k+1) zero bytes: the map twice
+        _shift_tables = tables
+    return _shift_tables
+
+
+def _crc_shift(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``values`` (uint32 CRC registers) after ``lengths`` zero bytes each."""
+    tables = _crc_shift_tables()
+    out = values.astype(np.uint32)
+    top = int(lengths.max()).bit_length() if lengths.size else 0
+    for k in range(min(top, _SHIFT_BITS)):
+        sel = np.flatnonzero((lengths >> k) & 1)
+        if sel.size:
+            out[sel] = _apply_crc_map(tables[k], out[sel])
+    return out
 
 
 def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
-    """Offset of the first valid record at an 8-aligned offset > ``after``, if any (S7)."""
+    """Offset of the first valid record at an 8-aligned offset > ``after``, if any (S7).
+
+    A valid record has a plausible header, fits in the file and matches its CRC.  One
+    forward pass over the rest of the file, in chunks (see the comment above): the work
+    is linear in the bytes after ``after`` whatever lengths the candidates claim.
+    """
     fs = _fs.FS
-    q = after + 8 - after % 8
-    win = _Window(fd, size)
-    while q + REC_HEAD_SIZE <= size:
-        chunk = fs.pread(fd, min(1 << 20, size - q), q)
-        i = chunk.find(_RECORD_MAGIC_BYTES, 16)
-        while i != -1:
-            cand = q + i - 16
-            if cand % 8 == 0 and _check_record(win, cand, encrypted) is not None:
-                return cand
-            i = chunk.find(_RECORD_MAGIC_BYTES, i + 1)
-        if q + len(chunk) >= size or len(chunk) <= 40:
-            break
-        q += (len(chunk) - 32) & ~7
-    return None
+    base = after + 8 - after % 8
+    if base + REC_HEAD_SIZE > size:
+        return None
+    unpack = REC_HEAD.unpack_from
+    crc32 = zlib.crc32
+    magic_bytes = _RECORD_MAGIC_BYTES
+    # Candidates whose end the pass has not reached, by the chunk their end falls in
+    # (chunk k holds the ends in (start of k, end of k]): arrays of starts, ends, targets.
+    waiting: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    lowest: dict[int, int] = {}  # chunk -> the smallest start waiting for it
+    best: int | None = None
+    z = 0  # zlib CRC of the file from base to s
+    k = 0
+    s = base
+    while s < size:
+        end = min(s + _SEARCH_CHUNK, size)
+        buf = fs.pread(fd, min(end - s + 32, size - s), s)
+        if len(buf) < min(end - s + 32, size - s):
+            break  # the file shrank underneath: nothing more to find
+        mv = memoryview(buf)
+        if best is None:  # a candidate found later cannot come before a known valid record
+            starts: list[int] = []
+            ends: list[int] = []
+            regs: list[int] = []
+            crcs: list[int] = []
+            zz, at = z, 0
+            i = buf.find(magic_bytes, 16)
+            while i != -1 and i - 16 < end - s:
+                rel = i - 16
+                if rel % 8 == 0 and s + rel + REC_HEAD_SIZE <= size:
+                    gsn_word, crc, vlen, magic, klen = unpack(buf, rel)
+                    n = REC_HEAD_SIZE + klen + vlen
+                    if _plausible(gsn_word, magic, klen, vlen, encrypted) and s + rel + n + (-n % 8) <= size:
+                        zz = crc32(mv[at : rel + 12], zz)
+                        at = rel + 12
+                        starts.append(s + rel)
+                        ends.append(s + rel + n)
+                        regs.append(crc32(mv[rel : rel + 8]) ^ zz)
+                        crcs.append(crc)
+                i = buf.find(magic_bytes, i + 1)
+            if starts:
+                st = np.array(starts, dtype=np.int64)
+                en = np.array(ends, dtype=np.int64)
+                want = _crc_shift(np.array(regs, dtype=np.uint32), en - st - 12) ^ np.array(crcs, dtype=np.uint32)
+                chunk_of = (en - base - 1) // _SEARCH_CHUNK
+                for kb in np.unique(chunk_of).tolist():
+                    sel = chunk_of == kb
+                    waiting.setdefault(kb, []).append((st[sel], en[sel], want[sel]))
+                    low = int(st[sel][0])
+                    lowest[kb] = min(lowest.get(kb, low), low)
+        # The candidates that end in this chunk: Z at each end decides.
+        zz, at = z, 0
+        parts = waiting.pop(k, None)
+        lowest.pop(k, None)
+        if parts:
+            st = np.concatenate([p[0] for p in parts])
+            en = np.concatenate([p[1] for p in parts])
+            want = np.concatenate([p[2] for p in parts])
+            order = np.argsort(en, kind="stable")
+            got = np.empty(len(order), dtype=np.uint32)
+            for j, e in enumerate((en[order] - s).tolist()):
+                zz = crc32(mv[at:e], zz)
+                at = e
+                got[j] = zz
+            ok = st[order][got == want[order]]
+            if ok.size:
+                first = int(ok.min())
+                best = first if best is None else min(best, first)
+        z = crc32(mv[at : end - s], zz)
+        if best is not None and all(low > best for low in lowest.values()):
+            return best
+        s = end
+        k += 1
+    return best
 
 
 def _iter_hint(raw: bytes, path: str, data: _DataFile) -> Iterator[Scanned] | None:

@@ -1,0 +1,154 @@
+"""Hostile Bitcask files: crafted, CRC-valid content must never crash, hang, escape or wipe data.
+
+Every file here is built with the module's own encoders, so each case passes the
+CRC checks and reaches the code that must judge its content (SPEC S7, D5, D6).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from armdb import _fs, bitcask
+from armdb._core.fixed import bitcask_record
+from armdb.bitcask import (
+    FILE_HEADER_SIZE,
+    RECORD_MAGIC,
+    BitcaskStore,
+    _file_header,
+    check_dir,
+)
+from armdb.config import Config
+from armdb.errors import CorruptionError
+
+
+class Gsn:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def open_store(path: Path, gsn: Gsn | None = None) -> BitcaskStore:
+    g = gsn or Gsn()
+    store = BitcaskStore.open(str(path), Config(enable_fsync=False), g)
+    g.n = max(g.n, store.max_gsn)
+    return store
+
+
+def shard(coll: Path) -> Path:
+    return coll / "shard-000"
+
+
+# -- item 7: deciding torn tail versus damage is linear ----------------------------------------
+
+
+def worst_case_active(size: int, nonce: int = 7) -> bytes:
+    """An active data file whose every 8-aligned slot after the header looks like a record
+    header running to the end of the file, and none has a matching CRC.
+
+    Slot ``j`` is ``magic | 0 | vlen`` read as little-endian fields: it is the magic and key
+    length of the candidate two slots back, the CRC and value length of the one before,
+    and the gsn of its own candidate.  The old search CRC'd each candidate to the end.
+    """
+    assert size % 8 == 0
+    out = bytearray(_file_header(1, 0, 0, nonce))
+    for c in range(FILE_HEADER_SIZE, size, 8):
+        prev = c - 8  # the candidate whose value length this slot holds
+        vlen = max(size - prev - 24, 0)
+        out += struct.pack("<HHI", RECORD_MAGIC, 0, vlen)
+    return bytes(out)
+
+
+def crafted_collection(tmp_path: Path, size: int) -> Path:
+    coll = tmp_path / "m"
+    open_store(coll).close()
+    path = shard(coll) / "00000001.data"
+    path.write_bytes(worst_case_active(size))
+    return coll
+
+
+def test_s7_torn_or_damage_search_is_linear_on_a_crafted_active_file(tmp_path: Path) -> None:
+    # SPEC S7: a torn tail is cut, damage is refused; deciding which must not be quadratic.
+    coll = crafted_collection(tmp_path, 1 << 20)
+    t0 = time.perf_counter()
+    store = open_store(coll)
+    elapsed = time.perf_counter() - t0
+    try:
+        assert len(store) == 0
+    finally:
+        store.close()
+    assert elapsed < 3.0, f"open of a 1 MiB crafted active file took {elapsed:.2f} s"
+    # No valid record follows the first bad one: it was a torn tail, cut at offset 32.
+    assert (shard(coll) / "00000001.data").stat().st_size == FILE_HEADER_SIZE
+
+
+def test_s7_linear_search_still_finds_a_valid_record_among_crafted_candidates(tmp_path: Path) -> None:
+    # The same crafted slots, with one real record placed inside them: damage, refused.
+    size = 64 * 1024
+    coll = crafted_collection(tmp_path, size)
+    path = shard(coll) / "00000001.data"
+    raw = bytearray(path.read_bytes())
+    rec = bitcask_record(5, b"key", b"value", RECORD_MAGIC)
+    at = 40_000
+    raw[at : at + len(rec)] = rec
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match=f"followed by a valid record at offset {at}"):
+        open_store(coll)
+    assert path.read_bytes() == bytes(raw)  # nothing was cut
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_s7_linear_search_agrees_with_direct_crc_on_random_files(tmp_path: Path, seed: int) -> None:
+    # The first valid record after a bad one, compared with a direct CRC of every candidate.
+    import random
+
+    rng = random.Random(seed)
+    size = rng.choice([200, 512, 4096, 70_000])
+    buf = bytearray(rng.randbytes(size))
+    # Sprinkle real records, crafted candidates and magics at random aligned offsets.
+    for _ in range(rng.randint(0, 12)):
+        at = rng.randrange(0, size - 24) & ~7
+        kind = rng.random()
+        if kind < 0.3:
+            rec = bitcask_record(rng.randint(1, 1 << 40), rng.randbytes(rng.randint(0, 20)), rng.randbytes(rng.randint(0, 300)), RECORD_MAGIC)
+        elif kind < 0.5:
+            rec = bitcask_record(rng.randint(1, 1 << 40) | (1 << 63), rng.randbytes(rng.randint(0, 20)), b"", RECORD_MAGIC)
+        else:
+            vlen = rng.randint(0, max(size - at - 20, 0))
+            rec = struct.pack("<QIIHH", rng.randint(1, 1 << 40), rng.getrandbits(32), vlen, RECORD_MAGIC, 0)
+        raw = rec[: size - at]
+        buf[at : at + len(raw)] = raw
+    path = tmp_path / "f"
+    path.write_bytes(bytes(buf))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for after in sorted({0, 1, 7, 8, rng.randrange(size), rng.randrange(size)}):
+            want = _direct_next_valid(bytes(buf), after)
+            assert bitcask._next_valid(fd, size, after, False) == want, (seed, after)
+    finally:
+        os.close(fd)
+
+
+def _direct_next_valid(data: bytes, after: int) -> int | None:
+    """The definition: the first 8-aligned offset > after whose record passes every check."""
+    size = len(data)
+    q = after + 8 - after % 8
+    for c in range(q, size - 19, 8):
+        gsn_word, crc, vlen, magic, klen = struct.unpack_from("<QIIHH", data, c)
+        if not bitcask._plausible(gsn_word, magic, klen, vlen, False):
+            continue
+        n = 20 + klen + vlen
+        if c + n + (-n % 8) > size:
+            continue
+        if zlib.crc32(data[c + 12 : c + n], zlib.crc32(data[c : c + 8])) == crc:
+            return c
+    return None
