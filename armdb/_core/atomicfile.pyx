@@ -41,6 +41,8 @@ while one is in flight, so the buffer is never replaced under the writer.
 from libc.errno cimport EINTR, EIO, errno
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.stat cimport fchmod, struct_stat
+from posix.stat cimport stat as c_stat
 
 from armdb._core.posix_sync cimport (
     pthread_cond_broadcast,
@@ -67,6 +69,7 @@ cdef extern from "<fcntl.h>" nogil:
     int O_TRUNC
     int O_CLOEXEC
     int O_DIRECTORY
+    int O_NOFOLLOW
 
 
 cdef extern from "<unistd.h>" nogil:
@@ -112,13 +115,23 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
 cdef int _replace(const char* tmp, const char* path, const char* dir, const char* buf,
                   Py_ssize_t n) noexcept nogil:
     """tmp + write + fsync + close + rename + fsync of the directory; 0 or an errno.
-    A failure before the rename removes the tmp file and leaves ``path`` as it was."""
-    cdef int fd = c_open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
+    A failure before the rename removes the tmp file and leaves ``path`` as it was.
+    The new file gets the mode ``path`` has, or 0600 (``armdb._fs.FILE_MODE``)."""
+    cdef struct_stat st
+    cdef int mode = 0o600
+    if c_stat(path, &st) == 0:
+        mode = st.st_mode & 0o7777
+    cdef int fd = c_open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode)
     cdef int e
     cdef Py_ssize_t done = 0
     cdef ssize_t w
     if fd < 0:
         return errno
+    if fchmod(fd, mode) != 0:  # a stale tmp file keeps its own mode when reopened
+        e = errno
+        c_close(fd)
+        c_unlink(tmp)
+        return e
     while done < n:
         w = c_write(fd, buf + done, n - done)
         if w < 0:
