@@ -15,8 +15,10 @@ tag     body
 
 ``bool`` is refused as a key (it would silently become ``1``/``0``), as are
 ``bytearray`` and other types.  Values are any object msgpack can encode
-(``use_bin_type=True``); they decode with ``raw=False, strict_map_key=False``,
-so tuples come back as lists.
+(``use_bin_type=True``) and decode back; they decode with ``raw=False,
+strict_map_key=False``, so tuples come back as lists.  A value msgpack encodes but
+cannot decode (a dict with a tuple key) is refused at ``put``, so one bad value never
+breaks ``items()`` for the whole map.
 
 The optional LRU cache (``Config.cache_bytes``) is charged the encoded size of
 key and value.  It caches immutable decoded values (None, bool, int, float,
@@ -39,7 +41,7 @@ from typing import Any
 
 import msgpack
 
-from ._pack import packb
+from ._pack import check_round_trip, packb
 from .bitcask import BitcaskStore
 from .errors import PayloadTypeError, StreamSourceRequiresTx
 
@@ -110,15 +112,17 @@ def encode_value(value: object) -> bytes:
     ------
     PayloadTypeError
         If msgpack cannot encode the value (an arbitrary object, an int beyond
-        64 bits, ...).
+        64 bits, ...) or could not decode it back (a tuple dict key).
     """
     try:
-        return packb(value)
+        raw = packb(value)
     except (TypeError, ValueError, OverflowError) as e:
         raise PayloadTypeError(
             f"map value of type {type(value).__name__} cannot be serialised with msgpack ({e}); "
             f"store dicts, lists, str, bytes, numbers, bools or None"
         ) from None
+    check_round_trip(value, raw, "map value")
+    return raw
 
 
 def decode_value(raw: bytes) -> Any:

@@ -52,12 +52,14 @@ from . import _fail, _fs
 from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
-from ._pack import packb
+from ._pack import check_round_trip, packb
 from .config import QueueConfig
 from .db import QUEUE_META, validate_name
 from .errors import (
     ConfigError,
+    CorruptionError,
     DbClosed,
+    EncryptionKeyRequired,
     FormatError,
     PayloadTypeError,
     QueueAlreadyOpen,
@@ -289,6 +291,15 @@ class _VarCodec:
         self.is_dataclass = dataclasses.is_dataclass(payload)
         self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
         self.any = payload is typing.Any or payload is object
+        # A dataclass with a __post_init__, its own __init__ or init=False fields may
+        # refuse or change its stored fields when a lease rebuilds it: push rebuilds it
+        # once to be sure.  Without those, rebuilding sets exactly the fields, so push
+        # only has to know that msgpack can decode them.
+        self.rebuild_at_push = self.is_dataclass and (
+            hasattr(payload, "__post_init__")
+            or not payload.__dataclass_params__.init
+            or any(not f.init for f in dataclasses.fields(payload))
+        )
 
     def encode(self, value: Any) -> bytes:
         if self.is_dataclass:
@@ -304,9 +315,21 @@ class _VarCodec:
                 )
             obj = value
         try:
-            return packb(obj)
+            raw = packb(obj)
         except (TypeError, ValueError, OverflowError) as e:
             raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
+        if self.rebuild_at_push:
+            check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
+        else:
+            check_round_trip(value, raw, "payload")
+        return raw
+
+    def _rebuild(self, obj: Any) -> Any:
+        """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
+        return self.payload(*obj)
+
+    def _fields_packed(self, value: Any) -> bytes:
+        return packb([getattr(value, f) for f in self.fields])
 
     def decode(self, raw: bytes) -> Any:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -354,7 +377,11 @@ class Lease(NamedTuple, Generic[T]):
 
 @dataclass(frozen=True)
 class QueueStats:
-    """A queue's counters and sizes (Q26).  Counters run since this open."""
+    """A queue's counters and sizes (Q26).  Counters run since this open.
+
+    ``poisoned`` counts the rows a lease dead-lettered because their body could not be
+    read or decoded (also counted in ``dead_lettered``, not in ``nacks``).
+    """
 
     name: str
     len: int
@@ -374,6 +401,7 @@ class QueueStats:
     acks: int
     nacks: int
     dead_lettered: int
+    poisoned: int
     expired_leases: int
     repaired_on_open: int
     retention_retry_pending: int
@@ -475,6 +503,7 @@ class Queue(Generic[T]):
         self._nwaiters = 0
         self._payload_writes = 0
         self._orphans_collected = 0
+        self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
         # LRU of raw var bodies (payload_config.cache_bytes): push fills it, lease reads
         # it, ack and retention drop it.  Guarded by _cache_lock.
         self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
@@ -732,7 +761,10 @@ class Queue(Generic[T]):
 
         A row is due when it is ready and its due time has come, or leased with an
         expired deadline.  A row whose lease expired after ``max_attempts``
-        deliveries is dead-lettered instead.
+        deliveries is dead-lettered instead.  A var row whose body cannot be read or
+        decoded (it fails its checks, or the payload class refuses the stored fields)
+        is dead-lettered alone, logged at WARNING and counted in ``stats().poisoned``;
+        the other rows are returned.
 
         Raises
         ------
@@ -789,13 +821,61 @@ class Queue(Generic[T]):
         decode = typing.cast(_VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         handle = self._handle
         new = tuple.__new__  # the NamedTuples without their Python-level __new__
+        poisoned: list[tuple[LeaseToken, Exception]] | None = None
         for due, seq, shard_no, attempt, epoch, _ in out:
-            body = self._body_for_lease(shard_no, due, seq, epoch)
-            if body is None:
-                continue  # the lease expired meanwhile and the row was settled elsewhere
             token = new(LeaseToken, (handle, shard_no, due, seq, epoch))
-            leases.append(new(Lease, (seq, decode(body), attempt, dl, token)))
+            # A body that fails its checks or is missing, or that does not decode (msgpack,
+            # the payload class), is this row's problem alone.  I/O errors and DbClosed
+            # are not: they propagate.
+            try:
+                body = self._body_for_lease(shard_no, due, seq, epoch)
+                if body is None:
+                    continue  # the lease expired meanwhile and the row was settled elsewhere
+            except (CorruptionError, FormatError) as e:
+                poisoned = poisoned or []
+                poisoned.append((token, e))
+                continue
+            try:
+                payload = decode(body)
+            except Exception as e:  # noqa: BLE001 - whatever the decoder raises
+                poisoned = poisoned or []
+                poisoned.append((token, e))
+                continue
+            leases.append(new(Lease, (seq, payload, attempt, dl, token)))
+        if poisoned:
+            self._dead_letter_poisoned(poisoned)
         return leases
+
+    def _dead_letter_poisoned(self, poisoned: list[tuple[LeaseToken, Exception]]) -> None:
+        """Dead-letter, one by one, the rows this lease claimed but cannot hand out.
+
+        One body that cannot be read (corrupt, missing, or no longer decodable by the
+        payload class) must not take the rest of the batch with it: retried with the
+        batch, it would burn the attempts of every healthy row leased beside it.  Each
+        such row goes through the explicit dead-letter transition of ``nack(dead=True)``;
+        the reason is logged and the row counted in ``stats().poisoned``.
+        """
+        for token, err in poisoned:
+            try:
+                self._commit_settle(self, token, False, None, True, True)
+            except StaleToken:
+                # Our lease expired meanwhile and another caller took the row; it meets
+                # the same body and dead-letters it.
+                log.info("queue %s: row %d cannot be decoded (%s: %s); another caller holds it now",
+                         self.name, token.seq, type(err).__name__, err)
+                continue
+            except EncryptionKeyRequired:
+                # An encrypted queue in a Db without a log key cannot settle anything.  The
+                # row stays leased and is never handed out; once its attempts are used up
+                # the lease scan dead-letters it (that transition needs no log record).
+                log.warning("queue %s: row %d cannot be decoded at lease (%s: %s); it stays leased "
+                            "(dead-lettering it needs TxConfig(log_encryption_key=...)), the rest of the "
+                            "batch is delivered", self.name, token.seq, type(err).__name__, err)
+                continue
+            with self._counter_lock:
+                self._poisoned += 1
+            log.warning("queue %s: row %d cannot be decoded at lease (%s: %s); dead-lettered it, and "
+                        "delivered the rest of the batch", self.name, token.seq, type(err).__name__, err)
 
     def _body_for_lease(self, shard_no: int, due: int, seq: int, epoch: int) -> bytes | None:
         """A leased row's body, read after the claim (never under the header lock: a
@@ -1166,6 +1246,7 @@ class Queue(Generic[T]):
             acks=sum(sh.acks for sh in self._shards),
             nacks=sum(sh.nacks for sh in self._shards),
             dead_lettered=sum(sh.dead_lettered for sh in self._shards),
+            poisoned=self._poisoned,
             expired_leases=sum(sh.expired_leases for sh in self._shards),
             repaired_on_open=self._headers.repaired_on_open,
             retention_retry_pending=len(self._retry),

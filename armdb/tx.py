@@ -78,6 +78,7 @@ class _Settle:
     ack: bool
     delay_ms: int | None = None
     dead: bool = False
+    poisoned: bool = False  # dead-lettered by a lease that could not decode its body (not a nack)
 
 
 @dataclass(slots=True)
@@ -585,11 +586,14 @@ class Tx:
             dkey = DEAD_BIT | now
             row = _pack_row(dkey, token.seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra)
 
+            poisoned = s.poisoned
+
             def apply_dead() -> None:
                 sh.fixed.write(slot, row, version)
                 sh.live.remove(token.due, token.seq)
                 sh.dead.insert(dkey, token.seq, slot, 0)
-                sh.nacks += 1
+                if not poisoned:
+                    sh.nacks += 1
                 sh.dead_lettered += 1
                 q._note_dead(now)
 
@@ -629,17 +633,21 @@ class Tx:
 
 
 def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
-                  dead: bool = False) -> None:
+                  dead: bool = False, poisoned: bool = False) -> None:
     """``db.tx().ack(q, token).commit()`` (or ``.nack(...)``) for a var queue's own
     ``Queue.ack``/``nack`` (Q7, Q14), without the builder: the step is built directly
     and committed by the same :meth:`Tx._commit_locked`.  A settle emits no stream
     jobs, so there is no stream pass and no stream destination to lock.
+
+    ``poisoned``: the dead-letter of a row whose body a lease could not decode
+    (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
+    not counted as a nack.
     """
     db = q._db
     db.check_open()
     tx = Tx(db)
     tx._finished = True
-    steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead)]
+    steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead, poisoned)]
     if db.txlog.sealer is None:
         tx._check_keys(steps, [])
     tx._commit_locked(steps, tx._locks(steps, []), None)
