@@ -275,6 +275,37 @@ def _decode_pending(raw: bytes, path: str) -> list[int]:
     return [_U32.unpack_from(raw, PENDING_HEAD.size + 4 * i)[0] for i in range(count)]
 
 
+def _check_pending(fids: list[int], headers: dict[int, _Header | None], path: str) -> None:
+    """Refuse a compaction marker that a real compaction could not have written.
+
+    A round's marker lists the ids of its input files in increasing order, once each.
+    The inputs were immutable data files when the round started: never the active file,
+    and rotation only ever creates files with newer ids, so the newest data file the
+    shard appends to (``headers``: every data file present) is never named, and a file
+    created just before a crash (a zero header) cannot be an input either.  Named files
+    may already be gone: the crash can come after some of the unlinks.  Open deletes
+    every named file, so a marker that breaks these rules is damage, and nothing is
+    deleted.
+    """
+    what = f"{path}: compaction marker"
+    fix = "nothing was deleted; remove the marker if the shard's files are intact, else restore it from a backup"
+    if any(f < 1 for f in fids) or any(a >= b for a, b in zip(fids, fids[1:])):
+        raise CorruptionError(f"{what} lists file ids {fids}, not increasing ids of data files; {fix}")
+    named = set(fids)
+    appenders = _appenders(headers, set())
+    if appenders and appenders[-1] in named:
+        raise CorruptionError(
+            f"{what} names {_data_name(appenders[-1])}, the active data file, which compaction never "
+            f"touches; {fix}"
+        )
+    torn = sorted(f for f in named if f in headers and headers[f] is None)
+    if torn:
+        raise CorruptionError(
+            f"{what} names {_data_name(torn[0])}, whose header is zero (a file being created, never a "
+            f"compaction input); {fix}"
+        )
+
+
 # -- file headers -------------------------------------------------------------------------
 
 
@@ -1074,6 +1105,8 @@ class BitcaskStore:
                         f"{path}: header names file id {head.fid} (offset 12); restore from a backup"
                     )
             headers[fid] = head
+        if plan.has_marker:
+            _check_pending(plan.pending, headers, os.path.join(sdir, PENDING_NAME))
         for fid in hint_fids:
             path = os.path.join(sdir, _hint_name(fid))
             raw = _read_file_header(path)
@@ -2319,15 +2352,6 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
         findings.append(f"{sdir}: shard folder is missing")
         return
     names = fs.listdir(sdir)
-    if PENDING_NAME in names:
-        path = os.path.join(sdir, PENDING_NAME)
-        try:
-            fids = _decode_pending(fs.read_file(path), path)
-            findings.append(
-                f"{path}: an interrupted compaction is pending (files {fids}); the next open finishes it"
-            )
-        except (FormatError, CorruptionError) as e:
-            findings.append(str(e))
     data: dict[int, str] = {}
     hints: dict[int, str] = {}
     for name in names:
@@ -2340,6 +2364,7 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
             findings.append(f"{path}: leftover temporary file (removed on next open)")
     want = FLAG_ENCRYPTED if encrypted else 0
     heads: dict[int, _Header] = {}
+    all_heads: dict[int, _Header | None] = {}  # with None for a zero header, as open sees them
     for fid, path in sorted(data.items()):
         raw = _read_file_header(path)
         try:
@@ -2347,6 +2372,7 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
         except (FormatError, CorruptionError) as e:
             findings.append(str(e))
             continue
+        all_heads[fid] = head
         if head is None:
             findings.append(f"{path}: data file header is missing or zero (offset 0)")
             continue
@@ -2355,6 +2381,16 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
         if head.flags & FLAG_ENCRYPTED != want:
             findings.append(f"{path}: encryption flag differs from the collection's (offset 10)")
         heads[fid] = head
+    if PENDING_NAME in names:
+        path = os.path.join(sdir, PENDING_NAME)
+        try:
+            fids = _decode_pending(fs.read_file(path), path)
+            _check_pending(fids, all_heads, path)
+            findings.append(
+                f"{path}: an interrupted compaction is pending (files {fids}); the next open finishes it"
+            )
+        except (FormatError, CorruptionError) as e:
+            findings.append(str(e))
     appenders = [fid for fid, h in heads.items() if not h.flags & FLAG_COMPACTED]
     active = max(appenders) if appenders else None
     for fid, head in sorted(heads.items()):

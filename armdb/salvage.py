@@ -41,6 +41,7 @@ from .bitcask import (
     META_NAME,
     PENDING_NAME,
     _appenders,
+    _check_pending,
     _data_name,
     _decode_meta,
     _decode_pending,
@@ -208,6 +209,8 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
     heads = {
         int(m.group(1)): _read_header(os.path.join(sdir, n)) for n in names if (m := _DATA_RE.match(n))
     }
+    if PENDING_NAME in names:  # a marker open refuses would point at the wrong active file
+        _check_pending(sorted(pending), heads, os.path.join(sdir, PENDING_NAME))
     appenders = _appenders(heads, pending)  # as open picks the active file
     if not appenders or heads[appenders[-1]] is None:
         return None  # no data file; or a zero header, which open resets or refuses: not a cut here

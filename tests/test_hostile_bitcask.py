@@ -152,3 +152,76 @@ def _direct_next_valid(data: bytes, after: int) -> int | None:
         if zlib.crc32(data[c + 12 : c + n], zlib.crc32(data[c : c + 8])) == crc:
             return c
     return None
+
+
+# -- item 9: a forged compaction.pending deletes nothing -----------------------------------------
+
+
+def two_file_collection(tmp_path: Path) -> Path:
+    """A map with records in an immutable file 1 and in the active file 2."""
+    coll = tmp_path / "m"
+    store = BitcaskStore.open(str(coll), Config(enable_fsync=False, max_file_size=4096), Gsn())
+    g = Gsn()
+    store.close()
+    store = BitcaskStore.open(str(coll), Config(enable_fsync=False, max_file_size=4096), g)
+    for i in range(200):
+        store.put(b"k%03d" % i, b"v" * 40)
+    store.close()
+    assert len(list(shard(coll).glob("*.data"))) >= 2
+    return coll
+
+
+def files_of(coll: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(shard(coll).iterdir())}
+
+
+def active_fid(coll: Path) -> int:
+    return max(int(p.stem) for p in shard(coll).glob("*.data"))
+
+
+@pytest.mark.parametrize(
+    "fids",
+    [
+        pytest.param("active", id="names-the-active-file"),
+        pytest.param("all", id="names-every-file"),
+        pytest.param([1, 1], id="duplicate-ids"),
+        pytest.param([0], id="id-zero"),
+        pytest.param([2, 1], id="not-increasing"),
+    ],
+)
+def test_s8_forged_compaction_marker_is_refused_and_deletes_nothing(tmp_path: Path, fids: object) -> None:
+    # SPEC S8 (compaction is atomic) and D6: a marker no compaction could write is damage.
+    coll = two_file_collection(tmp_path)
+    act = active_fid(coll)
+    if fids == "active":
+        fids = [act]
+    elif fids == "all":
+        fids = list(range(1, act + 1))
+    raw = bitcask._encode_pending(fids)  # type: ignore[arg-type]
+    if fids == [act]:
+        assert len(raw) == 24
+    (shard(coll) / bitcask.PENDING_NAME).write_bytes(raw)
+    before = files_of(coll)
+    with pytest.raises(CorruptionError, match="compaction marker"):
+        open_store(coll)
+    assert files_of(coll) == before
+    found = check_dir(str(coll))
+    assert any("compaction marker" in f for f in found), found
+    assert not any("next open finishes it" in f for f in found), found
+
+
+def test_s8_real_marker_naming_files_already_unlinked_still_finishes(tmp_path: Path) -> None:
+    # A crash after some unlinks leaves a marker naming files that are gone: still valid.
+    coll = two_file_collection(tmp_path)
+    act = active_fid(coll)
+    assert act >= 3
+    (shard(coll) / "00000001.data").unlink()  # as if the crash came after unlinking input 1
+    hint = shard(coll) / "00000001.hint"
+    if hint.exists():
+        hint.unlink()
+    (shard(coll) / bitcask.PENDING_NAME).write_bytes(bitcask._encode_pending([1, 2]))
+    assert any("next open finishes it" in f for f in check_dir(str(coll)))
+    open_store(coll).close()
+    names = {p.name for p in shard(coll).iterdir()}
+    assert bitcask.PENDING_NAME not in names and "00000002.data" not in names
+    assert f"{act:08d}.data" in names
