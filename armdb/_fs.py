@@ -1,7 +1,7 @@
 """The one module that touches the operating system for storage (RELIABILITY.md section 3).
 
-Every open, read, write, sync, rename, unlink, truncate, lock and memory map that
-armdb does goes through the object in ``armdb._fs.FS``.  Callers always spell it
+Every open, read, write, sync, rename, unlink, truncate, allocation, lock and
+memory map that armdb does goes through the object in ``armdb._fs.FS``.  Callers always spell it
 ``_fs.FS.pwrite(...)`` (attribute lookup at call time), so a test can install a
 fault-injecting or write-recording file system with :func:`use` and every layer
 above sees it.  A guard test greps the package and fails if any other module
@@ -37,6 +37,8 @@ from . import _fail
 from ._core.atomicfile import pwrite_all
 
 PAGE = _mmap.PAGESIZE
+# posix_fallocate errors that mean "this file system cannot allocate", not "no room".
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
 
 __all__ = ["FS", "PAGE", "MappedFile", "RealFS", "SyncFailed", "use"]
 
@@ -133,6 +135,55 @@ class RealFS:
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        """Allocate the disk blocks of ``[offset, offset + length)`` without changing a
+        byte, extending the file when the range ends past it.
+
+        A memory-mapped file gets its blocks here, before its pages are stored into: a
+        store into a page without blocks on a full disk is a ``SIGBUS`` that kills the
+        process, while this call fails with ``OSError(ENOSPC)``.  Where the file system
+        cannot allocate (``EOPNOTSUPP``, ``EINVAL``) the blocks are allocated by writing
+        (:meth:`_allocate_by_writing`), never skipped.
+        """
+        if length <= 0:
+            return
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as e:
+            if e.errno not in _NO_FALLOCATE:
+                raise
+            self._allocate_by_writing(fd, offset, length)
+
+    def _allocate_by_writing(self, fd: int, offset: int, length: int) -> None:
+        """:meth:`fallocate` for file systems without it: zeros written past the end of
+        the file; inside it, every all-zero page is written again with its zeros (a page
+        holding data has its blocks already).  Only called where no one else writes the
+        range (creation, open, growth under the store's lock)."""
+        end = offset + length
+        size = self.size(fd)
+        pos = offset - offset % PAGE
+        chunk = 1 << 20
+        while pos < min(end, size):
+            n = min(chunk, min(end, size) - pos)
+            data = self.pread(fd, n, pos)
+            p = 0
+            while p < len(data):
+                q = min(p + PAGE, len(data))
+                if not any(data[p:q]):
+                    r = q
+                    while r < len(data) and not any(data[r : r + PAGE]):
+                        r = min(r + PAGE, len(data))
+                    self.pwrite(fd, bytes(r - p), pos + p)
+                    q = r
+                p = q
+            pos += n
+        pos = max(pos, size)
+        while pos < end:
+            n = min(chunk, end - pos)
+            self.pwrite(fd, bytes(n), pos)
+            pos += n
+
 
     def flock(self, fd: int) -> bool:
         """Try to take an exclusive lock; ``False`` when someone else holds it."""
@@ -248,7 +299,8 @@ class RealFS:
             self.fsync_dir(os.path.dirname(path) or ".")
 
     def create_file(self, path: str, head: bytes, size: int = 0) -> int:
-        """Create ``path`` holding ``head`` (zero-extended to ``size``) durably and atomically.
+        """Create ``path`` holding ``head`` (zero-extended to ``size``, with its blocks
+        allocated by :meth:`fallocate`) durably and atomically.
 
         The file is built as ``path + ".tmp"``, fsynced, renamed over ``path``, and the
         directory fsynced; the returned ``O_RDWR`` descriptor is the final file's.  So a
@@ -262,7 +314,7 @@ class RealFS:
         try:
             self.pwrite(fd, head, 0)
             if size > len(head):
-                self.ftruncate(fd, size)
+                self.fallocate(fd, 0, size)  # blocks allocated: the file may be mapped
             _synced(self.fsync, fd)
             self.rename(tmp, path)
             _synced(self.fsync_dir, os.path.dirname(path) or ".")

@@ -19,6 +19,8 @@ and a write racing a flush is simply flushed next time.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import struct
@@ -32,7 +34,7 @@ import numpy as np
 from . import _fail, _fs
 from ._core import fixed as _k
 from .config import FixedConfig
-from .errors import CorruptionError, FormatError, StorageError
+from .errors import CorruptionError, FormatError, StorageError, as_storage_error
 
 log = logging.getLogger("armdb")
 
@@ -287,8 +289,12 @@ class FixedShard:
         if version != FORMAT_VERSION or slot_size != self.slot_size:
             raise FormatError(f"{path}: redo file of version {version} / slot size {slot_size} does not "
                               f"match this store; upgrade armdb or restore the directory")
-        if fs.size(fd) < length:
-            fs.ftruncate(fd, length)
+        # Blocks for the whole record before it is mapped (a file an older armdb
+        # extended sparse has none): a full disk is an error here, not a SIGBUS later.
+        try:
+            fs.fallocate(fd, 0, length)
+        except OSError as e:
+            raise as_storage_error(e, f"{path}: allocating {length:,} bytes of disk")
         self.redo_mapped = fs.mmap(fd, length)
         self.redo = np.asarray(self.redo_mapped.array)
 
@@ -352,13 +358,48 @@ class FixedShard:
                 torn += t
         return occupied, torn
 
+    def _allocate(self, fs: _fs.RealFS, start: int, end: int) -> None:
+        """Allocate the disk blocks of bytes ``[start, end)`` of the file (extending it).
+
+        Every page is allocated before it is mapped for writing: a store into a page
+        without blocks on a full disk kills the process with ``SIGBUS``, whereas here a
+        full disk is a ``StorageError`` and nothing has changed: a partial allocation is
+        given back, the map is the old one, the slots already there stay usable, and no
+        poisoning is needed.
+        """
+        if end <= start:
+            return
+        fd = self._fd
+        size = fs.size(fd)
+        try:
+            fs.fallocate(fd, start, end - start)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                if fs.size(fd) > size:
+                    fs.ftruncate(fd, size)
+            slots = (end - max(start, HEADER_PAGE)) // self.slot_size
+            what = f"{self.path}: allocating {end - start:,} bytes of disk for {slots:,} slots"
+            if e.errno == errno.ENOSPC:
+                more = "more " if start > 0 else ""
+                what = f"{self.path}: the disk is full; allocating {end - start:,} bytes for {slots:,} {more}slots"
+                if start > 0:
+                    what += " (the rows already stored stay usable)"
+            raise as_storage_error(e, what)
+
     def _map(self, capacity: int, *, grow_file: bool) -> None:
         fs = _fs.FS
         length = HEADER_PAGE + capacity * self.slot_size
-        if grow_file:
-            fs.ftruncate(self._fd, length)
-            _fail.point("fixed.after_grow")
         old_versions = getattr(self, "versions", None)
+        if old_versions is None:
+            # Open: the whole file, whose holes (a file an older armdb left sparse) would
+            # otherwise be pages without blocks.  Fast where the blocks exist already.
+            size = fs.size(self._fd)
+            if size > length:
+                fs.ftruncate(self._fd, length)  # a ragged partial slot at the end
+            self._allocate(fs, 0, length)
+        # (Growth: _remap_to allocated the new slots' blocks before it called this.)
+        if grow_file:
+            _fail.point("fixed.after_grow")
         self.mapped = fs.mmap(self._fd, length)
         # A plain ndarray view of the np.memmap: indexing an np.memmap subclass costs
         # microseconds per access (__array_finalize__), which the hot path cannot pay.
@@ -397,6 +438,8 @@ class FixedShard:
     def _remap_to(self, new: int) -> None:
         """Extend the file to ``new`` slots, remap, and extend the status array."""
         old = self.capacity
+        # First the blocks: a full disk fails here, with nothing changed and nothing poisoned.
+        self._allocate(_fs.FS, HEADER_PAGE + old * self.slot_size, HEADER_PAGE + new * self.slot_size)
         try:
             self.mapped.flush()
             self._map(new, grow_file=True)

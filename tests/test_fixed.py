@@ -165,7 +165,7 @@ def test_s1_queue_row_key_and_header_are_byte_exact(db_path: Path) -> None:
     assert_clean(db_path)
 
 
-# ---------------------------------------------------------------------- S2: version vector, sparse file
+# ---------------------------------------------------------------------- S2: version vector, allocated file
 
 
 @pytest.mark.parametrize("shards", [1, 2])
@@ -182,7 +182,9 @@ def test_s2_version_vector_is_400000_bytes_per_shard(db_path: Path, shards: int)
             logical = path.stat().st_size
             assert logical == HEADER_PAGE + 100_000 * SLOT
             physical = path.stat().st_blocks * 512
-            assert physical < logical // 20, (physical, logical)  # sparse until written
+            # Blocks allocated when the file grows, not sparse: on a full disk a store
+            # into the map would otherwise be a SIGBUS (tests/test_full_disk.py).
+            assert logical <= physical < logical + 1024 * 1024, (physical, logical)
         assert st_.header_file_logical_bytes == shards * (HEADER_PAGE + 100_000 * SLOT)
 
 

@@ -6,7 +6,7 @@ installs one of the classes below for a block.
 ``RecordingFS``
     Forwards every call to the real file system and appends each *mutating* call,
     with its bytes, to ``trace``: file creation, ``mkdir``, ``pwrite``, ``ftruncate``
-    (and ``O_TRUNC``), ``rename``, ``unlink``, ``fsync``/``fdatasync``, ``msync``,
+    (and ``O_TRUNC``; a ``fallocate`` that extends a file is recorded as one), ``rename``, ``unlink``, ``fsync``/``fdatasync``, ``msync``,
     ``fsync`` of a directory, and every store into a memory map (reported by the
     library through ``MappedFile.wrote``; recorded as a snapshot of each touched
     page, because the kernel writes back pages, not stores).  The workload adds its
@@ -38,8 +38,9 @@ installs one of the classes below for a block.
       "powersafe overwrite").  A torn page keeps a random subset of its sectors.
 
 ``FaultFS``
-    Counts calls per operation kind and raises ``OSError(EIO)`` or
-    ``OSError(ENOSPC)`` at the k-th counted call, once or on every later call too
+    Counts calls per operation kind (open, write, sync, trunc, alloc, rename, unlink,
+    mkdir, mmap, read) and raises ``OSError(EIO)`` or ``OSError(ENOSPC)`` at the k-th
+    counted call, once or on every later call too
     (the SQLite ioerr loop).  Only calls made by the thread that created it are
     counted, so background threads cannot make the count nondeterministic.
 """
@@ -212,6 +213,17 @@ class RecordingFS(RealFS):
             ino = self.fd_ino.get(fd)
             if ino is not None:
                 self._add(("t", ino, size))
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        # Allocation changes no byte; past the end it extends the file, which the crash
+        # model sees as a truncate to the new size (a zero-filling fallback's writes
+        # are recorded by pwrite itself).
+        with self.lock:
+            size = super().size(fd)
+            super().fallocate(fd, offset, length)
+            ino = self.fd_ino.get(fd)
+            if ino is not None and offset + length > size:
+                self._add(("t", ino, offset + length))
 
     def fsync(self, fd: int) -> None:
         with self.lock:
@@ -622,7 +634,7 @@ def cut_points(trace: list[tuple[Any, ...]], *, exhaustive: bool = False) -> lis
 # Fault injection
 # ---------------------------------------------------------------------------------------------
 
-ALL_KINDS = frozenset({"open", "write", "sync", "trunc", "rename", "unlink", "mkdir", "mmap", "read"})
+ALL_KINDS = frozenset({"open", "write", "sync", "trunc", "alloc", "rename", "unlink", "mkdir", "mmap", "read"})
 MUTATING_KINDS = ALL_KINDS - {"read"}
 
 
@@ -632,7 +644,9 @@ class FaultFS(RealFS):
 
     ``kinds`` selects which operation kinds are counted (default: every mutating kind
     plus ``open``).  A failing ``write`` writes the first half of its data first when
-    ``partial`` is set (a short write followed by an error).
+    ``partial`` is set (a short write followed by an error); a failing ``alloc``
+    (``fallocate``, block allocation when a file is created or grows) then extends the
+    file by half the range first, as a file system that ran out of space half way may.
     """
 
     def __init__(
@@ -711,6 +725,15 @@ class FaultFS(RealFS):
         if self._hit("trunc", str(fd)):
             self._raise(f"ftruncate fd {fd} to {size}")
         super().ftruncate(fd, size)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        if length > 0 and self._hit("alloc", str(fd)):
+            size = super().size(fd)
+            half = offset + length // 2
+            if self.partial and half > size:
+                super().ftruncate(fd, half)
+            self._raise(f"fallocate fd {fd} ({length} bytes at {offset})")
+        super().fallocate(fd, offset, length)
 
     # -- paths -----------------------------------------------------------------------------------
     def makedirs(self, path: str) -> None:

@@ -2,11 +2,13 @@
 
 For each short workload x {once, persistent} x {EIO, ENOSPC}: a dry run on
 :class:`~tests.reliability.faultfs.FaultFS` counts the K storage calls the workload
-makes (open, pwrite, fsync/fdatasync/msync/directory fsync, ftruncate, rename,
-unlink, mkdir, mmap) and records the state after every operation.  Then, for every
+makes (open, pwrite, fsync/fdatasync/msync/directory fsync, ftruncate, fallocate
+(block allocation when a mapped file is created or grows), rename, unlink, mkdir,
+mmap) and records the state after every operation.  Then, for every
 k in 1..K, the workload runs again from the same base with ``OSError(errno)``
 injected at call k (and, in persistent mode, at every later call; every second k
-also writes half of a failing ``pwrite`` first).  The first operation that raises
+also writes half of a failing ``pwrite`` first, or extends the file by half of a
+failing ``fallocate``).  The first operation that raises
 ends the workload.  Checked:
 
 * the error is an ``armdb.errors`` class, never a bare ``OSError``, ``IndexError``,
@@ -15,6 +17,8 @@ ends the workload.  Checked:
   failure is the state before or after the failed operation;
 * S12: after a failed sync, a write to the collection whose file failed to sync
   raises ``StorageError`` (never retried), and reads keep working;
+* after a failed append or a failed block allocation (a full disk), the collection
+  stays writable: once the disk has room again a write to it succeeds;
 * no file descriptor leaks (``/proc/self/fd`` before and after open + workload + close,
   the SQLite leak check);
 * reopening with the real file system shows the state before or after the failed
@@ -257,7 +261,7 @@ def _after_failure(wl: Workload, sess: Session, fs: FaultFS | None, res: RunResu
     res.inproc = got  # type: ignore[attr-defined]
     if fs is None:
         return
-    if not fs.persistent and fs.first_kind == "write" and isinstance(res.error, StorageError):
+    if not fs.persistent and fs.first_kind in ("write", "alloc") and isinstance(res.error, StorageError):
         _retry_probe(wl, sess, fs, res)
         return
     target = _sync_target(fs)
@@ -291,8 +295,9 @@ PROBE_KEY = b"probe-after-enospc"
 
 def _retry_probe(wl: Workload, sess: Session, fs: FaultFS, res: RunResult) -> None:
     """A failed append is undone and the store stays writable (docs/format_bitcask.md,
-    RELIABILITY 4(c) 4): once the disk has room again, a write to the same collection
-    succeeds.  The probe's row or key is ignored when the state is judged."""
+    RELIABILITY 4(c) 4), and so does a failed allocation of a growing header file
+    (docs/format.md, Size and growth): once the disk has room again, a write to the
+    same collection succeeds.  The probe's row or key is ignored when the state is judged."""
     path = fs.fired[0][2]
     target = fs.paths.get(int(path)) if path.isdigit() else None
     if target is None or "collections" not in target.split(os.sep):
@@ -603,7 +608,7 @@ def test_read_fault_every_k(name: str, scratch: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind", ["write", "sync", "trunc", "rename", "unlink", "mkdir", "mmap", "open", "read"]
+    "kind", ["write", "sync", "trunc", "alloc", "rename", "unlink", "mkdir", "mmap", "open", "read"]
 )
 def test_fault_every_k_per_kind_nightly(kind: str, scratch: str) -> None:
     """Nightly: every k counted over one kind only, persistent, for every workload."""
@@ -634,7 +639,7 @@ def _first_kind_fault_in_open(kind: str, path: str) -> BaseException | None:
     return None
 
 
-@pytest.mark.parametrize("kind", ["open", "write", "sync", "trunc", "mkdir", "mmap", "unlink"])
+@pytest.mark.parametrize("kind", ["open", "write", "sync", "trunc", "alloc", "mkdir", "mmap", "unlink"])
 def test_e_io_error_while_opening_is_a_storage_error(kind: str, scratch: str) -> None:
     """E/S12: an I/O error while opening a database or a queue surfaces as
     ``armdb.errors.StorageError`` (an ``OSError`` subclass), never as a bare ``OSError``."""
@@ -660,6 +665,35 @@ def test_s12_failed_msync_while_growing_is_typed_and_poisons(scratch: str) -> No
     with pytest.raises(StorageError):
         s.run("push:fq")  # S12: refused until reopen
     s.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+def test_s2_failed_allocation_while_growing_is_typed_and_keeps_the_store_usable(err: int, scratch: str) -> None:
+    """Growing a header file allocates its new blocks (fallocate) before mapping them,
+    so that a full disk is an error and not a SIGBUS.  A failed allocation raises
+    StorageError (saying the disk is full for ENOSPC), poisons nothing: the rows
+    already stored keep leasing and acking, and the next push grows the file once
+    the disk has room."""
+    d = os.path.join(scratch, "db")
+    s = Session(GROW, d).open()
+    try:
+        s.run("push:fq")
+        s.run("push:fq")  # the grow step (2 slots) is full now
+        fs = FaultFS(1, err=err, kinds=frozenset({"alloc"}), partial=True)
+        with _fs.use(fs), pytest.raises(StorageError) as info:
+            s.run("push:fq")
+        assert fs.fired, "the push did not grow the store"
+        if err == errno.ENOSPC:
+            assert "the disk is full" in str(info.value), info.value
+        shard = s.queues["fq"]._headers.shards[0]
+        assert os.path.getsize(shard.path) == 4096 + 2 * shard.slot_size, "the failed growth was not undone"
+        assert s.run("lease:fq") and s.run("ack:fq") is not None
+        s.run("push:fq")  # the disk has room again: this push grows the file
+        s.run("push:fq")
+        assert len(s.capture()[0][1]) == 3
+    finally:
+        s.close()
+    assert armdb.check(d).ok
 
 
 def test_e_txlog_start_file_failure_leaks_no_descriptor(scratch: str) -> None:

@@ -1,0 +1,255 @@
+"""A full disk is a ``StorageError``, never a signal, and loses nothing (SPEC S2, S12, E).
+
+``fixed.data`` and ``fixed.redo`` are memory-mapped and written through the map.  A
+store into a page whose blocks were never allocated must allocate them at fault
+time; on a full file system that fails with ``SIGBUS`` and kills the process.  So
+the store allocates the blocks (``fallocate``) when it creates or grows a file,
+before the new range is mapped, and a full disk shows up there, as an error from a
+system call.
+
+These tests mount a real, size-limited tmpfs (root is needed; CI runs as root), fill
+it, and run the workload in a child process, so that a ``SIGBUS`` ends the child
+with exit code -7 and fails the test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import armdb
+
+ROOT = Path(__file__).resolve().parent.parent
+MOUNT_SIZE = "4m"
+CHILD_TIMEOUT = 120
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted in the test's directory, unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={MOUNT_SIZE}", "tmpfs", str(mnt)],
+        capture_output=True, text=True, check=False,
+    )
+    if r.returncode != 0:
+        pytest.fail(
+            f"this test needs root (CAP_SYS_ADMIN) to mount a size-limited tmpfs at {mnt}: "
+            f"mount exited {r.returncode}: {r.stderr.strip()}",
+            pytrace=False,
+        )
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+
+
+# The child: open a database on the small file system, fill the disk, push until the
+# disk is full, and report on stdout (JSON) which calls returned and which raised.
+CHILD = textwrap.dedent(
+    r"""
+    import errno, faulthandler, json, os, sys
+    faulthandler.enable()
+    import numpy as np
+    import armdb
+    from armdb import Db, FixedConfig, QueueConfig, Config
+    from armdb.errors import ArmdbError, StorageError
+
+    db_dir, filler, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    FIX = armdb.queue("fq", payload=np.dtype([("n", "<u8"), ("pad", "S56")]))
+    VAR = armdb.queue("vq", payload=bytes, var=True)
+    FIX_STEP, VAR_STEP = 256, 1024  # grow steps: 32 KiB and 64 KiB of header file
+    def qconf(step):
+        header = FixedConfig.balanced().grow_step(step).build()
+        return QueueConfig.balanced().header_config(header).backoff_secs([0]).build()
+    out = {"fixed": [], "var": [], "errors": [], "map": {}}
+
+    def fill(leave):
+        # Fill the file system completely, then give back ``leave`` bytes.
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        chunk = b"\xff" * 65536
+        try:
+            while True:
+                os.write(fd, chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        os.close(fd)
+        give_back(leave)
+
+    def give_back(n):
+        os.truncate(filler, max(0, os.stat(filler).st_size - n))
+
+    def err(where, e):
+        out["errors"].append([where, type(e).__name__, str(e)])
+
+    def push(name, q, n):
+        try:
+            out[name].append([q.push(b"v%08d" % n if name == "var" else (n, b"f%d" % n)), n])
+        except ArmdbError as e:
+            err("push " + name, e)
+            return False
+        return True
+
+    db = Db.open(db_dir)
+    fq = db.open_queue(FIX, qconf(FIX_STEP))
+    vq = db.open_queue(VAR, qconf(VAR_STEP))
+    m = db.open_map("m", Config.balanced().build())
+    if mode == "queues":
+        n = 0
+        for n in range(1, VAR_STEP - 64 + 1):
+            assert push("var", vq, n)
+        # 64 free header slots of the var queue, room for their bodies, less than its
+        # next grow step: the header file's growth meets the full disk.
+        fill(64 * 256 + 8192)
+        failed = 0
+        while failed < 5:
+            n += 1
+            failed += not push("var", vq, n)
+        # Room again for some grow steps; push to both until each has failed several
+        # times (a failure must not poison what follows: each later push fails the
+        # same typed way or succeeds).
+        give_back(384 * 1024)
+        failed = {"fixed": 0, "var": 0}
+        while min(failed.values()) < 5 and n < 100_000:
+            n += 1
+            for name, q in (("fixed", fq), ("var", vq)):
+                if failed[name] < 5:
+                    failed[name] += not push(name, q, n)
+        out["pushes"] = n
+        # The disk is still full: rows the fixed queue already has keep leasing and acking.
+        got = fq.lease(3)
+        out["leased_fixed"] = [x.id for x in got]
+        for x in got[:2]:
+            fq.ack(x.token)
+        out["acked_fixed"] = [x.id for x in got[:2]]
+        out["nacked_fixed"] = []
+        for x in got[2:]:
+            fq.nack(x.token, delay=0)
+            out["nacked_fixed"].append(x.id)
+        try:
+            out["leased_var"] = [x.id for x in vq.lease(2)]
+        except ArmdbError as e:
+            err("lease var", e)
+    else:
+        for i in range(20):
+            m.put(b"k%d" % i, b"value-%d" % i * 20)
+        fill(0)
+        try:
+            for i in range(20, 10_000):
+                m.put(b"k%d" % i, b"value-%d" % i * 20)
+                out["map"][str(i)] = True
+        except ArmdbError as e:
+            err("map put", e)
+        out["map_after"] = {k.decode(): v.decode() for k, v in m.items() if int(k[1:]) < 20}
+    try:
+        db.close()
+    except ArmdbError as e:
+        err("close", e)
+        db.shutdown()
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def run_child(db_dir: Path, filler: Path, mode: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(db_dir), str(filler), mode],
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=env, cwd=str(ROOT), check=False,
+    )
+    if r.returncode < 0:
+        name = signal.Signals(-r.returncode).name
+        pytest.fail(f"the workload on a full disk was killed by {name} (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    assert r.returncode == 0, f"the workload child failed (exit {r.returncode}):\n{r.stderr[-3000:]}"
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, f"no result from the child:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) -> None:
+    """Push to a fixed and a var queue until the disk is full: the process survives,
+    every failed push raised StorageError, rows already stored keep leasing and
+    acking, and after freeing space a reopen has every push that returned."""
+    import numpy as np
+
+    db_dir, filler = small_fs / "db", small_fs / "filler"
+    out = run_child(db_dir, filler, "queues")
+    kinds = {(where, cls) for where, cls, _msg in out["errors"] if where.startswith("push")}
+    assert {w for w, _ in kinds} == {"push fixed", "push var"}, f"the disk never filled: {out['errors'][:4]}"
+    assert {cls for _, cls in kinds} == {"StorageError"}, out["errors"][:6]
+    # Both header files met the full disk while growing, and said so.
+    for name in ("fixed", "var"):
+        msgs = [msg for where, _c, msg in out["errors"] if where == "push " + name]
+        assert any("fixed.data: the disk is full" in msg for msg in msgs), msgs[:3]
+    # Several grow steps (256 slots each) succeeded before the disk filled.
+    assert len(out["fixed"]) > 3 * 256 and len(out["var"]) > 1024, (len(out["fixed"]), len(out["var"]))
+    assert len(out["acked_fixed"]) == 2, out
+    bad = [e for e in out["errors"] if not e[0].startswith("push") and e[0] != "close"]
+    assert not [e for e in bad if e[0] != "lease var"], bad
+    assert all(cls == "StorageError" for _w, cls, _m in out["errors"]), out["errors"]
+
+    filler.unlink()  # free the space, then reopen
+    fix = armdb.queue("fq", payload=np.dtype([("n", "<u8"), ("pad", "S56")]))
+    var = armdb.queue("vq", payload=bytes, var=True)
+    acked = set(out["acked_fixed"])
+    later = int(time.time() * 1000) + 7_200_000  # past the leases the child left open
+    with armdb.Db.open(db_dir, clock=lambda: later) as db:
+        def qconf(step: int) -> armdb.QueueConfig:
+            return armdb.QueueConfig.balanced().header_config(
+                armdb.FixedConfig.balanced().grow_step(step).build()).build()
+        fq = db.open_queue(fix, qconf(256))
+        vq = db.open_queue(var, qconf(1024))
+        want_fixed = {i: n for i, n in out["fixed"] if i not in acked}
+        want_var = {i: n for i, n in out["var"]}
+        got_fixed = {x.id: x.payload for x in fq.lease(len(want_fixed) + 10)}
+        got_var = {x.id: x.payload for x in vq.lease(len(want_var) + 10)}
+        assert set(got_fixed) == set(want_fixed), (
+            f"fixed: {len(set(want_fixed) - set(got_fixed))} returned push(es) missing, "
+            f"{len(set(got_fixed) - set(want_fixed))} unexpected"
+        )
+        assert set(got_var) == set(want_var), (
+            f"var: {len(set(want_var) - set(got_var))} returned push(es) missing, "
+            f"{len(set(got_var) - set(want_var))} unexpected"
+        )
+        for i, n in want_fixed.items():
+            assert int(got_fixed[i]["n"]) == n and bytes(got_fixed[i]["pad"]) == b"f%d" % n
+        for i, n in want_var.items():
+            assert got_var[i] == b"v%08d" % n
+        # With room again, the queues grow and accept pushes.
+        for k in range(1100):
+            fq.push((k, b"again"))
+            vq.push(b"again")  # past 2,048 rows: the var header file grows too
+    rep = armdb.check(db_dir)
+    assert rep.ok, rep.findings
+
+
+def test_s12_full_disk_map_put_is_a_storage_error_and_keeps_data(small_fs: Path) -> None:
+    """A map put on a full disk raises StorageError; what was stored stays readable,
+    in the process and after a reopen with space freed."""
+    db_dir, filler = small_fs / "db", small_fs / "filler"
+    out = run_child(db_dir, filler, "map")
+    puts = [e for e in out["errors"] if e[0] == "map put"]
+    assert len(puts) == 1 and puts[0][1] == "StorageError", out["errors"]
+    want = {f"k{i}": f"value-{i}" * 20 for i in range(20)}
+    assert out["map_after"] == want
+    filler.unlink()
+    with armdb.Db.open(db_dir) as db:
+        m = db.open_map("m")
+        for i in range(20):
+            assert m.get(b"k%d" % i) == (b"value-%d" % i * 20)
+        extra = [int(k) for k in out["map"]]
+        for i in extra:
+            assert m.get(b"k%d" % i) == (b"value-%d" % i * 20)
+        m.put(b"after", b"room again")
+    rep = armdb.check(db_dir)
+    assert rep.ok, rep.findings
