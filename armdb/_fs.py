@@ -28,6 +28,7 @@ import errno
 import fcntl
 import mmap as _mmap
 import os
+import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,12 @@ from . import _fail
 from ._core.atomicfile import pwrite_all
 
 PAGE = _mmap.PAGESIZE
+# New files and folders are private to their owner, like PostgreSQL's data directory
+# (docs/operations.md, "File permissions").  A umask can only take bits away; inside a
+# setgid folder they also get that folder's group bits, which is how a database is
+# shared with a group.  Existing files keep their modes.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 # posix_fallocate errors that mean "this file system cannot allocate", not "no room".
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
 
@@ -93,7 +100,9 @@ class RealFS:
     """The production file system: thin wrappers over ``os`` with full-write loops."""
 
     # -- descriptors -------------------------------------------------------------
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, path: str, flags: int, mode: int = FILE_MODE) -> int:
+        if flags & os.O_CREAT and mode == FILE_MODE:
+            mode = _creation_mode(path, FILE_MODE)
         return os.open(path, flags | os.O_CLOEXEC, mode)
 
     def close(self, fd: int) -> None:
@@ -221,7 +230,7 @@ class RealFS:
         if parent != path:
             self.makedirs(parent)
         try:
-            os.mkdir(path)
+            os.mkdir(path, _creation_mode(path, DIR_MODE))
         except FileExistsError:
             if not os.path.isdir(path):
                 raise
@@ -283,8 +292,9 @@ class RealFS:
     def write_file_atomic(self, path: str, data: bytes, *, sync: bool = True) -> None:
         """Write ``path`` by tmp + fsync + rename + fsync of the directory."""
         tmp = path + ".tmp"
-        fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        fd = self.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
         try:
+            _keep_mode(fd, path)
             self.pwrite(fd, data, 0)
             if sync:
                 self.fsync(fd)
@@ -310,8 +320,9 @@ class RealFS:
         the ``.tmp`` file, which the creator's next open deletes.
         """
         tmp = path + ".tmp"
-        fd = self.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        fd = self.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
         try:
+            _keep_mode(fd, path)
             self.pwrite(fd, head, 0)
             if size > len(head):
                 self.fallocate(fd, 0, size)  # blocks allocated: the file may be mapped
@@ -337,6 +348,29 @@ class RealFS:
 
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
         mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
+
+
+def _creation_mode(path: str, base: int) -> int:
+    """``base`` (``FILE_MODE`` or ``DIR_MODE``), plus the group bits of the folder that
+    will hold ``path`` when that folder is setgid (a folder shared with a group)."""
+    try:
+        parent = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return base
+    if not parent.st_mode & stat.S_ISGID:
+        return base
+    group = parent.st_mode & (0o070 if base == DIR_MODE else 0o060)
+    return base | group
+
+
+def _keep_mode(fd: int, path: str) -> None:
+    """Give ``fd``, a tmp file about to be renamed over ``path``, the mode ``path`` has
+    now, or a new file's mode (a stale tmp file keeps its own mode when reopened)."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = _creation_mode(path, FILE_MODE)
+    os.fchmod(fd, mode)
 
 
 def _synced(fn: Callable[[Any], None], arg: Any) -> None:

@@ -284,3 +284,89 @@ def test_d9_path_must_be_text(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="path"):
         Db.open(os.fsencode(tmp_path / "db"))  # type: ignore[arg-type]
     assert not (tmp_path / "db").exists()
+
+
+# ------------------------------------------------------------------------ file modes
+
+
+def every_kind_workload(path: Path) -> None:
+    """Create every kind of file armdb writes: fixed and var queues, a map with rotated,
+    compacted and hinted files, logged transactions, id blocks, a reopen, a check."""
+    clock = FakeClock()
+    small_files = Config.balanced().max_file_size(64 * 1024).build()
+    with Db.open(path, clock=clock) as db:
+        q = db.open_queue(Pings, SMALL)
+        jobs = db.open_queue(Jobs)
+        m = db.open_map("m", small_files)
+        for i in range(3000):  # past an id block, so the seqmap is rewritten
+            q.push((i, i))
+        leases = q.lease(10)
+        q.ack(leases[0].token)
+        q.nack(leases[1].token, dead=True)
+        for i in range(200):  # rotates the map's active file
+            m.put(i, "x" * 500)
+        for i in range(100):
+            m.put(i, "y")
+        m.store.compact()  # rewrites the live part of the first file, with a hint
+        for i in range(50):
+            jobs.push(Job(i, "r"))
+        with db.tx() as tx:
+            tx.put(m, "k", "v").push(jobs, Job(99, "tx"))
+        (lz,) = jobs.lease(1)
+        db.tx().ack(jobs, lz.token).put(m, "done", 1).commit()
+    with Db.open(path, clock=clock) as db:
+        db.open_queue(Pings, SMALL).push((1, 1))
+        db.open_queue(Jobs).push(Job(1, "again"))
+        assert db.open_map("m", small_files).get("k") == "v"
+    assert check(path).ok
+
+
+def loose_modes(path: Path) -> list[str]:
+    """Every entry at or under ``path`` that its group or other users may access."""
+    out = []
+    for p in [path, *path.rglob("*")]:
+        mode = p.lstat().st_mode
+        if not stat.S_ISLNK(mode) and mode & 0o077:
+            out.append(f"{p.relative_to(path.parent)}: {stat.filemode(mode)}")
+    return out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask022", "umask000"])
+def test_new_files_and_folders_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    path = tmp_path / "parent" / "db"  # a missing parent is created private too
+    old = os.umask(umask)
+    try:
+        every_kind_workload(path)
+    finally:
+        os.umask(old)
+    names = {p.name for p in path.rglob("*")}
+    assert {"LOCK", "db.meta", "seqmap", "fixed.data", "queue.meta"} <= names
+    assert any(n.endswith(".hint") for n in names) and any(n.endswith(".data") for n in names)
+    assert loose_modes(path.parent) == []
+
+
+def test_existing_modes_are_kept(db_path: Path) -> None:
+    small_db(db_path)
+    shared = [db_path, db_path / "db.meta", db_path / "seqmap", db_path / "LOCK", db_path / "collections"]
+    for p in shared:
+        p.chmod(0o750 if p.is_dir() else 0o640)
+    every_kind_workload(db_path)  # rewrites seqmap (tmp + rename) and LOCK
+    for p in shared:
+        assert stat.S_IMODE(p.stat().st_mode) == (0o750 if p.is_dir() else 0o640), p
+
+
+def test_a_setgid_folder_shares_new_files_with_its_group(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    path.mkdir()
+    path.chmod(0o2750)  # chmod g+rxs: the group may read what armdb creates here
+    old = os.umask(0o022)
+    try:
+        every_kind_workload(path)
+    finally:
+        os.umask(old)
+    for p in path.rglob("*"):
+        mode = stat.S_IMODE(p.stat().st_mode)
+        if p.is_dir():
+            assert mode == 0o2750, (p, oct(mode))
+        else:
+            assert mode == 0o640, (p, oct(mode))
