@@ -27,10 +27,30 @@ from pathlib import Path
 import pytest
 
 import armdb
+from tests.reliability.journal import report_line
 
 ROOT = Path(__file__).resolve().parent.parent
 MOUNT_SIZE = "4m"
 CHILD_TIMEOUT = 120
+
+# Figures of this module's runs, for its RELIABILITY line (the CI figures table).
+FIGURES = {"runs": 0, "pushes_returned": 0, "puts_returned": 0, "storage_errors": 0, "signals": 0,
+           "untyped_exceptions": 0, "lost": 0, "check_failures": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request: pytest.FixtureRequest) -> Iterator[None]:
+    t0 = time.monotonic()
+    yield
+    f = FIGURES
+    line = (
+        f"RELIABILITY full-disk runs={f['runs']} pushes_returned={f['pushes_returned']} "
+        f"puts_returned={f['puts_returned']} storage_errors={f['storage_errors']} "
+        f"violations={f['signals'] + f['untyped_exceptions']} signals={f['signals']} "
+        f"untyped_exceptions={f['untyped_exceptions']} lost={f['lost']} "
+        f"check_failures={f['check_failures']} fs=tmpfs:{MOUNT_SIZE} seconds={time.monotonic() - t0:.0f}"
+    )
+    report_line(line, request)
 
 
 @pytest.fixture
@@ -167,13 +187,20 @@ def run_child(db_dir: Path, filler: Path, mode: str) -> dict:
         [sys.executable, "-c", CHILD, str(db_dir), str(filler), mode],
         capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=env, cwd=str(ROOT), check=False,
     )
+    FIGURES["runs"] += 1
     if r.returncode < 0:
+        FIGURES["signals"] += 1
         name = signal.Signals(-r.returncode).name
         pytest.fail(f"the workload on a full disk was killed by {name} (exit {r.returncode}):\n{r.stderr[-3000:]}")
     assert r.returncode == 0, f"the workload child failed (exit {r.returncode}):\n{r.stderr[-3000:]}"
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, f"no result from the child:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-    return json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT "):])
+    FIGURES["pushes_returned"] += len(out["fixed"]) + len(out["var"])
+    FIGURES["puts_returned"] += len(out["map"])
+    FIGURES["storage_errors"] += sum(cls == "StorageError" for _w, cls, _m in out["errors"])
+    FIGURES["untyped_exceptions"] += sum(cls != "StorageError" for _w, cls, _m in out["errors"])
+    return out
 
 
 def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) -> None:
@@ -213,6 +240,7 @@ def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) 
         want_var = {i: n for i, n in out["var"]}
         got_fixed = {x.id: x.payload for x in fq.lease(len(want_fixed) + 10)}
         got_var = {x.id: x.payload for x in vq.lease(len(want_var) + 10)}
+        FIGURES["lost"] += len(set(want_fixed) - set(got_fixed)) + len(set(want_var) - set(got_var))
         assert set(got_fixed) == set(want_fixed), (
             f"fixed: {len(set(want_fixed) - set(got_fixed))} returned push(es) missing, "
             f"{len(set(got_fixed) - set(want_fixed))} unexpected"
@@ -230,6 +258,7 @@ def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) 
             fq.push((k, b"again"))
             vq.push(b"again")  # past 2,048 rows: the var header file grows too
     rep = armdb.check(db_dir)
+    FIGURES["check_failures"] += not rep.ok
     assert rep.ok, rep.findings
 
 
@@ -245,11 +274,13 @@ def test_s12_full_disk_map_put_is_a_storage_error_and_keeps_data(small_fs: Path)
     filler.unlink()
     with armdb.Db.open(db_dir) as db:
         m = db.open_map("m")
+        extra = [int(k) for k in out["map"]]
+        FIGURES["lost"] += sum(m.get(b"k%d" % i) != (b"value-%d" % i * 20) for i in [*range(20), *extra])
         for i in range(20):
             assert m.get(b"k%d" % i) == (b"value-%d" % i * 20)
-        extra = [int(k) for k in out["map"]]
         for i in extra:
             assert m.get(b"k%d" % i) == (b"value-%d" % i * 20)
         m.put(b"after", b"room again")
     rep = armdb.check(db_dir)
+    FIGURES["check_failures"] += not rep.ok
     assert rep.ok, rep.findings
