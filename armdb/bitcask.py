@@ -1680,6 +1680,7 @@ class BitcaskStore:
         self.check_writable()
         for sh in self._shards:
             with sh.lock:
+                self._check_open()  # a close may have closed the descriptors meanwhile
                 if sh.dirty:
                     self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
                     sh.dirty = False
@@ -2261,6 +2262,10 @@ class BitcaskStore:
         """
         if self._closed:
             return
+        # Closed first: an operation racing the close finds the flag under the shard
+        # lock (every descriptor use happens under it) and raises DbClosed, instead of
+        # using a descriptor closed here, whose number another open file may reuse.
+        self._closed = True
         err: BaseException | None = None
         for sh in self._shards:
             with sh.compact_lock, sh.lock:
@@ -2279,7 +2284,6 @@ class BitcaskStore:
                 sh.files = {}
                 sh.index = {}
                 sh.tombs = {}
-        self._closed = True
         if err is not None:
             raise err
 

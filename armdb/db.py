@@ -384,10 +384,14 @@ class Db:
             raise DbClosed(f"database {self.path!r}{self._closed_why}")
 
     def close(self) -> None:
-        """Flush every collection and release the directory lock.  Stop writers first.
+        """Flush every collection and release the directory lock.
 
         A second call is a no-op.  Background threads are told to stop; ``shutdown``
-        also waits for them.
+        also waits for them.  Other threads may still be using the database: each of
+        their calls either completes before the close reaches its collection or raises
+        ``DbClosed``.  Every store is closed under its own locks (the ones each
+        operation holds while it touches the store's files and mappings) and marked
+        closed, so nothing ever touches a file or mapping after it was closed.
         """
         with self._lock:
             if self._closed:
@@ -397,9 +401,12 @@ class Db:
                 w.stop()
             queues = list(self._queues.values())
             stores = list(self._stores.values())
-        for q in queues:
-            q._on_db_close()
         errors: list[BaseException] = []
+        for q in queues:
+            try:
+                q._on_db_close()
+            except BaseException as e:
+                errors.append(e)
         try:
             self.txlog.checkpoint()  # syncs every store, then trims the applied log
         except BaseException as e:
@@ -409,11 +416,17 @@ class Db:
                 s.close()
             except BaseException as e:  # close every store even if one fails
                 errors.append(e)
+        # Commits that raced the checkpoint keep their records in the log (the next open
+        # replays them, skipping rows the stores hold), and no commit appends once every
+        # store is closed, so the log is closed without a second checkpoint.
         try:
-            self.txlog.close()
+            self.txlog.close_file()
         except BaseException as e:
             errors.append(e)
-        self.seqmap.close()  # its write ahead ends before the directory lock is released
+        try:
+            self.seqmap.close()  # its write ahead ends before the directory lock is released
+        except BaseException as e:
+            errors.append(e)
         if self._dirlock is not None:
             self._dirlock.release()
             self._dirlock = None

@@ -14,7 +14,10 @@ Lock policy: each :class:`FixedShard` has one ``threading.Lock``.  Callers (the 
 layer, the transaction log) hold it around every slot allocation, write and free of
 that shard.  ``sync`` takes it only to snapshot the dirty range; the msync itself runs
 outside the lock, because the kernel flushes pages that later writers may touch again
-and a write racing a flush is simply flushed next time.
+and a write racing a flush is simply flushed next time.  ``close`` syncs, drops the
+views and unmaps under the lock and marks the shard closed (``sf.closed``), so every
+access made under the lock afterwards raises ``DbClosed`` instead of touching the
+unmapped file (``SlotFile`` checks it in every method that reads or writes the map).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 from . import _fail, _fs
 from ._core import fixed as _k
 from .config import FixedConfig
-from .errors import CorruptionError, FormatError, StorageError, as_storage_error
+from .errors import CorruptionError, DbClosed, FormatError, StorageError, as_storage_error
 
 log = logging.getLogger("armdb")
 
@@ -152,7 +155,7 @@ class FixedShard:
         self.poisoned: BaseException | None = None
         self.sync_error: StorageError | None = None  # stashed by _wrote_or_stash
         self.repaired_on_open = 0
-        self.sf = _k.SlotFile(HEADER_PAGE)  # the hot path's view of the arrays (rebound by _bind)
+        self.sf = _k.SlotFile(HEADER_PAGE, directory)  # the hot path's view of the arrays (rebound by _bind)
         self.sf.last_sync = time.monotonic()
         # High-water mark: on disk, and covered by a completed sync (in memory: sf.hwm).
         # The marks stored in the two copies (A: fixed.data, B: fixed.redo).
@@ -465,7 +468,17 @@ class FixedShard:
         self.sf.bind_free(self._free, new - old)
 
     # -- slot operations (caller holds self.lock) -----------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self.sf.closed)
+
+    def check_open(self) -> None:
+        """Raise ``DbClosed`` once the shard is closed (caller holds the lock)."""
+        if self.sf.closed:
+            raise DbClosed(f"the database of {self.directory!r}")
+
     def check_writable(self) -> None:
+        self.check_open()
         if self.poisoned is not None:
             raise StorageError(
                 f"{self.path}: an earlier sync failed ({self.poisoned}); writes are refused "
@@ -654,31 +667,43 @@ class FixedShard:
     def sync(self) -> None:
         """Flush the dirty range if there is one (the background flusher's idle tail)."""
         with self.lock:
-            if self.poisoned is None and self.config.enable_fsync:
+            if self.poisoned is None and self.config.enable_fsync and not self.sf.closed:
                 self._sync_locked()
 
     def sync_now(self) -> None:
-        """Flush regardless of ``enable_fsync`` (durable operations)."""
+        """Flush regardless of ``enable_fsync`` (durable operations).
+
+        On a closed shard there is nothing left to flush (close synced everything),
+        unless that final sync failed: then ``StorageError``, as before the close.
+        """
         with self.lock:
-            self.check_writable()
+            if self.sf.closed and self.poisoned is None:
+                return
+            if self.poisoned is not None:
+                raise StorageError(
+                    f"{self.path}: an earlier sync failed ({self.poisoned}); writes are refused "
+                    f"until the database is reopened"
+                )
             self._sync_locked()
 
     def close(self) -> None:
-        if self._fd < 0:
-            return
-        try:
-            if self.poisoned is None:
-                with self.lock:
+        """Sync, unmap and close, all under the lock: a call racing the close either
+        finishes before it or finds the shard closed and raises ``DbClosed``."""
+        with self.lock:
+            if self._fd < 0:
+                return
+            try:
+                if self.poisoned is None:
                     self._sync_locked(final=True)
-        finally:
-            self.sf.release()
-            self.mapped.close()
-            self.redo_mapped.close()
-            self.slots = None  # type: ignore[assignment]
-            self.redo = None  # type: ignore[assignment]
-            _fs.FS.close(self._fd)
-            _fs.FS.close(self._redo_fd)
-            self._fd = self._redo_fd = -1
+            finally:
+                self.sf.release()
+                self.mapped.close()
+                self.redo_mapped.close()
+                self.slots = None  # type: ignore[assignment]
+                self.redo = None  # type: ignore[assignment]
+                _fs.FS.close(self._fd)
+                _fs.FS.close(self._redo_fd)
+                self._fd = self._redo_fd = -1
 
     # -- inspection --------------------------------------------------------------------
     def logical_bytes(self) -> int:

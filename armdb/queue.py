@@ -1266,6 +1266,7 @@ class Queue(Generic[T]):
         parts = []
         for sh in self._shards:
             with sh.lock:
+                sh.fixed.check_open()  # DbClosed if a close unmapped the file meanwhile
                 slots = np.concatenate([sh.live.to_arrays()[2], sh.dead.to_arrays()[2]]).astype(np.intp)
                 # Fancy indexing copies the rows out of the map while the lock is held.
                 raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE]

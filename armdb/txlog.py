@@ -60,6 +60,7 @@ from .errors import (
     SALVAGE_HINT,
     ArmdbError,
     CorruptionError,
+    DbClosed,
     EncryptionKeyRequired,
     FormatError,
     StorageError,
@@ -403,6 +404,8 @@ class TxLog:
         caller must call :meth:`done` after applying (or failing to apply) it."""
         body = packb(rows)
         with self._lock:
+            if self._fd < 0:  # Db.close closed the log once every store was closed
+                raise DbClosed(f"the database of {self._path!r}")
             if self.poisoned is not None or self._group.err:
                 failure = self.poisoned or os.strerror(self._group.err)
                 raise StorageError(f"{self._path}: an earlier log sync failed ({failure}); reopen the database")
@@ -500,7 +503,7 @@ class TxLog:
                         self._idle.wait()
                 finally:
                     self._idle_waiting -= 1
-                if self.pending or self.poisoned is not None:
+                if self.pending or self.poisoned is not None or self._fd < 0:  # (_fd: closed)
                     return
                 if self._end == FILE_HEADER_SIZE and not self._retained:
                     return
@@ -531,10 +534,13 @@ class TxLog:
             self._checkpoint_warned = True
 
     def close_file(self) -> None:
-        """Close the descriptor without a checkpoint (a failed open)."""
-        if self._fd >= 0:
-            _fs.FS.close(self._fd)
-            self._fd = -1
+        """Close the descriptor without a checkpoint (a failed open; ``Db.close`` once
+        its stores are closed).  A checkpoint racing it then does nothing, and an append
+        raises ``DbClosed``: neither uses the closed descriptor nor starts a new file."""
+        with self._ckpt_lock, self._lock:
+            if self._fd >= 0:
+                _fs.FS.close(self._fd)
+                self._fd = -1
 
     def close(self) -> None:
         if self._fd < 0:

@@ -20,6 +20,10 @@ cdef class SlotFile:
     cdef Py_ssize_t base
     cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes, free_top
     cdef public double last_sync    # time.monotonic() of the last msync (FixedShard)
+    cdef public bint closed         # release() ran: the views are gone, every access refuses
+    cdef public object name         # the shard's folder, for the DbClosed message
+
+    cdef int _alive(self) except -1
 
     cdef void _set_status(self, Py_ssize_t i, uint8_t st) noexcept
     cdef uint32_t _put(self, Py_ssize_t i, int st, const uint8_t* body, Py_ssize_t n,

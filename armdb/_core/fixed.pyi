@@ -45,7 +45,9 @@ class SlotFile:
     writes: int
     free_top: int
     last_sync: float
-    def __init__(self, base: int) -> None: ...
+    closed: bool
+    name: str
+    def __init__(self, base: int, name: str = "") -> None: ...
     def bind(
         self,
         slots: npt.NDArray[np.uint8],

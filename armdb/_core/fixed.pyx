@@ -23,6 +23,8 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
+from armdb.errors import DbClosed
+
 RING_BITS = 30
 
 # Status values of a slot (the low 2 bits of meta).
@@ -349,9 +351,18 @@ cdef class SlotFile:
     # Attributes are declared in fixed.pxd.  ``free_stack[:free_top]`` is the shard's
     # stack of free slots, lowest index on top (FixedShard builds and rebinds it).
 
-    def __init__(self, Py_ssize_t base):
+    def __init__(self, Py_ssize_t base, name=""):
         self.base = base  # file offset of slot 0
         self.dirty_lo = self.dirty_hi = -1
+        self.name = name
+
+    cdef int _alive(self) except -1:
+        """Raise DbClosed once :meth:`release` ran (the caller holds the shard lock,
+        under which the store is closed): a call racing ``Db.close`` never touches the
+        unmapped file.  The cdef methods do not check; their callers do."""
+        if self.closed:
+            raise DbClosed(f"the database of {self.name!r}")
+        return 0
 
     def bind(self, uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t[::1] status, uint8_t[::1] redo):
         if versions.shape[0] < slots.shape[0] or status.shape[0] < slots.shape[0]:
@@ -366,6 +377,7 @@ cdef class SlotFile:
 
     def bind_free(self, uint32_t[::1] stack, Py_ssize_t top):
         """Use ``stack[:top]`` as the free-slot stack; it has room for every slot."""
+        self._alive()
         if top < 0 or top > stack.shape[0] or stack.shape[0] < self.slots.shape[0]:
             raise ValueError("the free stack needs room for every slot")
         self.free_stack = stack
@@ -383,16 +395,19 @@ cdef class SlotFile:
 
     def pop_free(self):
         """Take the free slot on top of the stack; -1 when none is left."""
+        self._alive()
         return self._pop_free()
 
     def push_free(self, Py_ssize_t i):
         """Give slot ``i`` back to the free stack."""
+        self._alive()
         if i < 0 or i >= self.slots.shape[0] or self.free_top >= self.free_stack.shape[0]:
             raise IndexError(f"slot {i} cannot go back on the free stack")
         self._push_free(i)
 
     def release(self):
-        """Drop the views (the file is being closed)."""
+        """Drop the views (the file is being closed); every later call raises DbClosed."""
+        self.closed = True
         self.slots = None
         self.versions = None
         self.status = None
@@ -413,6 +428,7 @@ cdef class SlotFile:
         With ``copy=False`` only the redo record is composed (see :meth:`commit`).
         """
         cdef Py_ssize_t n = len(body)
+        self._alive()
         if i < 0 or i >= self.slots.shape[0]:
             raise IndexError(f"slot {i} out of range")
         if n > self.size - 8:
@@ -450,6 +466,7 @@ cdef class SlotFile:
 
     cpdef Py_ssize_t commit(self) except -1:
         """Copy the composed redo record into its slot; returns the slot."""
+        self._alive()
         cdef const uint8_t* rec = &self.redo[_REDO_OFFSET]
         cdef Py_ssize_t i = _load_u32(rec + 4)
         cdef uint32_t meta = _load_u32(rec + _REDO_HEAD)
@@ -473,11 +490,13 @@ cdef class SlotFile:
 
     def mark(self, Py_ssize_t i):
         """Count a write of slot ``i`` made some other way (dirty range, mark)."""
+        self._alive()
         self._mark(i)
 
     def header(self, Py_ssize_t i, Py_ssize_t off):
         """The queue row header at byte ``off`` of slot ``i``'s body: ``(state, flags,
         attempts, epoch, deadline, payload_id, pushed)`` (``<BBHIqQq``)."""
+        self._alive()
         if i < 0 or i >= self.slots.shape[0] or off < 0 or 8 + off + 32 > self.size:
             raise IndexError(f"slot {i} out of range")
         cdef const uint8_t* p = &self.slots[i, 8 + off]
@@ -486,6 +505,7 @@ cdef class SlotFile:
 
     def body(self, Py_ssize_t i, Py_ssize_t off, Py_ssize_t n):
         """``n`` bytes of slot ``i``'s body from byte ``off``."""
+        self._alive()
         if i < 0 or i >= self.slots.shape[0] or off < 0 or n < 0 or 8 + off + n > self.size:
             raise IndexError(f"slot {i} out of range")
         return (<char*>&self.slots[i, 8 + off])[:n]

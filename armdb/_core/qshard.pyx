@@ -12,7 +12,10 @@ Row layout (docs/format.md, armdb/queue.py): key ``due: u64 BE, seq: u64 BE``;
 header ``<BBHIqQq``: state, flags, attempts, epoch, deadline, payload_id, pushed;
 then ``payload_size`` bytes of inline payload (0 for a var queue).
 
-The caller holds the shard lock around every call, as for ``KeyIndex``.  Every
+The caller holds the shard lock around every call, as for ``KeyIndex``; the store
+is closed under that lock, and every call that reads or writes the mapped file
+first raises ``DbClosed`` if it was (``SlotFile._alive``), so a call racing
+``Db.close`` never touches an unmapped page.  Every
 slot write goes through ``SlotFile`` (redo record first, then the slot); on a
 durable store an overwrite of a live row first makes the redo record durable
 through ``FixedShard.sync_redo`` (S4), exactly as ``FixedShard.write`` does.
@@ -203,6 +206,8 @@ cdef class QueueShard:
 
     # -- slot writes ------------------------------------------------------------
     cdef int _check(self) except -1:
+        """Refuse a write to a closed shard (DbClosed) or a poisoned one (StorageError)."""
+        self.sf._alive()
         if self.fixed.poisoned is not None:
             self.fixed.check_writable()
         return 0
@@ -361,6 +366,7 @@ cdef class QueueShard:
         None when the row changed since (another caller took it first)."""
         cdef Py_ssize_t b = 0, pos = 0
         cdef Entry* e
+        self.sf._alive()
         self.live._enter()
         e = self.live._find(due, seq, &b, &pos)
         if e == NULL or e.slot != slot or e.deadline > now:
@@ -376,6 +382,7 @@ cdef class QueueShard:
         cdef Py_ssize_t b = 0, pos = 0
         cdef const uint8_t* p
         cdef Entry* e
+        self.sf._alive()  # the row is read from the mapped file
         self.live._enter()
         e = self.live._find(due, seq, &b, &pos)
         if e == NULL:
