@@ -30,6 +30,7 @@ TARGETS: dict[str, tuple[str, list[tuple[str, float]], str]] = {
     "threads": ("jobs (seeds)", [("jobs", 120_000), ("seeds", 3)], "8P x 8C x 40k jobs x 3 seeds"),
     "g-encryption": ("seals (cases)", [("seals", 100_000)], "all cases; 0 hits, 0 repeats in 1e5"),
     "h-bad-input": ("rows", [("rows", 80)], ">= 80 rows"),
+    "full-disk": ("children on a full tmpfs", [("runs", 2)], "fixed + var queue and a map, 0 signals"),
 }
 SECOND = {"killloop": "min_phase", "failpoints": "points", "e-model": "steps", "threads": "seeds",
           "g-encryption": "cases"}
