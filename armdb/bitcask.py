@@ -71,6 +71,7 @@ from . import _fail, _fs
 from ._core.fixed import bitcask_record, hint_append
 from ._crypto import OVERHEAD, Sealer
 from .config import Config
+from .seqmap import MAX_RESERVED
 from .errors import (
     SALVAGE_HINT,
     ArmdbError,
@@ -795,7 +796,8 @@ class _Ingest:
     ``special`` (several records, or a tombstone).
     """
 
-    def __init__(self, unseal: Callable[[bytes, int, int, str], bytes] | None) -> None:
+    def __init__(self, unseal: Callable[[bytes, int, int, str], bytes] | None, gsn_limit: int = MAX_RESERVED) -> None:
+        self.gsn_limit = gsn_limit  # every gsn on disk is below it (see _gsn_beyond)
         self.latest: dict[bytes, tuple[int, int, int, int, Any]] = {}
         self.special: set[bytes] = set()
         self.dead: dict[int, int] = {}
@@ -814,7 +816,10 @@ class _Ingest:
         for off, gsn_word, klen, vlen, rsize, kf in records:
             key = kf if unseal is None else unseal(kf, gsn_word, off, f.path)
             seq = gsn_word & SEQ_MASK
-            hi = max(hi, seq)
+            if seq > hi:
+                if seq >= self.gsn_limit:
+                    raise _gsn_beyond(f.path, off, seq, self.gsn_limit)
+                hi = seq
             cur = get(key)
             if cur is None:
                 latest[key] = (fid, off, rsize, gsn_word, None)
@@ -867,6 +872,18 @@ class _Ingest:
         self.latest = {}
         self.special = set()
         return index, tombs, dead
+
+
+def _gsn_beyond(path: str, off: int, seq: int, limit: int) -> CorruptionError:
+    """A gsn at or above ``limit``: the end of the gsn block the database has reserved on disk
+    (every gsn is reserved there before it is handed out), or :data:`MAX_RESERVED` without
+    one.  No write produces it; accepting it would push the database's counter to the top
+    of the gsn space and stop every later write."""
+    return CorruptionError(
+        f"{path}: record at offset {off} has gsn {seq}, not below {limit}, the end of the gsns the "
+        f"database has reserved: no write made it, the file is damaged or forged. Restore the "
+        f"collection from a backup (armdb.check lists every such record)"
+    )
 
 
 def _note(seen: dict[int, tuple[int, bool]], fid: int, seq: int, is_put: bool) -> None:
@@ -924,13 +941,14 @@ class BitcaskStore:
         self._closed = False
         self._compact_deferred = False  # write_locked rotated a shard: maybe_compact has work
         self._torn_dropped = 0
+        self._gsn_limit = MAX_RESERVED
         self._compaction_bytes = 0
         self._compactions = 0
 
     # -- opening ------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: str, config: Config, gsn: GsnSource) -> BitcaskStore:
+    def open(cls, directory: str, config: Config, gsn: GsnSource, *, gsn_limit: int | None = None) -> BitcaskStore:
         """Open or create the collection in ``directory``.
 
         Parameters
@@ -944,6 +962,10 @@ class BitcaskStore:
             Returns the next global sequence number; called under a shard lock for
             every record appended by :meth:`put` and :meth:`delete`.  It must
             return numbers above :attr:`max_gsn`.
+        gsn_limit : int, optional
+            Every gsn on disk is below it: the end of the gsn block the database has
+            reserved in its sequence map.  A record or file header at or above it is
+            refused with CorruptionError.  Default: ``armdb.seqmap.MAX_RESERVED``.
 
         Returns
         -------
@@ -972,6 +994,7 @@ class BitcaskStore:
         self.directory = directory
         self.config = config
         self._gsn = gsn
+        self._gsn_limit = MAX_RESERVED if gsn_limit is None else min(gsn_limit, MAX_RESERVED)
         fs = _fs.FS
         meta_path = os.path.join(directory, META_NAME)
         try:
@@ -1174,10 +1197,16 @@ class BitcaskStore:
 
     def _load_shard(self, plan: _ShardPlan) -> None:
         """Phase 2 (read-only): read hints or scan data files and build the index (S7)."""
-        ing = _Ingest(self._unseal_key if self._sealer is not None else None)
+        ing = _Ingest(self._unseal_key if self._sealer is not None else None, self._gsn_limit)
         highest = 0
         for fid in sorted(plan.files):
             f = plan.files[fid]
+            if f.base_gsn >= self._gsn_limit:
+                raise CorruptionError(
+                    f"{f.path}: file header holds base gsn {f.base_gsn} (offset 16), not below {self._gsn_limit}, "
+                    f"the end of the gsns the database has reserved; the header is damaged or forged: "
+                    f"restore the collection from a backup"
+                )
             highest = max(highest, f.base_gsn)
             if fid == plan.active:
                 self._load_active(plan, f, ing)
@@ -1620,8 +1649,8 @@ class BitcaskStore:
         key = self._key_len_ok(self._key_arg(key))
         if value is not None:
             value = self._value_arg(value)
-        if not isinstance(gsn, int) or not 0 < gsn <= SEQ_MASK:
-            raise ConfigError(f"gsn must be an int in [1, 2**60), got {gsn!r}")
+        if not isinstance(gsn, int) or not 0 < gsn < MAX_RESERVED:
+            raise ConfigError(f"gsn must be an int in [1, 2**56), got {gsn!r}")
         sh = self._shard(key)
         with sh.lock:
             self.check_writable()
@@ -2315,17 +2344,20 @@ def _validate_config(config: Config) -> None:
 # -- read-only check ---------------------------------------------------------------------------
 
 
-def check_dir(directory: str) -> list[str]:
+def check_dir(directory: str, *, gsn_limit: int | None = None) -> list[str]:
     """Check a Bitcask collection that is not open, without changing anything (SPEC D6).
 
-    Verifies the meta file, every data file header, every record's CRC, and every
-    hint file against its data file.  Needs no encryption key: CRCs cover the
-    sealed bytes.
+    Verifies the meta file, every data file header, every record's CRC, every gsn
+    (below ``gsn_limit``), and every hint file against its data file.  Needs no
+    encryption key: CRCs cover the sealed bytes.
 
     Parameters
     ----------
     directory : str
         The collection folder.
+    gsn_limit : int, optional
+        The end of the gsns the database reserved in its sequence map; default
+        ``armdb.seqmap.MAX_RESERVED``.
 
     Returns
     -------
@@ -2344,13 +2376,13 @@ def check_dir(directory: str) -> list[str]:
     for i in range(meta.shard_count):
         sdir = _shard_dir(directory, i)
         try:
-            _check_shard(sdir, meta.encrypted, findings)
+            _check_shard(sdir, meta.encrypted, findings, MAX_RESERVED if gsn_limit is None else gsn_limit)
         except OSError as e:
             findings.append(f"{sdir}: I/O error while checking ({e})")
     return findings
 
 
-def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
+def _check_shard(sdir: str, encrypted: bool, findings: list[str], gsn_limit: int = MAX_RESERVED) -> None:
     fs = _fs.FS
     if not fs.isdir(sdir):
         findings.append(f"{sdir}: shard folder is missing")
@@ -2427,12 +2459,26 @@ def _check_shard(sdir: str, encrypted: bool, findings: list[str]) -> None:
             dummy = _DataFile(fid, path, -1, size, head.flags, head.nonce, head.base_gsn)
         finally:
             fs.close(fd)
+        _check_gsns(path, head, records, gsn_limit, findings)
         hpath = hints.get(fid)
         if hpath is not None:
             _check_hint(hpath, dummy, records, findings)
     for fid, hpath in hints.items():
         if fid not in data:
             findings.append(f"{hpath}: hint file without its data file")
+
+
+def _check_gsns(path: str, head: _Header, records: dict[int, Scanned], limit: int, findings: list[str]) -> None:
+    """Report gsns no write could have produced (open refuses the collection)."""
+    if head.base_gsn >= limit:
+        findings.append(f"{path}: file header holds base gsn {head.base_gsn} (offset 16), not below {limit}")
+    beyond = sorted(off for off, rec in records.items() if rec[1] & SEQ_MASK >= limit)
+    if beyond:
+        seq = records[beyond[0]][1] & SEQ_MASK
+        findings.append(
+            f"{path}: {len(beyond)} record(s) hold a gsn not below {limit}, the end of the gsns the "
+            f"database reserved (first: gsn {seq} at offset {beyond[0]})"
+        )
 
 
 def _check_hint(hpath: str, f: _DataFile, records: dict[int, Scanned], findings: list[str]) -> None:

@@ -238,8 +238,10 @@ class _Checker:
             )
             return
         try:
-            found = check_dir(d)
+            found = check_dir(d, gsn_limit=limit) if limit is not None else check_dir(d)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
+        # Every gsn is reserved in seqmap before it reaches a file (T5).
+        limit = self.reserved.get("gsn") if self.reserved else None
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)

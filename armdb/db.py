@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _fs
-from ._clock import Clock, system_clock
+from ._clock import Clock, checked_clock, system_clock
 from .config import Config, TxConfig
 from .errors import ConfigError, DbClosed, DbLocked, FormatError, as_storage_error
 from .seqmap import SeqMap
@@ -232,7 +232,9 @@ class Db:
         self.path = os.path.abspath(path)
         self.tx_config = tx_config or TxConfig()
         self.schema = schema
-        self.clock: Clock = clock or system_clock
+        # A user's clock is checked at every reading (a bad one raises ConfigError before
+        # its value is used); the system clock is trusted.
+        self.clock: Clock = system_clock if clock is None else checked_clock(clock)
         self._lock = threading.RLock()
         self._closed = True
         self._maps: dict[str, Map] = {}
@@ -265,7 +267,10 @@ class Db:
         schema : SchemaRegistry, optional
             Change streams and queue registrations.
         clock : callable, optional
-            Returns wall-clock milliseconds; every persisted time comes from it (D7).
+            Returns wall-clock milliseconds since the Unix epoch as an ``int`` from
+            2000-01-01 up to 2200-01-01; every persisted time comes from it.  It is
+            called once here, and a reading of another type (a float included) or
+            out of that range raises ``ConfigError`` at the call that read it.
 
         Raises
         ------
@@ -288,6 +293,7 @@ class Db:
         if not fspath:
             raise ConfigError("the database path is empty; give the directory of the database")
         db = cls(fspath, tx_config, schema, clock)
+        db.clock()  # a clock that is not plausible milliseconds is refused before anything is created
         try:
             db._open()
         except OSError as e:
@@ -463,7 +469,8 @@ class Db:
         """
         from .bitcask import BitcaskStore
 
-        store = BitcaskStore.open(self.collection_dir(name), config, self.gsn)
+        # Every gsn on disk is below the block reserved in seqmap (T5): refuse anything else.
+        store = BitcaskStore.open(self.collection_dir(name), config, self.gsn, gsn_limit=self.seqmap.reserved("gsn"))
         try:
             self.seqmap.advance("gsn", store.max_gsn)
             txlog = getattr(self, "txlog", None)

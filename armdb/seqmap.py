@@ -34,13 +34,18 @@ import msgpack
 
 from . import _fail, _fs
 from ._core.atomicfile import AtomicWriter
-from .errors import DbClosed, FormatError, StorageError
+from .errors import CorruptionError, FormatError, StorageError
 
 ID_BLOCK = 1024
 # Post the next block once less than this is left of the reserved one (from its second
 # quarter on: a Db that draws only a few ids never starts the writer).
 _AHEAD_AT = 3 * ID_BLOCK // 4
 _NO_BLOCK: collections.abc.Iterator[int] = iter(())  # the rest of a block not yet reserved: empty
+# The largest reserved end a sequence map may hold.  Ids are handed out one at a time, so
+# a database drawing ten million ids a second would need 228 years to reach 2**56; a
+# larger number in the file is damage, not use, and accepting one (a gsn near 2**60
+# or a queue id near 2**64) would stop every later write at the top of the id space.
+MAX_RESERVED = 1 << 56
 MAGIC = b"ARMSEQ01"
 FORMAT_VERSION = 1
 FILE_NAME = "seqmap"
@@ -62,10 +67,19 @@ def decode(raw: bytes, path: str) -> dict[str, int]:
     end = _HEAD.size + n
     if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
         raise FormatError(f"{path}: sequence map fails its CRC; restore it from a backup")
-    data = msgpack.unpackb(raw[_HEAD.size : end], raw=False)
+    try:
+        data = msgpack.unpackb(raw[_HEAD.size : end], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # CRC-valid bytes we never wrote
+        raise FormatError(f"{path}: sequence map body does not decode ({e}); restore it from a backup") from None
     if not isinstance(data, dict):
-        raise FormatError(f"{path}: sequence map body is not a map")
-    return {str(k): int(v) for k, v in data.items()}
+        raise FormatError(f"{path}: sequence map body is not a map; restore it from a backup")
+    for k, v in data.items():
+        if not isinstance(k, str) or type(v) is not int or not 1 <= v <= MAX_RESERVED:
+            raise FormatError(
+                f"{path}: sequence map entry {k!r}: {v!r} is not a name with a reserved end in "
+                f"[1, {MAX_RESERVED}]; the file is damaged: restore it from a backup"
+            )
+    return dict(data)
 
 
 class SeqMap:
@@ -143,8 +157,18 @@ class SeqMap:
             if n >= self._reserved.get(name, 1):
                 self._reserve(name, max(n, self._next.get(name, 1)) + ID_BLOCK)
 
+    def reserved(self, name: str) -> int | None:
+        """The end of the block reserved on disk for ``name`` (every id of it found in a file
+        is below it), or None when ``name`` never drew an id."""
+        return self._reserved.get(name)
+
     def advance(self, name: str, at_least: int) -> None:
         """Make sure later ids for ``name`` are above ``at_least`` (ids found on disk)."""
+        if not 0 <= at_least < MAX_RESERVED:
+            raise CorruptionError(
+                f"id {at_least} found on disk for {name!r} is beyond the id space armdb hands out "
+                f"({MAX_RESERVED}); a file of the database is damaged: run armdb.check to find it"
+            )
         with self._lock:
             if self._next.get(name, 1) <= at_least:
                 self._next[name] = at_least + 1
@@ -197,8 +221,6 @@ class SeqMap:
             self._writer_thread.join()
 
     def _reserve(self, name: str, end: int) -> None:
-        if self._closed:  # a call racing Db.close: the directory may belong to another process now
-            raise DbClosed(f"the database of {self.path!r}")
         if self._ahead is not None:
             self._finish_ahead(wait=True)  # one writer at a time, so the file only moves forward
         reserved = dict(self._reserved)

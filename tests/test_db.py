@@ -472,7 +472,7 @@ def test_d7_fake_clock_time_is_what_gets_persisted(db_path: Path) -> None:
         assert lease.deadline.tzinfo is not None
         assert q.snapshot()["deadline"][q.snapshot()["id"] == c][0] == np.datetime64(clock.ms + 30_000, "ms")
     # persisted, not recomputed: another clock sees the same times
-    with Db.open(db_path, clock=FakeClock(1)) as db:
+    with Db.open(db_path, clock=FakeClock(1_000_000_000_000)) as db:
         snap = db.open_queue(Pings, SMALL).snapshot()
         due = dict(zip(snap["id"].tolist(), snap["due"]))
         assert due[a] == np.datetime64(t0, "ms")

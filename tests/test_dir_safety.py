@@ -370,3 +370,70 @@ def test_a_setgid_folder_shares_new_files_with_its_group(tmp_path: Path) -> None
             assert mode == 0o2750, (p, oct(mode))
         else:
             assert mode == 0o640, (p, oct(mode))
+
+
+# ---------------------------------------------------------------------- the clock (D7)
+
+NOW_MS = 1_700_000_000_000
+BAD_CLOCKS = {
+    "microseconds": (NOW_MS * 1000, "microseconds"),
+    "seconds": (NOW_MS // 1000, "seconds"),
+    "negative": (-5, "int from"),
+    "zero": (0, "int from"),
+    "year_2300": (10_500_000_000_000, "int from"),
+    "none": (None, "NoneType"),
+    "string": (str(NOW_MS), "str"),
+    "bytes": (b"1700000000000", "bytes"),
+    "float": (float(NOW_MS), "return an int"),
+    "fractional_float": (NOW_MS + 0.5, "return an int"),
+    "nan": (float("nan"), "float"),
+    "bool": (True, "bool"),
+    "list": ([NOW_MS], "list"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_CLOCKS))
+def test_d7_clock_returning_no_plausible_milliseconds_is_refused_at_open(tmp_path: Path, kind: str) -> None:
+    value, hint = BAD_CLOCKS[kind]
+    path = tmp_path / "db"
+    with pytest.raises(ConfigError, match="the clock returned") as ei:
+        Db.open(path, clock=lambda: value)
+    assert hint in str(ei.value)
+    assert repr(value) in str(ei.value)
+    assert not path.exists()  # refused before anything was created
+
+
+def test_d7_numpy_integer_clock_is_accepted(db_path: Path) -> None:
+    with Db.open(db_path, clock=lambda: np.int64(NOW_MS)) as db:
+        q = db.open_queue(Pings, SMALL)
+        rid = q.push((1, 1))
+        (due,) = q.snapshot()["due"][q.snapshot()["id"] == rid]
+        assert due == np.datetime64(NOW_MS, "ms")
+
+
+@pytest.mark.parametrize("kind", ["none", "microseconds", "string", "float", "negative"])
+def test_d7_clock_turning_bad_later_raises_at_the_call_and_writes_nothing(db_path: Path, kind: str) -> None:
+    reading: list[object] = [NOW_MS]
+    with Db.open(db_path, clock=lambda: reading[0]) as db:
+        q = db.open_queue(Pings, SMALL)
+        jobs = db.open_queue(Jobs)
+        m = db.open_map("m")
+        kept = q.push((1, 1))
+        reading[0] = BAD_CLOCKS[kind][0]
+        calls = [
+            lambda: q.push((2, 2)),
+            lambda: q.lease(1),
+            lambda: q.stats(),
+            lambda: jobs.push(Job(1, "x")),
+            lambda: db.tx().put(m, "k", "v").push(jobs, Job(2, "y")).commit(),
+            lambda: db.sweep_expired_now(),
+        ]
+        for call in calls:
+            with pytest.raises(ConfigError, match="the clock returned"):
+                call()
+        reading[0] = NOW_MS + 1000  # the clock is fixed: everything works again
+        assert q.len() == 1 and jobs.len() == 0 and "k" not in m
+        (lz,) = q.lease(1)
+        assert lz.id == kept
+        q.ack(lz.token)
+    assert check(db_path).ok

@@ -225,3 +225,55 @@ def test_s8_real_marker_naming_files_already_unlinked_still_finishes(tmp_path: P
     names = {p.name for p in shard(coll).iterdir()}
     assert bitcask.PENDING_NAME not in names and "00000002.data" not in names
     assert f"{act:08d}.data" in names
+
+
+# -- item 10: a gsn no write could produce is refused, and the rest of the database works -------
+
+
+def append_record(path: Path, gsn_word: int, key: bytes, value: bytes) -> int:
+    """Append a CRC-valid record to a data file; returns its offset."""
+    at = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(bitcask_record(gsn_word, key, value, RECORD_MAGIC))
+    return at
+
+
+def test_t5_gsn_beyond_the_reserved_block_is_refused_and_the_database_stays_usable(tmp_path: Path) -> None:
+    # SPEC T5: every gsn is reserved in seqmap before it reaches a file; one beyond is damage.
+    import armdb
+    from armdb import Db
+    from armdb.check import check
+    from armdb.maps import encode_key, encode_value
+
+    jobs = armdb.queue("hostile_jobs", payload=dict, var=True)
+    db = Db.open(tmp_path / "db")
+    db.open_map("a").put("x", 1)
+    db.open_map("b").put("y", 2)
+    db.open_queue(jobs).push({"n": 1})
+    db.close()
+    active = max((tmp_path / "db" / "collections" / "a" / "shard-000").glob("*.data"))
+    at = append_record(active, (1 << 60) - 1, encode_key("evil"), encode_value(3))
+    for _ in range(2):  # and again after a reopen: nothing was carried over
+        db = Db.open(tmp_path / "db")
+        try:
+            with pytest.raises(CorruptionError, match=f"{active.name}: record at offset {at} has gsn"):
+                db.open_map("a")
+            m = db.open_map("b")
+            m.put("z", 3)
+            assert m.get("z") == 3
+            q = db.open_queue(jobs)
+            q.push({"n": 2})
+        finally:
+            db.close()
+    report = check(tmp_path / "db")
+    assert any("gsn not below" in f and f"offset {at}" in f for f in report.findings), report.findings
+
+
+def test_t5_a_header_base_gsn_beyond_the_limit_is_refused(tmp_path: Path) -> None:
+    coll = tmp_path / "m"
+    open_store(coll).close()
+    path = shard(coll) / "00000001.data"
+    path.write_bytes(_file_header(1, 0, (1 << 60) - 1, 9))
+    with pytest.raises(CorruptionError, match="base gsn"):
+        open_store(coll)
+    assert any("base gsn" in f for f in check_dir(str(coll)))

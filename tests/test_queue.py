@@ -633,12 +633,18 @@ def test_q18_next_delay_raises_when_closed(db_path, clock):
 
 
 def test_q18_unreadable_clock_raises(db_path):
-    def broken() -> int:
-        raise OSError("clock unavailable")
+    broken = [False]  # Db.open reads the clock once, to check it
 
-    with armdb.Db.open(db_path, clock=broken) as d:
+    def clock() -> int:
+        if broken[0]:
+            raise OSError("clock unavailable")
+        return 1_700_000_000_000
+
+    with armdb.Db.open(db_path, clock=clock) as d:
+        q = d.open_queue(FixedQ, cfg())
+        broken[0] = True
         with pytest.raises(OSError, match="clock"):
-            d.open_queue(FixedQ, cfg()).next_delay()
+            q.next_delay()
 
 
 def test_q19_wait_due_timeout(q, flavour, clock):
