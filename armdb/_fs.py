@@ -193,7 +193,6 @@ class RealFS:
             self.pwrite(fd, bytes(n), pos)
             pos += n
 
-
     def flock(self, fd: int) -> bool:
         """Try to take an exclusive lock; ``False`` when someone else holds it."""
         try:
