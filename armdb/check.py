@@ -14,10 +14,13 @@ What it checks:
 * every queue (a collection with ``queue.meta``): the meta file, one
   ``shard-NNN/fixed.data`` per stored shard with a matching header page and slot
   geometry, every slot's CRC (``armdb.fixed.check_shard_file``), and each occupied
-  slot's row: a valid state, the dead key class (bit 63 of the due word) set exactly
-  on DEAD rows, a lease deadline on LEASED rows, a row id that is not duplicated in
-  any shard and lies below the id block reserved in ``seqmap`` (T5), and for a var
-  queue a payload id equal to the row id and an existing ``<name>.payload`` store;
+  slot's row against the rules open applies (``armdb.queue.row_problems``: a valid
+  state, the dead key class (bit 63 of the due word) set exactly on DEAD rows, a
+  plausible lease deadline, a row id other than 0 in the shard its id selects,
+  attempts a retry can count, a payload id equal to the row id for a var queue and 0
+  for a fixed one), a row id that is not duplicated in any shard and lies below the
+  id block reserved in ``seqmap`` (T5), and for a var queue an existing
+  ``<name>.payload`` store;
 * every other collection is a Bitcask store, checked by ``armdb.bitcask.check_dir``;
 * the transaction log ``txlog/``, checked by ``armdb.txlog.check_dir``.
 
@@ -237,18 +240,18 @@ class _Checker:
                 f"{self.rel(d)}: cannot check this Bitcask collection (armdb.bitcask.check_dir is missing)"
             )
             return
+        # Every gsn is reserved in seqmap before it reaches a file (T5).
+        limit = self.reserved.get("gsn") if self.reserved else None
         try:
             found = check_dir(d, gsn_limit=limit) if limit is not None else check_dir(d)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
-        # Every gsn is reserved in seqmap before it reaches a file (T5).
-        limit = self.reserved.get("gsn") if self.reserved else None
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)
 
     # -- queues -------------------------------------------------------------------------------
     def check_queue(self, d: str, name: str) -> dict[str, Any] | None:
-        from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, State, _decode_meta
+        from .queue import HEADER_SIZE, KEY_SIZE, ROW_DTYPE, _decode_meta, row_problems
 
         meta_path = os.path.join(d, QUEUE_META)
         raw = self.read(meta_path)
@@ -327,29 +330,11 @@ class _Checker:
                 continue
             rows_total += int(occ.size)
             rows = slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
-            due = rows["due"].astype(np.uint64)
             seq = rows["seq"].astype(np.uint64)
-            hdr = rows["header"]
-            state = hdr["state"]
-            dead_key = (due & np.uint64(DEAD_BIT)) != 0
-            self.rows_problem(
-                rel, occ, state > State.DEAD, "hold an unknown state (not READY, LEASED or DEAD)"
-            )
-            self.rows_problem(
-                rel, occ, dead_key & (state != State.DEAD), "are in the dead key class but not DEAD"
-            )
-            self.rows_problem(rel, occ, ~dead_key & (state == State.DEAD), "are DEAD but keyed as live rows")
-            self.rows_problem(
-                rel,
-                occ,
-                (state == State.LEASED) & (hdr["deadline"] == 0),
-                "are LEASED without a lease deadline",
-            )
-            self.rows_problem(rel, occ, seq == 0, "have row id 0, which is never handed out")
-            if var:
-                self.rows_problem(
-                    rel, occ, hdr["payload_id"] != seq, "point at a payload id other than their row id"
-                )
+            # The rules open applies (queue.row_problems); every broken one is a finding,
+            # whether open refuses the shard, repairs the rows or serves them as they are.
+            for problem in row_problems(rows, i, shard_count, var, duplicates=False):
+                self.rows_problem(rel, occ, problem.bad, problem.what)
             for slot, s in zip(occ.tolist(), seq.tolist()):
                 if s in seen:
                     fs_, fsl = seen[s]
