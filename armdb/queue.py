@@ -53,7 +53,7 @@ from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from ._pack import check_round_trip, packb
-from .config import QueueConfig
+from .config import MAX_SHARD_COUNT, QueueConfig
 from .db import QUEUE_META, validate_name
 from .errors import (
     ConfigError,
@@ -452,6 +452,9 @@ def _encode_meta(spec: QueueSpec, shard_count: int, value_size: int) -> bytes:
 
 
 def _decode_meta(raw: bytes, path: str) -> dict[str, Any]:
+    """Decode and check ``queue.meta``.  Everything in it is input: a file whose CRC
+    matches but whose fields armdb would never write (a shard count of 0 or 2000, a
+    string, a missing key) is a ``FormatError`` before anything is allocated for it."""
     if len(raw) < 20 or raw[:8] != META_MAGIC:
         raise FormatError(f"{path}: not an armdb queue meta file; point armdb at its own directory")
     version, n = struct.unpack_from("<II", raw, 8)
@@ -460,7 +463,31 @@ def _decode_meta(raw: bytes, path: str) -> dict[str, Any]:
     end = 16 + n
     if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
         raise FormatError(f"{path}: queue meta fails its CRC; restore it from a backup")
-    return typing.cast(dict, msgpack.unpackb(raw[16:end], raw=False))
+    damaged = f"{path}: queue meta holds values armdb never writes"
+    try:
+        meta = msgpack.unpackb(raw[16:end], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors are ValueErrors
+        raise FormatError(f"{damaged} (its body does not decode: {e}); restore it from a backup") from None
+    if not isinstance(meta, dict):
+        raise FormatError(f"{damaged} (its body is not a map); restore it from a backup")
+    expected: dict[str, type] = {"var": bool, "fingerprint": str, "shard_count": int, "key_size": int,
+                                 "value_size": int}
+    for key, kind in expected.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise FormatError(f"{damaged} ({key} = {value!r}); restore it from a backup")
+    if not 1 <= meta["shard_count"] <= MAX_SHARD_COUNT:
+        raise FormatError(
+            f"{damaged} (shard_count = {meta['shard_count']}, not 1 to {MAX_SHARD_COUNT}); restore it from a backup"
+        )
+    if meta["key_size"] != KEY_SIZE:
+        raise FormatError(f"{damaged} (key_size = {meta['key_size']}, not {KEY_SIZE}); restore it from a backup")
+    low, high = (HEADER_SIZE, HEADER_SIZE) if meta["var"] else (HEADER_SIZE + 1, HEADER_SIZE + MAX_FIXED_PAYLOAD)
+    if not low <= meta["value_size"] <= high:
+        raise FormatError(
+            f"{damaged} (value_size = {meta['value_size']}, not {low} to {high}); restore it from a backup"
+        )
+    return meta
 
 
 class Queue(Generic[T]):

@@ -13,23 +13,172 @@ returns; the collections are opened anew when the application asks for them.
 * Rows for an encrypted Bitcask collection cannot be sealed without its key,
   which only the application holds: they are kept in ``deferred`` and applied by
   ``Db.open_bitcask`` when the collection is opened with its key.
+
+Every row is input (a CRC only proves the bytes are the ones written, not who wrote
+them): before any row is applied, every row of every record is checked by
+:func:`check_row` against the naming rule, the collection's stored meta and its files
+(shard in range, slot within reach of the file, body within the slot, gsn in range).
+Anything else is ``CorruptionError`` naming the log file and offset, and nothing is
+created or written.  ``armdb.check`` runs the same checks (``armdb.txlog.check_dir``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from . import _fs
 from ._core import fixed as _k
-from .config import Config, FixedConfig
-from .errors import CorruptionError, EncryptionKeyRequired
-from .fixed import TORN, FixedStore
+from .config import QUEUE_GROW_STEP, Config, FixedConfig
+from .errors import ConfigError, CorruptionError, EncryptionKeyRequired
+from .fixed import DELETED, FILE_NAME, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
     from .db import Db
+
+
+# How far past the end of its file a logged slot may lie.  A slot is handed out only
+# after its file grew to hold it (``FixedShard.grow``: ftruncate, then the slot), so a
+# log record can name a slot past the file's end only when a power loss lost that
+# growth: the new size reaches the disk with the store's next sync (its own sync every
+# ``sync_interval``, and every log checkpoint, which syncs every store before the
+# records it covers are trimmed), not with the log's fdatasync.  What can be lost is
+# the growth since the store's last completed sync: a few grow steps at most, one per
+# ``grow_step`` pushes.  The bound allows far more, 16 default grow steps (1.6 million
+# slots) or the file's own size again, whichever is larger, and still stops a 100-byte
+# record from growing a file to terabytes (slot 2**31 once made 274 GB).  A database
+# whose headers use a grow_step above 1.6 million slots could, after a power loss,
+# have a legitimate log past this bound; docs/format.md says so.
+REPLAY_GROWTH_SLOTS = 16 * QUEUE_GROW_STEP
+RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring; a written one is never 0
+SEQ_MASK = (1 << 60) - 1  # gsns are 60-bit (armdb.bitcask)
+PAYLOAD_SUFFIX = ".payload"
+
+
+def slot_limit(capacity: int) -> int:
+    """The first slot index a logged row may not name, for a file of ``capacity`` slots."""
+    return capacity + max(capacity, REPLAY_GROWTH_SLOTS)
+
+
+@dataclass(frozen=True)
+class FixedGeometry:
+    """What a logged slot row is checked against: from ``queue.meta`` and the file sizes."""
+
+    shard_count: int
+    body_size: int
+    capacities: tuple[int, ...]  # slots in each shard's fixed.data, as found before replay
+
+
+def fixed_geometry(directory: str) -> FixedGeometry:
+    """Read a queue header collection's geometry without opening (or changing) it.
+
+    Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.queue._decode_meta``)."""
+    from .db import QUEUE_META
+    from .queue import _decode_meta
+
+    fs = _fs.FS
+    meta_path = os.path.join(directory, QUEUE_META)
+    meta = _decode_meta(fs.read_file(meta_path), meta_path)
+    slot_size = slot_size_for(meta["key_size"], meta["value_size"])
+    capacities = []
+    for i in range(meta["shard_count"]):
+        data = os.path.join(directory, f"shard-{i:03d}", FILE_NAME)
+        size = fs.file_size(data) if fs.exists(data) else 0
+        capacities.append(max(0, (size - HEADER_PAGE) // slot_size))
+    return FixedGeometry(meta["shard_count"], slot_size - 8, tuple(capacities))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def row_collection(row: Any, where: str) -> tuple[str, str]:
+    """Check a row's shape and the name it gives; returns ``(kind, name)`` ("F" or "B").
+
+    The name must follow the collection naming rule (``armdb.db.validate_name``: queue
+    names for slot rows, map or ``<queue>.payload`` names for Bitcask rows), so that no
+    path the log gives can leave ``<db>/collections``."""
+    from .db import validate_name
+
+    if not isinstance(row, list) or not row or not isinstance(row[0], str):
+        raise _bad(where, f"row {_short(row)} is not a list starting with its kind")
+    kind = row[0]
+    if kind not in ("F", "B"):
+        raise _bad(where, f"row of unknown kind {_short(kind)}")
+    if len(row) != (7 if kind == "F" else 5):
+        raise _bad(where, f"{kind} row has {len(row)} fields, not {7 if kind == 'F' else 5}")
+    name = row[1]
+    try:
+        if kind == "F":
+            validate_name(name, queue=True)
+        elif isinstance(name, str) and name.endswith(PAYLOAD_SUFFIX):
+            validate_name(name[: -len(PAYLOAD_SUFFIX)], queue=True)
+        else:
+            validate_name(name)
+    except ConfigError:
+        raise _bad(where, f"row names collection {_short(name)}, which is not a valid collection name") from None
+    return kind, name
+
+
+def check_row(row: Any, where: str, collections: str, geometry: Callable[[str], FixedGeometry]) -> None:
+    """Check one logged row before anything is applied; ``CorruptionError`` otherwise.
+
+    ``collections`` is ``<db>/collections``; ``geometry(name)`` gives a queue header
+    collection's :class:`FixedGeometry` (cached by the caller)."""
+    from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
+    from .db import QUEUE_META
+
+    fs = _fs.FS
+    kind, name = row_collection(row, where)
+    d = os.path.join(collections, name)
+    is_queue = fs.exists(os.path.join(d, QUEUE_META))
+    if kind == "F":
+        if not is_queue:
+            raise _bad(where, f"row names queue collection {name!r}, which does not exist")
+        _, _, shard, slot, version, status, body = row
+        g = geometry(name)
+        if not _is_int(shard) or not 0 <= shard < g.shard_count:
+            raise _bad(where, f"row for {name!r} names shard {_short(shard)}; the queue has {g.shard_count}")
+        limit = slot_limit(g.capacities[shard])
+        if not _is_int(slot) or not 0 <= slot < limit:
+            raise _bad(
+                where,
+                f"row for {name!r} shard {shard} names slot {_short(slot)}, beyond what its file of "
+                f"{g.capacities[shard]} slots can have grown to ({limit})",
+            )
+        if not _is_int(version) or not 1 <= version <= RING_MASK:
+            raise _bad(where, f"row for {name!r} has slot version {_short(version)}, not 1 to {RING_MASK}")
+        if status not in (OCCUPIED, DELETED) or not _is_int(status):
+            raise _bad(where, f"row for {name!r} has slot status {_short(status)}")
+        if not isinstance(body, bytes) or len(body) > g.body_size:
+            size = f"{len(body)} bytes" if isinstance(body, bytes) else type(body).__name__
+            raise _bad(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
+    else:
+        if is_queue or not fs.exists(os.path.join(d, META_NAME)):
+            raise _bad(where, f"row names map collection {name!r}, which does not exist")
+        _, _, key, value, gsn = row
+        if not isinstance(key, bytes) or len(key) > MAX_KEY_LEN:
+            raise _bad(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
+        if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
+            raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
+        if not _is_int(gsn) or not 1 <= gsn <= SEQ_MASK:
+            raise _bad(where, f"row for {name!r} has gsn {_short(gsn)}, not 1 to 2**60 - 1")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(where: str, what: str) -> CorruptionError:
+    return CorruptionError(
+        f"{where}: {what}; the record passes its CRC but armdb never wrote it. Restore the database "
+        f"from a backup"
+    )
 
 
 class Replayer:
@@ -38,6 +187,8 @@ class Replayer:
         self._fixed: dict[str, FixedStore] = {}
         self._bitcask: dict[str, BitcaskStore | None] = {}
         self.deferred: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
+        self._geometry: dict[str, FixedGeometry] = {}
+        self._meta_sizes: dict[str, tuple[int, int]] = {}
 
     def __enter__(self) -> Self:
         return self
@@ -69,21 +220,33 @@ class Replayer:
     def _fixed_store(self, name: str) -> FixedStore:
         fx = self._fixed.get(name)
         if fx is None:
+            g = self.geometry(name)
+            d = self.db.collection_dir(name)
+            key_size, value_size = self._meta_sizes[name]
+            fx = FixedStore(d, g.shard_count, key_size, value_size, FixedConfig(grow_step=1, enable_fsync=True))
+            self._fixed[name] = fx
+        return fx
+
+    def geometry(self, name: str) -> FixedGeometry:
+        """The queue header collection's geometry as found before replay (cached)."""
+        g = self._geometry.get(name)
+        if g is None:
             from .db import QUEUE_META
             from .queue import _decode_meta
 
             d = self.db.collection_dir(name)
+            g = fixed_geometry(d)
             meta_path = os.path.join(d, QUEUE_META)
-            if not _fs.FS.exists(meta_path):
-                raise CorruptionError(
-                    f"the transaction log names queue collection {name!r}, which does not exist; "
-                    f"restore the database from a backup"
-                )
             meta = _decode_meta(_fs.FS.read_file(meta_path), meta_path)
-            fx = FixedStore(d, int(meta["shard_count"]), int(meta["key_size"]), int(meta["value_size"]),
-                            FixedConfig(grow_step=1, enable_fsync=True))
-            self._fixed[name] = fx
-        return fx
+            self._meta_sizes[name] = (meta["key_size"], meta["value_size"])
+            self._geometry[name] = g
+        return g
+
+    def check(self, row: Any, where: str) -> None:
+        """Check one row (:func:`check_row`) before any row is applied."""
+        from .db import COLLECTIONS
+
+        check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry)
 
     def _bitcask_store(self, name: str) -> BitcaskStore | None:
         if name not in self._bitcask:
@@ -94,6 +257,7 @@ class Replayer:
         return self._bitcask[name]
 
     def apply(self, row: list[Any]) -> None:
+        """Apply one row that :meth:`check` accepted."""
         kind = row[0]
         if kind == "F":
             _, name, shard, slot, version, status, body = row
@@ -101,12 +265,10 @@ class Replayer:
             sh.ensure_capacity(slot + 1)
             if sh.status[slot] == TORN or _k.compare(version, int(sh.versions[slot])) == _k.NEWER:
                 sh.replay_write(slot, status, body, version)
-        elif kind == "B":
+        else:
             _, name, key, value, gsn = row
             store = self._bitcask_store(name)
             if store is None:
                 self.deferred.setdefault(name, []).append((key, value, gsn))
             else:
                 store.apply(key, value, gsn)
-        else:
-            raise CorruptionError(f"unknown transaction log row kind {kind!r}; restore from a backup")

@@ -46,7 +46,7 @@ import re
 import struct
 import threading
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -82,6 +82,7 @@ _REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
 REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
 FLAG_SEALED = 1
 MAX_BODY = 1 << 30
+MAX_TXID = (1 << 62) - 1
 _NAME_RE = re.compile(r"^(\d{8})\.log$")
 
 
@@ -129,7 +130,13 @@ def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]],
     ``(txid, flags, body)``; ``bad_offset`` is where the first bad record starts,
     or None when the file ends cleanly.
     """
-    out: list[tuple[int, int, bytes]] = []
+    recs, end, bad = _records_at(raw, start)
+    return [(txid, flags, body) for _offset, txid, flags, body in recs], end, bad
+
+
+def _records_at(raw: bytes, start: int) -> tuple[list[tuple[int, int, int, bytes]], int, int | None]:
+    """:func:`parse_records` with each record's offset: ``(offset, txid, flags, body)``."""
+    out: list[tuple[int, int, int, bytes]] = []
     pos = start
     n = len(raw)
     while pos < n:
@@ -137,9 +144,48 @@ def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]],
         if rec is None:
             return out, pos, pos
         txid, flags, body, end = rec
-        out.append((txid, flags, body))
+        out.append((pos, txid, flags, body))
         pos = end
     return out, pos, None
+
+
+class _Logged(NamedTuple):
+    """One record read at open, with where it was read (for error messages)."""
+
+    txid: int
+    flags: int
+    body: bytes
+    path: str
+    offset: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}: transaction log record at offset {self.offset}"
+
+
+def _check_txid(rec: _Logged) -> None:
+    """A txid above MAX_TXID was never handed out (they count up from 1 in each open), and
+    would make the next commit's txid overflow its 64-bit field."""
+    if rec.txid > MAX_TXID:
+        raise CorruptionError(
+            f"{rec.where}: txid {rec.txid} is beyond any armdb hands out; the record passes its CRC but "
+            f"armdb never wrote it. Restore the database from a backup"
+        )
+
+
+def _rows(body: bytes, where: str) -> list[Any]:
+    """Decode a record's (plaintext) body into its list of rows; ``CorruptionError`` if
+    it is not one msgpack list."""
+    try:
+        rows = msgpack.unpackb(body, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors are ValueErrors
+        raise CorruptionError(
+            f"{where}: the body does not decode ({type(e).__name__}: {e}); the record passes its CRC but "
+            f"armdb never wrote it. Restore the database from a backup"
+        ) from None
+    if not isinstance(rows, list):
+        raise CorruptionError(f"{where}: the body is not a list of rows; restore the database from a backup")
+    return rows
 
 
 def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
@@ -290,7 +336,7 @@ class TxLog:
         files = sorted(
             (int(m.group(1)), name) for name in fs.listdir(self.dir) if (m := _NAME_RE.match(name))
         )
-        records: list[tuple[int, int, bytes]] = []
+        records: list[_Logged] = []
         for i, (number, name) in enumerate(files):
             path = os.path.join(self.dir, name)
             raw = fs.read_file(path)
@@ -305,7 +351,7 @@ class TxLog:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
-            recs, _end, bad = parse_records(raw, FILE_HEADER_SIZE)
+            recs, _end, bad = _records_at(raw, FILE_HEADER_SIZE)
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
@@ -316,7 +362,9 @@ class TxLog:
                         f"intact; refusing to guess. Restore the database from a backup. {SALVAGE_HINT}"
                     )
                 log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
-            records.extend(recs)
+            records.extend(_Logged(txid, flags, body, path, offset) for offset, txid, flags, body in recs)
+        for rec in records:
+            _check_txid(rec)
         self._replay(records)
         # Start a fresh, empty log; the replayer synced the replayed rows into their
         # stores, so the old files can go.
@@ -328,9 +376,10 @@ class TxLog:
         self._start_file(files[-1][0] + 1 if files else 1)
         self._unlink(old)
         if records:
-            self._next_txid = max(r[0] for r in records) + 1
+            self._next_txid = max(r.txid for r in records) + 1
 
-    def _decode(self, txid: int, flags: int, body: bytes) -> list[Any]:
+    def _decode(self, rec: _Logged) -> list[Any]:
+        txid, flags, body = rec.txid, rec.flags, rec.body
         if flags & FLAG_SEALED:
             if self.sealer is None:
                 raise EncryptionKeyRequired(
@@ -344,18 +393,20 @@ class TxLog:
                     "the transaction log key does not open the logged records; give the key the log was "
                     "written with"
                 ) from None
-        rows = msgpack.unpackb(body, raw=False)
-        if not isinstance(rows, list):
-            raise CorruptionError(f"transaction {txid}: body is not a list of rows")
-        return rows
+        return _rows(body, rec.where)
 
-    def _replay(self, records: list[tuple[int, int, bytes]]) -> None:
+    def _replay(self, records: list[_Logged]) -> None:
         if not records:
             return
-        decoded = [self._decode(txid, flags, body) for txid, flags, body in records]
+        decoded = [self._decode(rec) for rec in records]
         from .replay import Replayer
 
         with Replayer(self.db) as rp:
+            # Every row is checked before the first is applied: a hostile record anywhere
+            # in the log refuses the open with nothing created or written.
+            for rec, rows in zip(records, decoded, strict=True):
+                for row in rows:
+                    rp.check(row, rec.where)
             for i, rows in enumerate(decoded):
                 if i == len(decoded) // 2:
                     _fail.point("recovery.mid_replay")
@@ -558,17 +609,31 @@ class TxLog:
 
 
 def check_dir(path: str) -> list[str]:
-    """Read-only check of ``<db>/txlog`` for ``armdb.check``."""
+    """Read-only check of ``<db>/txlog`` for ``armdb.check``.
+
+    Besides the framing (header, magic, length, CRC) every record's txid and, for an
+    unsealed record, every row is checked as open checks it before replay (sealed bodies
+    need the log key, which check does not take)."""
+    from .replay import FixedGeometry, check_row, fixed_geometry
+
     fs = _fs.FS
     findings: list[str] = []
     if not fs.exists(path):
         return findings
+    collections = os.path.join(os.path.dirname(path), "collections")
+    geometries: dict[str, FixedGeometry] = {}
+
+    def geometry(name: str) -> FixedGeometry:
+        if name not in geometries:
+            geometries[name] = fixed_geometry(os.path.join(collections, name))
+        return geometries[name]
+
     names = fs.listdir(path)
-    logs = [n for n in names if _NAME_RE.match(n)]
+    logs = sorted(n for n in names if _NAME_RE.match(n))
     for n in names:
         if n.endswith(".tmp"):
             findings.append(f"{os.path.join(path, n)}: leftover temporary file")
-    for i, name in enumerate(logs):
+    for name in logs:
         p = os.path.join(path, name)
         raw = fs.read_file(p)
         try:
@@ -576,8 +641,16 @@ def check_dir(path: str) -> list[str]:
         except FormatError as e:
             findings.append(str(e))
             continue
-        _, _, bad = parse_records(raw, FILE_HEADER_SIZE)
+        recs, _, bad = _records_at(raw, FILE_HEADER_SIZE)
         if bad is not None:
             findings.append(f"{p}: damaged record at offset {bad}")
+        for offset, txid, flags, body in recs:
+            rec = _Logged(txid, flags, body, p, offset)
+            try:
+                _check_txid(rec)
+                if not flags & FLAG_SEALED:
+                    for row in _rows(body, rec.where):
+                        check_row(row, rec.where, collections, geometry)
+            except (CorruptionError, FormatError) as e:
+                findings.append(str(e))
     return findings
-

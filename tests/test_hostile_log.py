@@ -90,6 +90,248 @@ def slot_row(*, name: str = "jobs", shard: Any = 0, slot: Any = 0, version: Any 
     return ["F", name, shard, slot, version, status, body]
 
 
+# -- item 5: names ---------------------------------------------------------------------------------------------
+
+
+HOSTILE_NAMES = ["/abs/path", "../../x", "../x", "a/b", "a\0b", "x" * 300, "", ".", "..", "UPPER", 5, None, b"docs"]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=repr)
+def test_d5_t2_logged_map_row_with_a_hostile_name_is_refused(tmp_path: Path, name: Any) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    if isinstance(name, str) and name.startswith("/"):
+        name = str(tmp_path / "outside")  # an absolute path inside the test's own directory
+    offset = add_rows(db, [["B", name, b"\x91\x01", b"\x01", 10_000]])
+    err = refuse(db, tmp_path)
+    assert str(log_file(db)) in str(err) and f"offset {offset}" in str(err)
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "x").exists()
+    assert not armdb.check(db).ok
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=repr)
+def test_d5_t2_logged_slot_row_with_a_hostile_name_is_refused(tmp_path: Path, name: Any) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    offset = add_rows(db, [slot_row(name=name)])
+    err = refuse(db, tmp_path)
+    assert f"offset {offset}" in str(err)
+    assert not armdb.check(db).ok
+
+
+def test_d5_t2_logged_row_cannot_reach_another_database(tmp_path: Path) -> None:
+    db, other = tmp_path / "db", tmp_path / "other_db"
+    make_db(db)
+    make_db(other)
+    target = other / "collections" / "jobs" / "shard-000" / "fixed.data"
+    before = target.read_bytes()
+    add_rows(db, [slot_row(name="../../other_db/collections/jobs", version=99, body=b"\xff" * 8)])
+    refuse(db, tmp_path)
+    assert target.read_bytes() == before
+    with armdb.Db.open(other) as d:
+        assert [lz.payload["doc"] for lz in d.open_queue(Pings, qcfg()).lease(5)] == [7]
+
+
+def test_t2_logged_map_row_for_a_queue_header_collection_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [["B", "jobs", b"\xa1k", b"\x01", 10_000]])
+    refuse(db, tmp_path)
+
+
+def test_t2_logged_map_row_for_a_missing_collection_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [["B", "nosuch", b"\xa1k", b"\x01", 10_000]])
+    refuse(db, tmp_path)
+    assert not (db / "collections" / "nosuch").exists()
+
+
+# -- items 5 and 6: shard, slot, lengths -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard", [1, 5, -1, 2**31, 2**64 - 1, "0", True, 0.0, None], ids=repr)
+def test_t2_logged_slot_row_with_a_shard_out_of_range_is_refused(tmp_path: Path, shard: Any) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [slot_row(shard=shard)])
+    refuse(db, tmp_path)
+    assert not armdb.check(db).ok
+
+
+@pytest.mark.parametrize("slot", [2**31, 2**32 - 1, 2**40, 10**7, -1, 2**64 - 1, "3", None, 1.5], ids=repr)
+def test_t2_logged_slot_far_past_the_file_is_refused_without_growing_it(tmp_path: Path, slot: Any) -> None:
+    # SPEC S2/S7: a 100-byte record once grew fixed.data to 274 GB.  The bound is what a
+    # legitimate log can be ahead of the file after a power loss (docs/format.md).
+    db = tmp_path / "db"
+    make_db(db)
+    data = db / "collections" / "jobs" / "shard-000" / "fixed.data"
+    size = data.stat().st_size
+    add_rows(db, [slot_row(slot=slot)])
+    t0 = time.monotonic()
+    refuse(db, tmp_path)
+    assert time.monotonic() - t0 < 5
+    assert data.stat().st_size == size
+    assert not armdb.check(db).ok
+
+
+def test_t2_logged_slot_within_lost_growth_is_replayed(tmp_path: Path) -> None:
+    # A slot past the file's end but within the bound is what a power loss that lost the
+    # file's last growth leaves: it is replayed, and the file grows to hold it.
+    db = tmp_path / "db"
+    make_db(db)
+    row = bytes(32)  # any slot image body that fits
+    add_rows(db, [slot_row(slot=1000, version=1, status=2, body=row)])
+    with armdb.Db.open(db) as d:
+        assert d.open_queue(Pings, qcfg()).len() == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("body", b"\x00" * 10_000), ("body", "text"), ("body", None), ("status", 7), ("status", 0), ("status", -1),
+     ("version", -1), ("version", 0), ("version", 2**30), ("version", 2**64 - 1), ("version", "1")],
+)
+def test_t2_logged_slot_row_with_bad_fields_is_refused(tmp_path: Path, field: str, value: Any) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [slot_row(**{field: value})])
+    refuse(db, tmp_path)
+    assert not armdb.check(db).ok
+
+
+@pytest.mark.parametrize(
+    "row",
+    [["B", "docs", b"k" * 70_000, b"v", 10_000], ["B", "docs", "k", b"v", 10_000], ["B", "docs", b"k", 5, 10_000],
+     ["B", "docs", b"k", b"v", 0], ["B", "docs", b"k", b"v", -1], ["B", "docs", b"k", b"v", 2**60],
+     ["B", "docs", b"k", b"v", "9"], ["B", "docs", b"k", b"v"], ["B", "docs", b"k", b"v", 1, 2]],
+    ids=repr,
+)
+def test_t2_logged_map_row_with_bad_fields_is_refused(tmp_path: Path, row: list[Any]) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [row])
+    refuse(db, tmp_path)
+    assert not armdb.check(db).ok
+
+
+# -- item 11: undecodable bodies and malformed rows ----------------------------------------------------------------
+
+
+BAD_BODIES = {
+    "format_error": b"\xc1",
+    "extra_data": msgpack.packb([]) + b"\x00",
+    "stack_error": b"\x91" * 5000 + b"\x90",
+    "unicode": b"\x91\x92\xa1F\xa1\xff",
+    "int_map_key": msgpack.packb([{1: 2}]),
+    "truncated": b"\x92\x91",
+    "not_a_list": msgpack.packb(5),
+    "row_not_a_list": msgpack.packb([5]),
+    "empty_row": msgpack.packb([[]]),
+    "unknown_kind": msgpack.packb([["Z", "docs"]]),
+    "kind_not_str": msgpack.packb([[1, "docs"]]),
+    "short_slot_row": msgpack.packb([["F", "jobs", 0]]),
+    "long_slot_row": msgpack.packb([["F", "jobs", 0, 0, 5, 1, b"", 1]]),
+    "ext_type": msgpack.packb([msgpack.ExtType(5, b"x")]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_BODIES))
+def test_t2_undecodable_or_malformed_log_body_is_corruption(tmp_path: Path, kind: str) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    offset = add_record(db, BAD_BODIES[kind])
+    err = refuse(db, tmp_path)
+    assert f"offset {offset}" in str(err)
+    report = armdb.check(db)
+    assert not report.ok and any(f"offset {offset}" in f for f in report.findings), report.findings
+
+
+def test_t2_txid_that_would_overflow_the_next_commit_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [["B", "docs", b"\xa1a", b"\x02", 10_000]], txid=2**64 - 1)
+    refuse(db, tmp_path)
+
+
+def test_t2_every_row_is_checked_before_any_is_applied(tmp_path: Path) -> None:
+    # A good row before a bad one is not applied either: nothing is written.
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [slot_row(version=99, body=b"\x01" * 8)], txid=1)
+    add_rows(db, [slot_row(shard=9)], txid=2)
+    refuse(db, tmp_path)
+
+
+# -- items 6 and 11: queue.meta --------------------------------------------------------------------------------
+
+
+def queue_meta(body: Any) -> bytes:
+    from armdb.queue import META_MAGIC, META_VERSION
+
+    packed = msgpack.packb(body, use_bin_type=True) if not isinstance(body, bytes) else body
+    raw = META_MAGIC + struct.pack("<II", META_VERSION, len(packed)) + packed
+    return raw + struct.pack("<I", zlib.crc32(raw))
+
+
+def rewrite_queue_meta(path: Path, **changes: Any) -> None:
+    from armdb.queue import _decode_meta
+
+    meta_path = path / "collections" / "jobs" / "queue.meta"
+    meta = _decode_meta(meta_path.read_bytes(), str(meta_path))
+    meta.update(changes)
+    for k, v in list(meta.items()):
+        if v is KeyError:
+            del meta[k]
+    meta_path.write_bytes(queue_meta(meta))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"shard_count": 0}, {"shard_count": 2000}, {"shard_count": -1}, {"shard_count": "1"}, {"shard_count": 2**64 - 1},
+     {"shard_count": True}, {"shard_count": KeyError}, {"var": KeyError}, {"var": "yes"}, {"fingerprint": 5},
+     {"key_size": 0}, {"key_size": 17}, {"value_size": 2**40}, {"value_size": -1}, {"value_size": 3}],
+    ids=repr,
+)
+@pytest.mark.parametrize("via", ["open_queue", "replay"])
+def test_d5_crafted_queue_meta_is_a_typed_error(tmp_path: Path, changes: dict[str, Any], via: str) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    rewrite_queue_meta(db, **changes)
+    before = snapshot(tmp_path)
+    t0 = time.monotonic()
+    if via == "replay":
+        add_rows(db, [slot_row()])
+        refuse(db, tmp_path, exc=(FormatError, CorruptionError))  # type: ignore[arg-type]
+    else:
+        with armdb.Db.open(db) as d, pytest.raises(FormatError):
+            d.open_queue(Pings, qcfg())
+        after = snapshot(tmp_path)
+        assert not [k for k in after if k not in before and "shard-" in k]
+    assert time.monotonic() - t0 < 5
+    assert not armdb.check(db).ok
+
+
+@pytest.mark.parametrize("body", [msgpack.packb([1, 2]), b"\xc1", msgpack.packb({1: 2}), msgpack.packb({}) + b"\x00"],
+                         ids=["list", "format", "int_key", "extra"])
+def test_d5_queue_meta_body_that_is_not_a_map_is_a_format_error(tmp_path: Path, body: bytes) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    (db / "collections" / "jobs" / "queue.meta").write_bytes(queue_meta(body))
+    with armdb.Db.open(db) as d, pytest.raises(FormatError):
+        d.open_queue(Pings, qcfg())
+    assert not armdb.check(db).ok
+
+
+def test_s5_shard_count_above_the_maximum_is_a_config_error() -> None:
+    from armdb.config import MAX_SHARD_COUNT
+
+    assert FixedConfig.balanced().shard_count(MAX_SHARD_COUNT).build().shard_count == MAX_SHARD_COUNT
+    with pytest.raises(armdb.ConfigError, match="at most"):
+        FixedConfig.balanced().shard_count(MAX_SHARD_COUNT + 1).build()
+    with pytest.raises(armdb.ConfigError, match="at most"):
+        armdb.Config.balanced().shard_count(MAX_SHARD_COUNT + 1).build()
+
+
 # -- item 7: the torn-tail search is linear -----------------------------------------------------------------------
 
 
