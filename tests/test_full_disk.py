@@ -7,9 +7,11 @@ the store allocates the blocks (``fallocate``) when it creates or grows a file,
 before the new range is mapped, and a full disk shows up there, as an error from a
 system call.
 
-These tests mount a real, size-limited tmpfs (root is needed; CI runs as root), fill
-it, and run the workload in a child process, so that a ``SIGBUS`` ends the child
-with exit code -7 and fails the test instead of killing pytest.
+The first tests mount a real, size-limited tmpfs (root is needed; CI runs as root),
+fill it, and run the workload in a child process, so that a ``SIGBUS`` ends the child
+with exit code -7 and fails the test instead of killing pytest.  The last ones check
+the allocation itself: the holes of a file an older armdb left sparse, and the
+zero-writing fallback where a file system has no ``fallocate``.
 """
 
 from __future__ import annotations
@@ -285,3 +287,120 @@ def test_s12_full_disk_map_put_is_a_storage_error_and_keeps_data(small_fs: Path)
     rep = armdb.check(db_dir)
     FIGURES["check_failures"] += not rep.ok
     assert rep.ok, rep.findings
+
+
+# ------------------------------------------------------------- allocation without a tmpfs
+
+
+def _sparse_copy(path: Path) -> None:
+    """Rewrite ``path`` as an older armdb left it: only pages holding data allocated."""
+    data = path.read_bytes()
+    tmp = path.with_suffix(".sparse")
+    with open(tmp, "wb") as f:
+        for off in range(0, len(data), 4096):
+            page = data[off : off + 4096]
+            if any(page):
+                f.seek(off)
+                f.write(page)
+        f.truncate(len(data))
+    os.replace(tmp, path)
+
+
+def test_s2_open_allocates_the_holes_of_a_sparse_header_file(tmp_path: Path) -> None:
+    """A fixed.data / fixed.redo an older armdb extended sparse gets every block at the
+    next open, so its stores cannot meet a full disk inside the map either."""
+    import numpy as np
+
+    spec = armdb.queue("fq", payload=np.dtype([("n", "<u8")]))
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(spec)
+        ids = [q.push((i,)) for i in range(10)]
+    files = sorted((tmp_path / "db").rglob("fixed.*"))
+    assert {p.name for p in files} == {"fixed.data", "fixed.redo"}
+    for p in files:
+        _sparse_copy(p)
+    data = next(p for p in files if p.name == "fixed.data")
+    assert data.stat().st_blocks * 512 < data.stat().st_size // 10  # sparse now
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(spec)
+        assert sorted(x.id for x in q.lease(20)) == ids
+    for p in files:
+        assert p.stat().st_blocks * 512 >= p.stat().st_size, p
+    assert armdb.check(tmp_path / "db").ok
+
+
+@pytest.mark.parametrize("errno_", [95, 22], ids=["EOPNOTSUPP", "EINVAL"])
+def test_s2_without_fallocate_the_blocks_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int
+) -> None:
+    """A file system without fallocate: the new range is written with zeros (through the
+    seam), never skipped, and no byte of data changes."""
+    import errno
+
+    import numpy as np
+
+    from armdb import _fs
+
+    assert errno_ in (errno.EOPNOTSUPP, errno.EINVAL)
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno_, os.strerror(errno_))
+
+    path = tmp_path / "f"
+    content = bytearray(3 * 4096 + 100)
+    content[4096 + 7] = 1  # page 1 holds data, pages 0 and 2 and the tail do not
+    with open(path, "wb") as f:
+        f.seek(4096)
+        f.write(content[4096 : 2 * 4096])
+        f.truncate(len(content))
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    writes: list[tuple[int, int]] = []
+
+    class Counting(_fs.RealFS):
+        def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+            writes.append((offset, len(data)))
+            super().pwrite(fd, data, offset)
+
+    fs = Counting()
+    fd = fs.open(str(path), os.O_RDWR)
+    try:
+        fs.fallocate(fd, 0, 5 * 4096)
+    finally:
+        fs.close(fd)
+    assert path.read_bytes() == bytes(content) + bytes(5 * 4096 - len(content))
+    assert path.stat().st_blocks * 512 >= 5 * 4096
+    assert (4096, 4096) not in writes and all(not (o <= 4096 + 7 < o + n) for o, n in writes), writes
+
+    # A whole database on such a file system: opens, grows, reopens, checks clean.
+    spec = armdb.queue("fq", payload=np.dtype([("n", "<u8")]))
+    qconf = armdb.QueueConfig.balanced().header_config(armdb.FixedConfig.balanced().grow_step(64).build()).build()
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(spec, qconf)
+        ids = [q.push((i,)) for i in range(150)]  # two growths
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(spec, qconf)
+        assert sorted(x.id for x in q.lease(200)) == ids
+    data = next((tmp_path / "db").rglob("fixed.data"))
+    assert data.stat().st_blocks * 512 >= data.stat().st_size
+    assert armdb.check(tmp_path / "db").ok
+
+
+def test_s2_a_real_allocation_error_is_not_papered_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only "not supported" falls back to writing; ENOSPC or EIO from fallocate is raised."""
+    from armdb import _fs
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    fs = _fs.RealFS()
+    fd = fs.open(str(path), os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as info:
+            fs.fallocate(fd, 0, 8192)
+        assert info.value.errno == 28
+    finally:
+        fs.close(fd)
+    assert path.read_bytes() == b"x"
