@@ -161,8 +161,15 @@ class DirLock:
     @classmethod
     def for_inspection(cls, directory: str) -> DirLock:
         """The lock as read-only inspection takes it (D10): as ``Db.open`` does where the
-        directory is writable, without writing anything where it is not."""
-        return cls(directory, write=_fs.FS.writable(directory))
+        directory is writable, without writing anything where it is not (or where
+        ``LOCK`` itself cannot be written)."""
+        if _fs.FS.writable(directory):
+            try:
+                return cls(directory)
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+        return cls(directory, write=False)
 
     def release(self) -> None:
         if self.fd >= 0:

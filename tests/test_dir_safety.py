@@ -437,3 +437,27 @@ def test_d7_clock_turning_bad_later_raises_at_the_call_and_writes_nothing(db_pat
         assert lz.id == kept
         q.ack(lz.token)
     assert check(db_path).ok
+
+
+def test_d10_check_falls_back_to_read_only_where_lock_cannot_be_written(db_path: Path) -> None:
+    """A writable folder whose LOCK belongs to someone else (EACCES on opening it for
+    writing): check inspects read-only instead of failing."""
+    import errno
+
+    from armdb import _fs
+
+    small_db(db_path)
+    (db_path / "LOCK").write_text("424242\n")
+    before = tree(db_path)
+
+    class LockNotOurs(_fs.RealFS):
+        def open(self, path: str, flags: int, mode: int = _fs.FILE_MODE) -> int:
+            if path.endswith("LOCK") and flags & (os.O_RDWR | os.O_WRONLY):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return super().open(path, flags, mode)
+
+    with _fs.use(LockNotOurs()):
+        report = check(db_path)
+        assert cli.main(["check", str(db_path)]) == 0
+    assert report.ok, report.findings
+    assert tree(db_path) == before
