@@ -53,7 +53,7 @@ from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from ._pack import check_round_trip, packb
-from .config import MAX_SHARD_COUNT, QueueConfig
+from .config import MAX_ATTEMPTS, MAX_SHARD_COUNT, QueueConfig
 from .db import QUEUE_META, validate_name
 from .errors import (
     ConfigError,
@@ -68,7 +68,7 @@ from .errors import (
     StaleToken,
     as_storage_error,
 )
-from .fixed import FixedStore
+from .fixed import HEADER_PAGE, FixedStore
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -441,6 +441,76 @@ def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: 
     return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
 
 
+class RowProblem(NamedTuple):
+    """Rows of one shard that armdb never writes (see :func:`row_problems`)."""
+
+    what: str  # completes "N row(s) ..."
+    bad: np.ndarray  # bool mask over the rows given
+    action: str  # "refuse": open raises CorruptionError; "repair": open serves them after a fix in
+    #              memory (WARNING, repaired_on_open); "report": served as they are, armdb.check reports
+
+
+def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *,
+                 duplicates: bool = True) -> list[RowProblem]:
+    """The rules a stored queue row must follow, shared by ``Db.open`` and ``armdb.check``.
+
+    ``rows`` are the occupied slots of shard ``shard_no`` viewed as ``ROW_DTYPE``.  Their
+    CRCs held, so a row that breaks a rule was not torn by a crash: the file was changed
+    outside armdb.  Open refuses a row whose state, key class, id or attempts would make
+    it deliver a job twice, resurrect a dead one or count its retries wrongly; it serves
+    a leased row without a plausible deadline as an expired lease (after a reopen no
+    lease holder can settle it anyway); fields that only inform (the payload id, the
+    deadline of a row that is not leased, attempts of a delivered row) are left to check.
+    An attempt count above the queue's ``max_attempts`` is not a problem: the setting can
+    be lowered between opens, and such a row is dead-lettered when its lease next ends.
+    ``duplicates=False`` leaves out the rule that a row id occurs once in the shard (check
+    looks for ids stored twice across all shards itself).
+    """
+    due = rows["due"].astype(np.uint64)
+    seq = rows["seq"].astype(np.uint64)
+    hdr = rows["header"]
+    state = hdr["state"]
+    deadline = hdr["deadline"].astype(np.int64)
+    attempts = hdr["attempts"]
+    dead_key = (due & np.uint64(DEAD_BIT)) != 0
+    leased = state == State.LEASED
+    out = [
+        RowProblem("hold an unknown state (not READY, LEASED or DEAD)", state > State.DEAD, "refuse"),
+        RowProblem("are in the dead key class but not DEAD", dead_key & (state != State.DEAD), "refuse"),
+        RowProblem("are DEAD but keyed as live rows", ~dead_key & (state == State.DEAD), "refuse"),
+        RowProblem("have row id 0, which is never handed out", seq == 0, "refuse"),
+        RowProblem(
+            f"belong to another shard (their row id modulo {shard_count} is not {shard_no})",
+            (seq % np.uint64(shard_count)) != np.uint64(shard_no) if shard_count > 1 else np.zeros(seq.size, bool),
+            "refuse",
+        ),
+        RowProblem(
+            f"are READY with {MAX_ATTEMPTS} attempts, more than any retry can count",
+            (state == State.READY) & (attempts == MAX_ATTEMPTS),
+            "refuse",
+        ),
+        RowProblem("are LEASED without a lease deadline", leased & (deadline == 0), "repair"),
+        RowProblem("are LEASED with a negative lease deadline", leased & (deadline < 0), "repair"),
+        RowProblem("hold a negative lease deadline", ~leased & (deadline < 0), "report"),
+        RowProblem(
+            "were delivered (LEASED or DEAD) but count 0 attempts",
+            (leased | (state == State.DEAD)) & (attempts == 0),
+            "report",
+        ),
+    ]
+    if var:
+        out.append(RowProblem("point at a payload id other than their row id", hdr["payload_id"] != seq, "report"))
+    else:
+        out.append(RowProblem("hold a payload id, which a fixed queue never sets", hdr["payload_id"] != 0,
+                              "report"))
+    if duplicates and seq.size > 1:
+        ordered = np.sort(seq)
+        again = ordered[1:] == ordered[:-1]
+        twice = np.isin(seq, ordered[1:][again]) if again.any() else np.zeros(seq.size, bool)
+        out.append(RowProblem("share their row id with another row of the shard", twice, "refuse"))
+    return out
+
+
 def _encode_meta(spec: QueueSpec, shard_count: int, value_size: int) -> bytes:
     body = msgpack.packb(
         {"var": spec.var, "fingerprint": spec.fingerprint, "shard_count": shard_count,
@@ -621,16 +691,42 @@ class Queue(Generic[T]):
         if occ.size == 0:
             return 0
         rows = fx.slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        self._judge_rows(fx, occ, rows)
         due = rows["due"].astype(np.uint64)
         seq = rows["seq"].astype(np.uint64)
         hdr = rows["header"]
         dead = (due & np.uint64(DEAD_BIT)) != 0
         leased = hdr["state"] == State.LEASED
-        deadline = np.where(leased, hdr["deadline"], 0).astype(np.int64)
+        # A leased row without a plausible deadline is served as an expired lease.
+        deadline = np.where(leased & (hdr["deadline"] > 0), hdr["deadline"], 0).astype(np.int64)
         slots = occ.astype(np.uint32)
-        sh.live = KeyIndex.from_arrays(due[~dead], seq[~dead], slots[~dead], deadline[~dead])
-        sh.dead = KeyIndex.from_arrays(due[dead], seq[dead], slots[dead], np.zeros(int(dead.sum()), np.int64))
+        try:
+            sh.live = KeyIndex.from_arrays(due[~dead], seq[~dead], slots[~dead], deadline[~dead])
+            sh.dead = KeyIndex.from_arrays(due[dead], seq[dead], slots[dead], np.zeros(int(dead.sum()), np.int64))
+        except ValueError as e:  # the rules above leave nothing the index refuses; kept typed anyway
+            raise CorruptionError(f"{fx.path}: queue rows cannot be indexed ({e}); restore the queue "
+                                  f"from a backup (armdb.check lists every problem)") from None
         return int(seq.max())
+
+    def _judge_rows(self, fx: Any, occ: np.ndarray, rows: np.ndarray) -> None:
+        """Refuse the shard if a CRC-valid row breaks a rule (:func:`row_problems`); log
+        and count the rows open repairs in memory."""
+        for p in row_problems(rows, fx.index, len(self._shards), self.spec.var):
+            k = int(p.bad.sum())
+            if k == 0 or p.action == "report":
+                continue
+            where = occ[p.bad][:5].tolist()
+            ids = rows["seq"][p.bad][:5].tolist()
+            if p.action == "refuse":
+                offsets = [HEADER_PAGE + s * fx.slot_size for s in where]
+                raise CorruptionError(
+                    f"{fx.path}: {k} row(s) {p.what} (slots {where} at offsets {offsets}, row ids {ids}); "
+                    f"armdb never writes such a row, so the file was changed outside armdb: restore the "
+                    f"queue from a backup (armdb.check lists every problem)"
+                )
+            fx.repaired_on_open += k
+            log.warning("queue %s: %s: %d row(s) %s (slots %s, row ids %s); served as expired leases",
+                        self.name, fx.path, k, p.what, where, ids)
 
     def _drop_headers_without_body(self) -> None:
         """Free rows whose body is missing (I4): never serve a header without its body.
