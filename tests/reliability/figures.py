@@ -17,6 +17,9 @@ VIOLATION_KEYS = (
     "conservation", "stale_accepted", "lease_overlaps", "overlaps", "attempt_regressions",
     "tx_atomicity", "check_failures", "child_errors", "untyped_exceptions", "fd_leaks",
     "canary_hits", "nonce_repeats", "state_changes",
+    # d2-mutation (structure-aware mutation)
+    "signals", "hangs", "memory", "file_size", "outside_writes", "check_ok_on_refused", "silent_loss",
+    "harness_errors",
 )
 
 # harness -> (what is measured, [(key, minimum)], CI target as written in RELIABILITY.md)
@@ -26,13 +29,15 @@ TARGETS: dict[str, tuple[str, list[tuple[str, float]], str]] = {
     "powerloss": ("crash states", [("states", 10_000)], ">= 10,000"),
     "faults": ("faults injected", [("faults", 1)], "every k of every workload"),
     "mutation": ("mutated files", [("mutations", 20_000)], ">= 20,000"),
+    "d2-mutation": ("crafted files (fields)", [("crafted", 20_000), ("fields", 121)],
+                    ">= 20,000, every field of every kind"),
     "e-model": ("examples (steps)", [("examples", 600), ("machines", 3)], "200 examples x 50 steps per machine, 3 machines"),
     "threads": ("jobs (seeds)", [("jobs", 120_000), ("seeds", 3)], "8P x 8C x 40k jobs x 3 seeds"),
     "g-encryption": ("seals (cases)", [("seals", 100_000)], "all cases; 0 hits, 0 repeats in 1e5"),
     "h-bad-input": ("rows", [("rows", 80)], ">= 80 rows"),
     "full-disk": ("children on a full tmpfs", [("runs", 2)], "fixed + var queue and a map, 0 signals"),
 }
-SECOND = {"killloop": "min_phase", "failpoints": "points", "e-model": "steps", "threads": "seeds",
+SECOND = {"d2-mutation": "fields", "killloop": "min_phase", "failpoints": "points", "e-model": "steps", "threads": "seeds",
           "g-encryption": "cases"}
 
 
