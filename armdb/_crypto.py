@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .errors import ConfigError, CorruptionError, WrongKey
 
-__all__ = ["KEY_LEN", "NONCE_LEN", "OVERHEAD", "TAG_LEN", "Sealer"]
+__all__ = ["KEY_CHECK_LEN", "KEY_LEN", "NONCE_LEN", "OVERHEAD", "TAG_LEN", "Sealer"]
 
 KEY_LEN = 32
 NONCE_LEN = 12
@@ -37,6 +37,7 @@ OVERHEAD = NONCE_LEN + TAG_LEN
 
 _CHECK_PLAIN = b"armdb key check value, v1 \x00\x01\x02\x03"
 _CHECK_AAD = b"armdb.kcv"
+KEY_CHECK_LEN = OVERHEAD + len(_CHECK_PLAIN)  # the length of a key check value (58)
 
 
 class Sealer:

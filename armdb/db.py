@@ -31,6 +31,7 @@ import threading
 import weakref
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _fs
@@ -73,12 +74,40 @@ def validate_name(name: object, *, queue: bool = False) -> str:
     return name
 
 
-def encode_meta() -> bytes:
+# The identity block after the 16 bytes of a version-1 db.meta (docs/format.md): the
+# database's random id, which the transaction log's sealed records are bound to, and the
+# check value of the log key, which refuses a wrong log key at open.  Its own magic and
+# CRC leave the first 16 bytes exactly as version 1 wrote them.
+IDENT_MAGIC = b"ARMDBID1"
+_IDENT = struct.Struct("<8s16sI")  # magic, database id, length of the log key check value
+DB_ID_LEN = 16
+
+
+@dataclass(frozen=True)
+class DbMeta:
+    """What ``db.meta`` holds: the database id (``b""`` in a file written before ids
+    existed) and the log key check value (``b""`` until a log key is first given)."""
+
+    db_id: bytes = b""
+    log_key_check: bytes = b""
+
+
+def encode_meta(meta: DbMeta | None = None) -> bytes:
+    """``db.meta`` for ``meta``; a new database (``meta`` None) gets a fresh random id."""
+    if meta is None:
+        meta = DbMeta(os.urandom(DB_ID_LEN))
     body = _META.pack(MAGIC, FORMAT_VERSION)
-    return body + struct.pack("<I", zlib.crc32(body))
+    raw = body + struct.pack("<I", zlib.crc32(body))
+    if not meta.db_id:
+        return raw
+    ident = _IDENT.pack(IDENT_MAGIC, meta.db_id, len(meta.log_key_check)) + meta.log_key_check
+    return raw + ident + struct.pack("<I", zlib.crc32(ident))
 
 
-def check_meta(raw: bytes, path: str) -> None:
+def check_meta(raw: bytes, path: str) -> DbMeta:
+    """Check ``db.meta`` and return what it holds; ``FormatError`` for anything else."""
+    from ._crypto import KEY_CHECK_LEN
+
     if len(raw) < _META.size + 4 or raw[:8] != MAGIC:
         raise FormatError(f"{path}: not an armdb database (bad magic); point armdb at its own directory")
     _, version = _META.unpack_from(raw)
@@ -89,6 +118,19 @@ def check_meta(raw: bytes, path: str) -> None:
             f"{path}: database format version {version} is not supported (this armdb knows "
             f"{FORMAT_VERSION}); upgrade armdb"
         )
+    start = _META.size + 4
+    if len(raw) == start:
+        return DbMeta()  # written before database ids: open adds them
+    damaged = f"{path}: the identity block of the database meta file is damaged; restore it from a backup"
+    if len(raw) < start + _IDENT.size + 4 or raw[start : start + 8] != IDENT_MAGIC:
+        raise FormatError(damaged)
+    _, db_id, n = _IDENT.unpack_from(raw, start)
+    end = start + _IDENT.size + n
+    if n not in (0, KEY_CHECK_LEN) or len(raw) != end + 4:
+        raise FormatError(damaged)
+    if struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[start:end]):
+        raise FormatError(damaged)
+    return DbMeta(bytes(db_id), bytes(raw[start + _IDENT.size : end]))
 
 
 class DirLock:

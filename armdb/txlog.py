@@ -74,7 +74,11 @@ log = logging.getLogger("armdb")
 
 DIR = "txlog"
 FILE_MAGIC = b"ARMTXLG1"
-FORMAT_VERSION = 1
+# Version 2 binds sealed bodies to the database (their AAD holds the database id from
+# db.meta); version 1 files (AAD: the txid alone) are still read, and replayed as such.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+_AAD_PREFIX = b"armdb.txlog\x00"
 _FILE_HEAD = struct.Struct("<8sIIQ")  # magic, version, flags, file number; then crc32, pad to 32
 FILE_HEADER_SIZE = 32
 REC_MAGIC = 0x314E5854
@@ -93,14 +97,21 @@ def _file_header(number: int) -> bytes:
 
 
 def _check_file_header(raw: bytes, path: str) -> int:
+    """The file number of a log file's header; ``FormatError`` unless it is a valid
+    header of a version this armdb reads (:data:`READ_VERSIONS`)."""
+    return _file_header_fields(raw, path)[0]
+
+
+def _file_header_fields(raw: bytes, path: str) -> tuple[int, int]:
+    """``(file number, format version)`` of a valid log file header."""
     if len(raw) < FILE_HEADER_SIZE or raw[:8] != FILE_MAGIC:
         raise FormatError(f"{path}: not an armdb transaction log; point armdb at its own directory")
     _magic, version, _flags, number = _FILE_HEAD.unpack_from(raw)
     if struct.unpack_from("<I", raw, _FILE_HEAD.size)[0] != zlib.crc32(raw[: _FILE_HEAD.size]):
         raise FormatError(f"{path}: transaction log header fails its CRC; restore it from a backup")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise FormatError(f"{path}: transaction log format {version} is not supported; upgrade armdb")
-    return int(number)
+    return int(number), int(version)
 
 
 def _torn_header(raw: bytes) -> bool:
@@ -150,13 +161,15 @@ def _records_at(raw: bytes, start: int) -> tuple[list[tuple[int, int, int, bytes
 
 
 class _Logged(NamedTuple):
-    """One record read at open, with where it was read (for error messages)."""
+    """One record read at open, with where it was read (for error messages) and the
+    format version of its file (which says how its sealed body is bound)."""
 
     txid: int
     flags: int
     body: bytes
     path: str
     offset: int
+    version: int = FORMAT_VERSION
 
     @property
     def where(self) -> str:
@@ -171,6 +184,15 @@ def _check_txid(rec: _Logged) -> None:
             f"{rec.where}: txid {rec.txid} is beyond any armdb hands out; the record passes its CRC but "
             f"armdb never wrote it. Restore the database from a backup"
         )
+
+
+def record_aad(version: int, db_id: bytes, txid: int) -> bytes:
+    """The associated data a record's sealed body is bound to: in format 2 the database
+    id and the txid (a record moved into another database fails its tag, as a Bitcask
+    record moved into another collection does), in format 1 the txid alone."""
+    if version == 1:
+        return txid.to_bytes(8, "little")
+    return _AAD_PREFIX + db_id + txid.to_bytes(8, "little")
 
 
 def _rows(body: bytes, where: str) -> list[Any]:
@@ -299,6 +321,8 @@ class TxLog:
         self.dir = os.path.join(db.path, DIR)
         key = db.tx_config.log_encryption_key
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
+        self.db_id = b""  # from db.meta, read by _open
+        self._key_checked = False  # the log key matched db.meta's key check value
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
@@ -336,12 +360,13 @@ class TxLog:
         files = sorted(
             (int(m.group(1)), name) for name in fs.listdir(self.dir) if (m := _NAME_RE.match(name))
         )
+        meta = self._check_key()
         records: list[_Logged] = []
         for i, (number, name) in enumerate(files):
             path = os.path.join(self.dir, name)
             raw = fs.read_file(path)
             try:
-                _check_file_header(raw, path)
+                _number, version = _file_header_fields(raw, path)
             except FormatError:
                 # A log file is created (O_TRUNC) just before its header is written: a
                 # crash or power loss can leave it empty, zero or torn.  With no valid
@@ -362,10 +387,11 @@ class TxLog:
                         f"intact; refusing to guess. Restore the database from a backup. {SALVAGE_HINT}"
                     )
                 log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
-            records.extend(_Logged(txid, flags, body, path, offset) for offset, txid, flags, body in recs)
+            records.extend(_Logged(txid, flags, body, path, offset, version) for offset, txid, flags, body in recs)
         for rec in records:
             _check_txid(rec)
         self._replay(records)
+        self._record_identity(meta)
         # Start a fresh, empty log; the replayer synced the replayed rows into their
         # stores, so the old files can go.
         old = [os.path.join(self.dir, name) for _, name in files]
@@ -378,6 +404,41 @@ class TxLog:
         if records:
             self._next_txid = max(r.txid for r in records) + 1
 
+    def _check_key(self) -> Any:
+        """Read db.meta; refuse a log key that does not match its key check value.
+
+        Runs before any log file is read, so a wrong key changes nothing.  A database
+        that has none yet (created before key check values, or never given a log key)
+        records the first log key given, once the log has been replayed with it."""
+        from .db import META_FILE, check_meta
+
+        path = os.path.join(self.db.path, META_FILE)
+        meta = check_meta(_fs.FS.read_file(path), path)
+        self.db_id = meta.db_id or os.urandom(16)  # written by _record_identity
+        if self.sealer is not None and meta.log_key_check:
+            try:
+                self.sealer.verify(meta.log_key_check)
+            except WrongKey:
+                raise WrongKey(
+                    "the transaction log key given is not the log key this database was used with (db.meta "
+                    "keeps its check value); give the original log key"
+                ) from None
+            self._key_checked = True
+        return meta
+
+    def _record_identity(self, meta: Any) -> None:
+        """Write the database id (and the log key's check value, once a key is given)
+        into db.meta, before the first log file that binds records to them exists."""
+        from .db import META_FILE, DbMeta, encode_meta
+
+        check = meta.log_key_check
+        if self.sealer is not None and not check:
+            check = self.sealer.key_check()
+        if meta.db_id and check == meta.log_key_check:
+            return
+        _fs.FS.write_file_atomic(os.path.join(self.db.path, META_FILE), encode_meta(DbMeta(self.db_id, check)))
+        self._key_checked = self.sealer is not None
+
     def _decode(self, rec: _Logged) -> list[Any]:
         txid, flags, body = rec.txid, rec.flags, rec.body
         if flags & FLAG_SEALED:
@@ -387,8 +448,13 @@ class TxLog:
                     "TxConfig(log_encryption_key=...) set to the key it was written with"
                 )
             try:
-                body = self.sealer.open(body, txid.to_bytes(8, "little"), what="transaction log record")
+                body = self.sealer.open(body, record_aad(rec.version, self.db_id, txid), what=rec.where)
             except CorruptionError:
+                if self._key_checked:
+                    raise CorruptionError(
+                        f"{rec.where}: the sealed body fails its tag under the right log key: it was sealed "
+                        f"for another database or it is damaged. Restore the database from a backup"
+                    ) from None
                 raise WrongKey(
                     "the transaction log key does not open the logged records; give the key the log was "
                     "written with"
@@ -463,7 +529,7 @@ class TxLog:
             txid = self._next_txid
             flags = 0
             if self.sealer is not None:
-                body = self.sealer.seal(body, txid.to_bytes(8, "little"))
+                body = self.sealer.seal(body, record_aad(FORMAT_VERSION, self.db_id, txid))
                 flags = FLAG_SEALED
             raw = encode_record(txid, body, flags)
             end = self._end

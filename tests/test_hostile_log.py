@@ -413,3 +413,123 @@ def test_s7_linear_search_gives_the_verdicts_of_the_per_candidate_search() -> No
             hits += want is not None
             assert txlog._valid_record_after(data, pos) == want
     assert hits > 100
+
+
+# -- items 13 and 14: the log key ------------------------------------------------------------------------------
+
+
+def test_t4_wrong_log_key_is_refused_at_open_with_an_empty_log(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    make_db(db, key=LOGKEY)
+    before = snapshot(tmp_path)
+    with pytest.raises(WrongKey, match="log key"):
+        armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
+    assert {k for k in snapshot(tmp_path).items()} ^ {k for k in before.items()} <= {(str(db / "LOCK"), 0)}
+    # Without a key (nothing sealed is owed) and with the right key it opens.
+    armdb.Db.open(db).close()
+    with armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=LOGKEY)) as d:
+        db_ = d.open_map("docs")
+        d.tx().put(db_, "b", 2).commit()
+    with pytest.raises(WrongKey, match="log key"):
+        armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
+
+
+def test_t4_first_log_key_given_is_remembered(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    make_db(db)  # no log key yet
+    armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=LOGKEY)).close()
+    with pytest.raises(WrongKey, match="log key"):
+        armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
+
+
+def _sealed_commit_records(path: Path) -> bytes:
+    """Commit one logged put in a fresh db at ``path`` (log key LOGKEY) and return the log
+    bytes after the header while they are still in the log (before close trims it)."""
+    tx = TxConfig(log_encryption_key=LOGKEY)
+    with armdb.Db.open(path, tx_config=tx) as d:
+        m = d.open_map("docs")
+        d.tx().put(m, "stolen", "from A").commit()
+        return log_file(path).read_bytes()[txlog.FILE_HEADER_SIZE :]
+
+
+def test_t4_sealed_record_of_another_database_does_not_replay(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    records = _sealed_commit_records(a)
+    assert records
+    make_db(b, key=LOGKEY)
+    with open(log_file(b), "ab") as f:
+        f.write(records)
+    refuse(b, tmp_path, tx=TxConfig(log_encryption_key=LOGKEY), match="another database|damaged")
+    with open(log_file(b), "r+b") as f:
+        f.truncate(txlog.FILE_HEADER_SIZE)
+    with armdb.Db.open(b, tx_config=TxConfig(log_encryption_key=LOGKEY)) as d:
+        assert "stolen" not in d.open_map("docs")
+
+
+def test_d5_db_meta_identity_and_key_check_survive_reopen(tmp_path: Path) -> None:
+    from armdb.db import META_FILE, check_meta
+
+    db = tmp_path / "db"
+    make_db(db, key=LOGKEY)
+    raw = (db / META_FILE).read_bytes()
+    meta = check_meta(raw, str(db / META_FILE))
+    assert meta is not None and len(meta.db_id) == 16 and meta.log_key_check
+    armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=LOGKEY)).close()
+    assert (db / META_FILE).read_bytes() == raw
+
+
+@pytest.mark.parametrize("cut", [1, 4, 20])
+def test_d5_damaged_db_meta_is_a_format_error(tmp_path: Path, cut: int) -> None:
+    from armdb.db import META_FILE
+
+    db = tmp_path / "db"
+    make_db(db, key=LOGKEY)
+    meta = db / META_FILE
+    raw = meta.read_bytes()
+    body = raw[: len(raw) - 4 - cut]  # a shorter body, re-sealed with a valid CRC
+    meta.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
+    with pytest.raises(FormatError):
+        armdb.Db.open(db)
+    assert not armdb.check(db).ok
+
+
+def test_d5_version_1_database_and_sealed_log_still_open_and_are_upgraded(tmp_path: Path) -> None:
+    # A database written before database ids: a 16-byte db.meta and a version-1 log file
+    # whose sealed record is bound to its txid alone.  It replays, then db.meta gains its
+    # identity block and the log key's check value, and new log files are version 2.
+    from armdb._crypto import Sealer
+    from armdb.db import META_FILE, check_meta
+
+    db = tmp_path / "db"
+    make_db(db)
+    raw = (db / META_FILE).read_bytes()
+    (db / META_FILE).write_bytes(raw[:16])
+    head = bytearray(txlog._file_header(7))
+    struct.pack_into("<I", head, 8, 1)
+    struct.pack_into("<I", head, txlog._FILE_HEAD.size, zlib.crc32(bytes(head[: txlog._FILE_HEAD.size])))
+    from armdb.maps import encode_key, encode_value
+
+    rows = [["B", "docs", encode_key("old"), encode_value("sealed v1"), 500]]
+    body = Sealer(LOGKEY).seal(msgpack.packb(rows, use_bin_type=True), (5).to_bytes(8, "little"))
+    for f in (db / "txlog").glob("*.log"):
+        f.unlink()
+    (db / "txlog" / "00000007.log").write_bytes(bytes(head) + txlog.encode_record(5, body, txlog.FLAG_SEALED))
+    with armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=LOGKEY)) as d:
+        assert d.open_map("docs").get("old") == "sealed v1"
+    meta = check_meta((db / META_FILE).read_bytes(), "db.meta")
+    assert len(meta.db_id) == 16 and meta.log_key_check
+    assert struct.unpack_from("<I", log_file(db).read_bytes(), 8)[0] == txlog.FORMAT_VERSION == 2
+    with pytest.raises(WrongKey, match="log key"):
+        armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
+    assert armdb.check(db).ok
+
+
+@pytest.mark.parametrize("version", [0, 3, 99])
+def test_d5_log_file_of_an_unknown_version_is_a_format_error(tmp_path: Path, version: int) -> None:
+    db = tmp_path / "db"
+    make_db(db)
+    head = bytearray(txlog._file_header(9))
+    struct.pack_into("<I", head, 8, version)
+    struct.pack_into("<I", head, txlog._FILE_HEAD.size, zlib.crc32(bytes(head[: txlog._FILE_HEAD.size])))
+    (db / "txlog" / "00000009.log").write_bytes(bytes(head))
+    refuse(db, tmp_path, exc=FormatError, match=f"format {version} is not supported")
