@@ -450,8 +450,8 @@ class RowProblem(NamedTuple):
     #              memory (WARNING, repaired_on_open); "report": served as they are, armdb.check reports
 
 
-def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *,
-                 duplicates: bool = True) -> list[RowProblem]:
+def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *, duplicates: bool = True,
+                 due: np.ndarray | None = None, seq: np.ndarray | None = None) -> list[RowProblem]:
     """The rules a stored queue row must follow, shared by ``Db.open`` and ``armdb.check``.
 
     ``rows`` are the occupied slots of shard ``shard_no`` viewed as ``ROW_DTYPE``.  Their
@@ -464,50 +464,64 @@ def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *
     An attempt count above the queue's ``max_attempts`` is not a problem: the setting can
     be lowered between opens, and such a row is dead-lettered when its lease next ends.
     ``duplicates=False`` leaves out the rule that a row id occurs once in the shard (check
-    looks for ids stored twice across all shards itself).
+    looks for ids stored twice across all shards itself); ``due`` and ``seq`` are the
+    key fields as native ``uint64`` when the caller has them already.  Returns the rules
+    that some row breaks, each with the mask of those rows.
     """
-    due = rows["due"].astype(np.uint64)
-    seq = rows["seq"].astype(np.uint64)
+    if due is None:
+        due = rows["due"].astype(np.uint64)
+    if seq is None:
+        seq = rows["seq"].astype(np.uint64)
     hdr = rows["header"]
     state = hdr["state"]
-    deadline = hdr["deadline"].astype(np.int64)
+    deadline = hdr["deadline"]
     attempts = hdr["attempts"]
-    dead_key = (due & np.uint64(DEAD_BIT)) != 0
+    out: list[RowProblem] = []
+    if seq.size == 0:
+        return out
+
+    # Open runs this on every row of a queue: each rule is first judged with a reduction
+    # (no array allocated), and its mask is built only when some row breaks it.
+    def rule(what: str, action: str, suspect: bool, mask: Callable[[], np.ndarray]) -> None:
+        if suspect:
+            bad = mask()
+            if bad.any():
+                out.append(RowProblem(what, bad, action))
+
+    dead_key = due >= np.uint64(DEAD_BIT)
+    dead_state = state == State.DEAD
     leased = state == State.LEASED
-    out = [
-        RowProblem("hold an unknown state (not READY, LEASED or DEAD)", state > State.DEAD, "refuse"),
-        RowProblem("are in the dead key class but not DEAD", dead_key & (state != State.DEAD), "refuse"),
-        RowProblem("are DEAD but keyed as live rows", ~dead_key & (state == State.DEAD), "refuse"),
-        RowProblem("have row id 0, which is never handed out", seq == 0, "refuse"),
-        RowProblem(
-            f"belong to another shard (their row id modulo {shard_count} is not {shard_no})",
-            (seq % np.uint64(shard_count)) != np.uint64(shard_no) if shard_count > 1 else np.zeros(seq.size, bool),
-            "refuse",
-        ),
-        RowProblem(
-            f"are READY with {MAX_ATTEMPTS} attempts, more than any retry can count",
-            (state == State.READY) & (attempts == MAX_ATTEMPTS),
-            "refuse",
-        ),
-        RowProblem("are LEASED without a lease deadline", leased & (deadline == 0), "repair"),
-        RowProblem("are LEASED with a negative lease deadline", leased & (deadline < 0), "repair"),
-        RowProblem("hold a negative lease deadline", ~leased & (deadline < 0), "report"),
-        RowProblem(
-            "were delivered (LEASED or DEAD) but count 0 attempts",
-            (leased | (state == State.DEAD)) & (attempts == 0),
-            "report",
-        ),
-    ]
+    rule("hold an unknown state (not READY, LEASED or DEAD)", "refuse", state.max() > State.DEAD,
+         lambda: state > State.DEAD)
+    if not np.array_equal(dead_key, dead_state):
+        rule("are in the dead key class but not DEAD", "refuse", True, lambda: dead_key & ~dead_state)
+        rule("are DEAD but keyed as live rows", "refuse", True, lambda: ~dead_key & dead_state)
+    rule("have row id 0, which is never handed out", "refuse", seq.min() == 0, lambda: seq == 0)
+    if shard_count > 1:
+        # A power of two takes a bit mask, about 20 times faster than % on uint64.
+        pow2 = shard_count & (shard_count - 1) == 0
+        home = seq & np.uint64(shard_count - 1) if pow2 else seq % np.uint64(shard_count)
+        rule(f"belong to another shard (their row id modulo {shard_count} is not {shard_no})", "refuse",
+             True, lambda: home != np.uint64(shard_no))
+    rule(f"are READY with {MAX_ATTEMPTS} attempts, more than any retry can count", "refuse",
+         attempts.max() == MAX_ATTEMPTS, lambda: (state == State.READY) & (attempts == MAX_ATTEMPTS))
+    low = deadline.min()
+    rule("are LEASED without a lease deadline", "repair", low <= 0, lambda: leased & (deadline == 0))
+    rule("are LEASED with a negative lease deadline", "repair", low < 0, lambda: leased & (deadline < 0))
+    rule("hold a negative lease deadline", "report", low < 0, lambda: ~leased & (deadline < 0))
+    rule("were delivered (LEASED or DEAD) but count 0 attempts", "report", attempts.min() == 0,
+         lambda: (leased | dead_state) & (attempts == 0))
+    pid = hdr["payload_id"]
     if var:
-        out.append(RowProblem("point at a payload id other than their row id", hdr["payload_id"] != seq, "report"))
+        rule("point at a payload id other than their row id", "report", not np.array_equal(pid, seq),
+             lambda: pid != seq)
     else:
-        out.append(RowProblem("hold a payload id, which a fixed queue never sets", hdr["payload_id"] != 0,
-                              "report"))
+        rule("hold a payload id, which a fixed queue never sets", "report", bool(pid.any()), lambda: pid != 0)
     if duplicates and seq.size > 1:
         ordered = np.sort(seq)
         again = ordered[1:] == ordered[:-1]
-        twice = np.isin(seq, ordered[1:][again]) if again.any() else np.zeros(seq.size, bool)
-        out.append(RowProblem("share their row id with another row of the shard", twice, "refuse"))
+        rule("share their row id with another row of the shard", "refuse", bool(again.any()),
+             lambda: np.isin(seq, ordered[1:][again]))
     return out
 
 
@@ -691,14 +705,15 @@ class Queue(Generic[T]):
         if occ.size == 0:
             return 0
         rows = fx.slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
-        self._judge_rows(fx, occ, rows)
         due = rows["due"].astype(np.uint64)
         seq = rows["seq"].astype(np.uint64)
+        self._judge_rows(fx, occ, rows, due, seq)
         hdr = rows["header"]
         dead = (due & np.uint64(DEAD_BIT)) != 0
         leased = hdr["state"] == State.LEASED
         # A leased row without a plausible deadline is served as an expired lease.
-        deadline = np.where(leased & (hdr["deadline"] > 0), hdr["deadline"], 0).astype(np.int64)
+        deadline = np.where(leased, hdr["deadline"], 0).astype(np.int64)
+        np.maximum(deadline, 0, out=deadline)
         slots = occ.astype(np.uint32)
         try:
             sh.live = KeyIndex.from_arrays(due[~dead], seq[~dead], slots[~dead], deadline[~dead])
@@ -708,13 +723,13 @@ class Queue(Generic[T]):
                                   f"from a backup (armdb.check lists every problem)") from None
         return int(seq.max())
 
-    def _judge_rows(self, fx: Any, occ: np.ndarray, rows: np.ndarray) -> None:
+    def _judge_rows(self, fx: Any, occ: np.ndarray, rows: np.ndarray, due: np.ndarray, seq: np.ndarray) -> None:
         """Refuse the shard if a CRC-valid row breaks a rule (:func:`row_problems`); log
         and count the rows open repairs in memory."""
-        for p in row_problems(rows, fx.index, len(self._shards), self.spec.var):
-            k = int(p.bad.sum())
-            if k == 0 or p.action == "report":
+        for p in row_problems(rows, fx.index, len(self._shards), self.spec.var, due=due, seq=seq):
+            if p.action == "report":
                 continue
+            k = int(p.bad.sum())
             where = occ[p.bad][:5].tolist()
             ids = rows["seq"][p.bad][:5].tolist()
             if p.action == "refuse":
