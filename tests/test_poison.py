@@ -228,6 +228,25 @@ def test_q9_q12_encrypted_body_whose_tag_fails_is_dead_lettered_alone(db_path: P
     _reopen_clean(db_path, BytesQ, cfg, clock, ids[2], tx_config=tx)
 
 
+def test_q9_q15_row_whose_body_vanished_is_dead_lettered_alone(db_path: Path, clock: FakeClock,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A body deleted behind the queue's back (not by a crash: open drops such rows) while
+    the row holds this lease: the lease used to raise FormatError for the whole batch."""
+    cfg = qcfg()
+    with armdb.Db.open(db_path, clock=clock) as db:
+        q = db.open_queue(AnyQ, cfg)
+        ids = [q.push({"i": i}) for i in range(5)]
+        assert q._payload is not None
+        q._payload.delete(q._key_bytes(ids[1]))
+        q._cache_drop(ids[1])
+        expect = {s: {"i": i} for i, s in enumerate(ids)}
+        _lease_all_and_check(q, ids[1], [s for s in ids if s != ids[1]], expect, caplog)
+    with armdb.Db.open(db_path, clock=clock) as db:
+        q = db.open_queue(AnyQ, cfg)  # the dead row without a body is dropped, as every such row
+        assert q.len() == 0 and q.dead_len() == 0 and q.stats().repaired_on_open == 1
+    assert armdb.check(db_path).ok
+
+
 def test_q9_a_poisoned_row_does_not_count_as_a_nack(db: armdb.Db) -> None:
     q = db.open_queue(AnyQ, qcfg())
     a = q.push({"ok": 1})
