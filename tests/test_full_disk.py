@@ -149,6 +149,13 @@ CHILD = textwrap.dedent(
                 if failed[name] < 5:
                     failed[name] += not push(name, q, n)
         out["pushes"] = n
+        # A transaction whose push needs a new slot: refused before anything is logged.
+        try:
+            db.tx().put(m, b"tx-key", b"tx-value").push(fq, (0, b"tx")).durable().commit()
+            out["tx"] = "committed"
+        except ArmdbError as e:
+            out["tx"] = type(e).__name__
+            out["tx_error"] = str(e)
         # The disk is still full: rows the fixed queue already has keep leasing and acking.
         got = fq.lease(3)
         out["leased_fixed"] = [x.id for x in got]
@@ -224,6 +231,7 @@ def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) 
     # Several grow steps (256 slots each) succeeded before the disk filled.
     assert len(out["fixed"]) > 3 * 256 and len(out["var"]) > 1024, (len(out["fixed"]), len(out["var"]))
     assert len(out["acked_fixed"]) == 2, out
+    assert out["tx"] == "StorageError" and "disk is full" in out["tx_error"], (out["tx"], out.get("tx_error"))
     bad = [e for e in out["errors"] if not e[0].startswith("push") and e[0] != "close"]
     assert not [e for e in bad if e[0] != "lease var"], bad
     assert all(cls == "StorageError" for _w, cls, _m in out["errors"]), out["errors"]
@@ -254,6 +262,7 @@ def test_s2_full_disk_push_is_a_storage_error_and_loses_nothing(small_fs: Path) 
         )
         for i, n in want_fixed.items():
             assert int(got_fixed[i]["n"]) == n and bytes(got_fixed[i]["pad"]) == b"f%d" % n
+        assert db.open_map("m").get(b"tx-key") is None  # the refused transaction left nothing
         for i, n in want_var.items():
             assert got_var[i] == b"v%08d" % n
         # With room again, the queues grow and accept pushes.
