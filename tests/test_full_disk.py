@@ -61,14 +61,18 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs mounted in the test's directory, unmounted afterwards."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={MOUNT_SIZE}", "tmpfs", str(mnt)],
-        capture_output=True, text=True, check=False,
-    )
-    if r.returncode != 0:
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={MOUNT_SIZE}", "tmpfs", str(mnt)],
+            capture_output=True, text=True, check=False,
+        )
+        problem = f"mount exited {r.returncode}: {r.stderr.strip()}" if r.returncode else ""
+    except OSError as e:  # no mount(8) at all
+        problem = f"mount(8) could not be run: {e}"
+    if problem:
         pytest.fail(
-            f"this test needs root (CAP_SYS_ADMIN) to mount a size-limited tmpfs at {mnt}: "
-            f"mount exited {r.returncode}: {r.stderr.strip()}",
+            f"this test needs root (CAP_SYS_ADMIN) and mount(8) to mount a size-limited tmpfs at {mnt}: "
+            f"{problem}",
             pytrace=False,
         )
     try:
