@@ -79,6 +79,7 @@ log = logging.getLogger("armdb")
 T = TypeVar("T")
 
 MAX_FIXED_PAYLOAD = 4096
+MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
 KEY_SIZE = 16
 HEADER_SIZE = 32
 DEAD_BIT = 1 << 63
@@ -904,13 +905,20 @@ class Queue(Generic[T]):
         is dead-lettered alone, logged at WARNING and counted in ``stats().poisoned``;
         the other rows are returned.
 
+        ``n`` is at most :data:`MAX_LEASE` (1,000,000) per call; lease more in batches.
+
         Raises
         ------
         ConfigError
-            ``n < 1`` or a non-positive ``lease_timeout``.
+            ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
+            nothing changes.
         """
         if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
             raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
+        if n > MAX_LEASE:
+            raise ConfigError(
+                f"lease(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}; lease in batches"
+            )
         if lease_timeout is None:
             lease_ms = self._lease_ms
         else:

@@ -38,7 +38,8 @@ last finished write (0: it is durable).  One write at a time: :meth:`post` refus
 while one is in flight, so the buffer is never replaced under the writer.
 """
 
-from libc.errno cimport EINTR, EIO, errno
+from libc.errno cimport EINTR, EINVAL, EIO, errno
+from libc.limits cimport LLONG_MAX
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.stat cimport fchmod, struct_stat
@@ -94,6 +95,8 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
     cdef Py_ssize_t done = 0
     cdef ssize_t w
     cdef int e
+    if offset < 0 or offset > LLONG_MAX - n:  # offset + done must stay a valid file offset
+        raise OSError(EINVAL, f"pwrite of {n} bytes at offset {offset}: {os.strerror(EINVAL)}")
     while done < n:
         if n - done > _BIG_WRITE:
             # A long copy (compaction, a large value): worth handing the GIL over.

@@ -144,6 +144,8 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     """
     cdef Py_ssize_t klen = len(key_field)
     cdef Py_ssize_t vlen = len(value_field)
+    if klen > 0xFFFF or vlen > 0xFFFFFFFF:
+        raise OverflowError("Bitcask key field above 64 KiB or value field above 4 GiB")
     cdef Py_ssize_t n = 20 + klen + vlen
     cdef Py_ssize_t total = n + ((-n) & 7)
     rec = PyBytes_FromStringAndSize(NULL, total)
@@ -311,7 +313,7 @@ cdef inline uint32_t _redo_crc(const uint8_t* rec) noexcept nogil:
 
 def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
     """``(slot, image)`` of a valid redo record, or ``None`` (never written, or torn)."""
-    if redo.shape[0] < REDO_OFFSET + REDO_HEAD + slot_size:
+    if slot_size < 8 or slot_size > redo.shape[0] - REDO_OFFSET - REDO_HEAD:
         return None
     cdef const uint8_t* rec = &redo[_REDO_OFFSET]
     if _load_u32(rec) != _REDO_MAGIC or _load_u32(rec + 8) != <uint32_t>slot_size:
@@ -497,7 +499,7 @@ cdef class SlotFile:
         """The queue row header at byte ``off`` of slot ``i``'s body: ``(state, flags,
         attempts, epoch, deadline, payload_id, pushed)`` (``<BBHIqQq``)."""
         self._alive()
-        if i < 0 or i >= self.slots.shape[0] or off < 0 or 8 + off + 32 > self.size:
+        if i < 0 or i >= self.slots.shape[0] or off < 0 or off > self.size - 8 - 32:
             raise IndexError(f"slot {i} out of range")
         cdef const uint8_t* p = &self.slots[i, 8 + off]
         return (p[0], p[1], <uint32_t>p[2] | (<uint32_t>p[3] << 8), _load_u32(p + 4),
@@ -506,7 +508,8 @@ cdef class SlotFile:
     def body(self, Py_ssize_t i, Py_ssize_t off, Py_ssize_t n):
         """``n`` bytes of slot ``i``'s body from byte ``off``."""
         self._alive()
-        if i < 0 or i >= self.slots.shape[0] or off < 0 or n < 0 or 8 + off + n > self.size:
+        # Written as subtractions: off + n may not fit a Py_ssize_t.
+        if i < 0 or i >= self.slots.shape[0] or off < 0 or n < 0 or n > self.size - 8 or off > self.size - 8 - n:
             raise IndexError(f"slot {i} out of range")
         return (<char*>&self.slots[i, 8 + off])[:n]
 

@@ -206,7 +206,9 @@ cdef class GroupSync:
         self._target = LLONG_MAX  # whoever arrives while we gather is in this sync
         if self._appends < self._mark and self.gather_fraction > 0 and self._last_ns > 0:
             t0 = _now_ns()
-            deadline = t0 + <long long>(self._last_ns * self.gather_fraction)
+            # Bounded (at most a minute) before the cast: a fraction set to a huge value
+            # must not overflow the deadline.
+            deadline = t0 + <long long>min(self._last_ns * self.gather_fraction, 6e10)
             ts.tv_sec = deadline // 1000000000
             ts.tv_nsec = deadline % 1000000000
             while self._appends < self._mark and self._err == 0:

@@ -76,6 +76,7 @@ cimport cython
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memmove
+from armdb._core.checked cimport malloc_array
 
 import numpy as np
 
@@ -676,9 +677,9 @@ cdef class KeyIndex:
             raise ValueError(f"now must be >= 0, got {now}")
         if cap <= 0 or self.n == 0:
             return []
-        buf = <uint64_t*>malloc(SCAN_WORDS * cap * sizeof(uint64_t))
-        if buf == NULL:
-            raise MemoryError("KeyIndex: cannot allocate a scan buffer")
+        if cap > self.n:
+            cap = self.n  # the buffer is sized by what the index holds, not by the request
+        buf = <uint64_t*>malloc_array(cap, SCAN_WORDS * sizeof(uint64_t))
         try:
             cnt = self._scan_into(now, buf, cap, cap)
             return [(buf[i], buf[cap + i], (<uint32_t*>(buf + 3 * cap))[i]) for i in range(cnt)]

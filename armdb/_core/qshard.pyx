@@ -28,7 +28,7 @@ the slots.
 cimport cython
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_SET_ITEM
@@ -39,6 +39,7 @@ import numpy as np
 
 cnp.import_array()
 
+from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport SlotFile, ring_step
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex
 
@@ -326,7 +327,9 @@ cdef class QueueShard:
         """Scan and lease up to ``n`` due rows in key order, appending to ``out``
         (see :meth:`_claim`); returns how many rows were dead-lettered instead.
 
-        The walk releases the GIL when unexpired leases may have to be skipped.
+        The walk releases the GIL when unexpired leases may have to be skipped.  The
+        scan buffer is sized by ``min(n, rows in the index)``: nothing is added to the
+        index during the call (the caller holds the lock), so no more can be leased.
         """
         cdef uint64_t stack[SCAN_WORDS * SCAN_STACK]
         cdef uint64_t* buf = stack
@@ -336,10 +339,10 @@ cdef class QueueShard:
         if n <= 0 or now < 0:
             return 0
         self._check()
+        if n > live.n:
+            n = live.n
         if n > SCAN_STACK:
-            buf = <uint64_t*>malloc(SCAN_WORDS * n * sizeof(uint64_t))
-            if buf == NULL:
-                raise MemoryError("cannot allocate a scan buffer")
+            buf = <uint64_t*>malloc_array(n, SCAN_WORDS * sizeof(uint64_t))
         try:
             while got < n and live.n:
                 live._enter()
