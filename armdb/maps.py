@@ -43,7 +43,7 @@ import msgpack
 
 from ._pack import check_round_trip, packb
 from .bitcask import BitcaskStore
-from .errors import PayloadTypeError, StreamSourceRequiresTx
+from .errors import CorruptionError, PayloadTypeError, StreamSourceRequiresTx
 
 __all__ = ["Map", "decode_key", "decode_value", "encode_key", "encode_value"]
 
@@ -93,13 +93,17 @@ def decode_key(raw: bytes) -> Key:
     Raises
     ------
     PayloadTypeError
-        If ``raw`` does not start with a known type tag.
+        If ``raw`` does not start with a known type tag, or a str key is not UTF-8.
     """
     tag = raw[0] if raw else -1
     if tag == _TAG_BYTES:
         return raw[1:]
     if tag == _TAG_STR:
-        return raw[1:].decode("utf-8")
+        try:
+            return raw[1:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PayloadTypeError(f"stored map key {raw[:16]!r} is not valid UTF-8 ({e.reason}); "
+                                   f"is this a map collection?") from None
     if tag == _TAG_INT:
         return int.from_bytes(raw[1:], "big", signed=True)
     raise PayloadTypeError(f"stored map key {raw[:16]!r} has an unknown type tag; is this a map collection?")
@@ -126,8 +130,22 @@ def encode_value(value: object) -> bytes:
 
 
 def decode_value(raw: bytes) -> Any:
-    """Deserialise a value produced by :func:`encode_value`."""
-    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    """Deserialise a value produced by :func:`encode_value`.
+
+    Raises
+    ------
+    CorruptionError
+        The stored bytes do not decode: they passed their CRC, so they were written as
+        they are, by something other than :meth:`Map.put` (or by an armdb that still
+        accepted dict keys msgpack cannot read back).
+    """
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - msgpack's errors are ValueErrors, TypeErrors and its own
+        raise CorruptionError(
+            f"a stored map value ({len(raw)} bytes) cannot be decoded ({type(e).__name__}: {e}); "
+            f"put a new value under its key or delete it"
+        ) from None
 
 
 class _Cache:
@@ -249,7 +267,10 @@ class Map:
         if got is None:
             return default
         data, gsn = got
-        value = decode_value(data)
+        try:
+            value = decode_value(data)
+        except CorruptionError as e:
+            raise CorruptionError(f"map {self.name!r}, key {key!r}: {e}") from None
         if cache is not None:
             cache.put(raw, gsn, value, data)
         return value
@@ -329,10 +350,21 @@ class Map:
         return self.keys()
 
     def items(self) -> Iterator[tuple[Key, Any]]:
-        """Iterate ``(key, value)`` pairs; keys keep the type they were put with."""
+        """Iterate ``(key, value)`` pairs; keys keep the type they were put with.
+
+        Raises
+        ------
+        CorruptionError
+            A stored value does not decode; the message names its key.
+        """
         self._closed_check()
         for raw, data in self._store.items():
-            yield decode_key(raw), decode_value(data)
+            key = decode_key(raw)
+            try:
+                value = decode_value(data)
+            except CorruptionError as e:
+                raise CorruptionError(f"map {self.name!r}, key {key!r}: {e}") from None
+            yield key, value
 
     def cache_stats(self) -> dict[str, int]:
         """Cache counters: ``entries``, ``bytes``, ``budget``, ``hits``, ``misses``."""

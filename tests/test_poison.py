@@ -23,7 +23,7 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, QueueConfig, State, TxConfig
-from armdb.errors import PayloadTypeError
+from armdb.errors import CorruptionError, PayloadTypeError
 from armdb.streams import SchemaRegistry
 
 from .conftest import FakeClock
@@ -367,3 +367,25 @@ def test_t6_stream_emitting_a_value_that_does_not_round_trip_aborts_the_commit(d
         assert len(m) == 0
         _nothing_written(q)
     assert armdb.check(db_path).ok
+
+
+def test_d3_a_stored_value_that_does_not_decode_is_a_typed_error_naming_its_key(db: armdb.Db) -> None:
+    """A value written raw (by an older armdb, or around Map.put) that msgpack cannot
+    read back: get and items() raise CorruptionError naming the key, never a builtin;
+    putting a new value under the key heals the map."""
+    m = db.open_map("m")
+    m.put("good", 1)
+    m.store.put(b"sbad", msgpack.packb({(1, 2): "x"}, use_bin_type=True))
+    m.store.put(b"strunc", b"\x92\x01")  # an array of 2 with one element: truncated
+    for key in ("bad", "trunc"):
+        with pytest.raises(CorruptionError, match=rf"map 'm', key '{key}': a stored map value"):
+            m.get(key)
+    with pytest.raises(CorruptionError, match=r"map 'm', key '(bad|trunc)'"):
+        dict(m.items())
+    m.store.put(b"s\xff", msgpack.packb(1))  # a str key that is not UTF-8
+    with pytest.raises(PayloadTypeError, match="not valid UTF-8"):
+        list(m.keys())
+    m.delete("trunc")
+    m.put("bad", {"fixed": True})
+    m.store.delete(b"s\xff")
+    assert dict(m.items()) == {"good": 1, "bad": {"fixed": True}}
