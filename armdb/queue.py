@@ -819,7 +819,9 @@ class Queue(Generic[T]):
         Raises
         ------
         PayloadTypeError
-            The payload does not match the declared type; nothing is written.
+            The payload does not match the declared type, or would not read back as it
+            was pushed (a dict with a tuple key, a dataclass its class cannot rebuild
+            from the stored fields); nothing is written.
         QueueFull
             ``max_depth`` live rows already exist.
         DbClosed
