@@ -347,8 +347,10 @@ class FixedShard:
     def _validate(self, fs: _fs.RealFS) -> tuple[int, int]:
         """CRC-check every slot that holds data (S4).
 
-        Slots inside holes of the sparse file are all zero, hence free (S11); they are
-        skipped without reading, so opening a mostly empty queue touches no page of it.
+        Slots the file system reports as holes (allocated but never written blocks, or
+        the holes of a file an older armdb left sparse) are all zero, hence free (S11);
+        they are skipped without reading, so opening a mostly empty queue touches no
+        page of it.
         """
         occupied = torn = 0
         size = self.slot_size
