@@ -49,7 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("armdb")
 
 MAGIC = b"ARMDBMT1"
-FORMAT_VERSION = 1
+# Version 2 adds the identity block; a version-1 file (exactly 16 bytes) still opens and
+# is rewritten as version 2 (docs/format.md).
+FORMAT_VERSION = 2
 _META = struct.Struct("<8sI")
 LOCK_FILE = "LOCK"
 META_FILE = "db.meta"
@@ -74,10 +76,10 @@ def validate_name(name: object, *, queue: bool = False) -> str:
     return name
 
 
-# The identity block after the 16 bytes of a version-1 db.meta (docs/format.md): the
+# The identity block after the first 16 bytes of db.meta (docs/format.md): the
 # database's random id, which the transaction log's sealed records are bound to, and the
-# check value of the log key, which refuses a wrong log key at open.  Its own magic and
-# CRC leave the first 16 bytes exactly as version 1 wrote them.
+# check value of the log key, which refuses a wrong log key at open.  A version-2 file
+# must have it, so a file cut back to 16 bytes is refused, not read as version 1.
 IDENT_MAGIC = b"ARMDBID1"
 _IDENT = struct.Struct("<8s16sI")  # magic, database id, length of the log key check value
 DB_ID_LEN = 16
@@ -96,7 +98,7 @@ def encode_meta(meta: DbMeta | None = None) -> bytes:
     """``db.meta`` for ``meta``; a new database (``meta`` None) gets a fresh random id."""
     if meta is None:
         meta = DbMeta(os.urandom(DB_ID_LEN))
-    body = _META.pack(MAGIC, FORMAT_VERSION)
+    body = _META.pack(MAGIC, FORMAT_VERSION if meta.db_id else 1)
     raw = body + struct.pack("<I", zlib.crc32(body))
     if not meta.db_id:
         return raw
@@ -113,15 +115,17 @@ def check_meta(raw: bytes, path: str) -> DbMeta:
     _, version = _META.unpack_from(raw)
     if struct.unpack_from("<I", raw, _META.size)[0] != zlib.crc32(raw[: _META.size]):
         raise FormatError(f"{path}: database meta file fails its CRC; restore it from a backup")
-    if version != FORMAT_VERSION:
+    if version not in (1, FORMAT_VERSION):
         raise FormatError(
-            f"{path}: database format version {version} is not supported (this armdb knows "
+            f"{path}: database format version {version} is not supported (this armdb knows 1 and "
             f"{FORMAT_VERSION}); upgrade armdb"
         )
     start = _META.size + 4
-    if len(raw) == start:
-        return DbMeta()  # written before database ids: open adds them
     damaged = f"{path}: the identity block of the database meta file is damaged; restore it from a backup"
+    if version == 1:
+        if len(raw) != start:
+            raise FormatError(damaged)
+        return DbMeta()  # written before database ids: open adds them
     if len(raw) < start + _IDENT.size + 4 or raw[start : start + 8] != IDENT_MAGIC:
         raise FormatError(damaged)
     _, db_id, n = _IDENT.unpack_from(raw, start)

@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 # have a legitimate log past this bound; docs/format.md says so.
 REPLAY_GROWTH_SLOTS = 16 * QUEUE_GROW_STEP
 RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring; a written one is never 0
-SEQ_MASK = (1 << 60) - 1  # gsns are 60-bit (armdb.bitcask)
 PAYLOAD_SUFFIX = ".payload"
 
 
@@ -69,6 +68,8 @@ class FixedGeometry:
     """What a logged slot row is checked against: from ``queue.meta`` and the file sizes."""
 
     shard_count: int
+    key_size: int
+    value_size: int
     body_size: int
     capacities: tuple[int, ...]  # slots in each shard's fixed.data, as found before replay
 
@@ -89,7 +90,7 @@ def fixed_geometry(directory: str) -> FixedGeometry:
         data = os.path.join(directory, f"shard-{i:03d}", FILE_NAME)
         size = fs.file_size(data) if fs.exists(data) else 0
         capacities.append(max(0, (size - HEADER_PAGE) // slot_size))
-    return FixedGeometry(meta["shard_count"], slot_size - 8, tuple(capacities))
+    return FixedGeometry(meta["shard_count"], meta["key_size"], meta["value_size"], slot_size - 8, tuple(capacities))
 
 
 def _is_int(value: object) -> bool:
@@ -124,11 +125,15 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
     return kind, name
 
 
-def check_row(row: Any, where: str, collections: str, geometry: Callable[[str], FixedGeometry]) -> None:
+def check_row(
+    row: Any, where: str, collections: str, geometry: Callable[[str], FixedGeometry], gsn_limit: int
+) -> None:
     """Check one logged row before anything is applied; ``CorruptionError`` otherwise.
 
     ``collections`` is ``<db>/collections``; ``geometry(name)`` gives a queue header
-    collection's :class:`FixedGeometry` (cached by the caller)."""
+    collection's :class:`FixedGeometry` (cached by the caller); ``gsn_limit`` is the end
+    of the gsn block reserved in the seqmap (every logged gsn was reserved before the
+    commit was logged), see :func:`gsn_limit`."""
     from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
     from .db import QUEUE_META
 
@@ -165,8 +170,19 @@ def check_row(row: Any, where: str, collections: str, geometry: Callable[[str], 
             raise _bad(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
         if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
             raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
-        if not _is_int(gsn) or not 1 <= gsn <= SEQ_MASK:
-            raise _bad(where, f"row for {name!r} has gsn {_short(gsn)}, not 1 to 2**60 - 1")
+        if not _is_int(gsn) or not 1 <= gsn < gsn_limit:
+            raise _bad(
+                where,
+                f"row for {name!r} has gsn {_short(gsn)}, not from 1 to below {gsn_limit}, the end of the "
+                f"gsns the database has reserved",
+            )
+
+
+def gsn_limit(reserved: int | None) -> int:
+    """The first gsn no logged row can carry, from the seqmap's reserved end for "gsn"."""
+    from .seqmap import MAX_RESERVED
+
+    return MAX_RESERVED if reserved is None else min(reserved, MAX_RESERVED)
 
 
 def _short(value: object) -> str:
@@ -188,7 +204,6 @@ class Replayer:
         self._bitcask: dict[str, BitcaskStore | None] = {}
         self.deferred: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
         self._geometry: dict[str, FixedGeometry] = {}
-        self._meta_sizes: dict[str, tuple[int, int]] = {}
 
     def __enter__(self) -> Self:
         return self
@@ -221,9 +236,8 @@ class Replayer:
         fx = self._fixed.get(name)
         if fx is None:
             g = self.geometry(name)
-            d = self.db.collection_dir(name)
-            key_size, value_size = self._meta_sizes[name]
-            fx = FixedStore(d, g.shard_count, key_size, value_size, FixedConfig(grow_step=1, enable_fsync=True))
+            fx = FixedStore(self.db.collection_dir(name), g.shard_count, g.key_size, g.value_size,
+                            FixedConfig(grow_step=1, enable_fsync=True))
             self._fixed[name] = fx
         return fx
 
@@ -231,22 +245,15 @@ class Replayer:
         """The queue header collection's geometry as found before replay (cached)."""
         g = self._geometry.get(name)
         if g is None:
-            from .db import QUEUE_META
-            from .queue import _decode_meta
-
-            d = self.db.collection_dir(name)
-            g = fixed_geometry(d)
-            meta_path = os.path.join(d, QUEUE_META)
-            meta = _decode_meta(_fs.FS.read_file(meta_path), meta_path)
-            self._meta_sizes[name] = (meta["key_size"], meta["value_size"])
-            self._geometry[name] = g
+            g = self._geometry[name] = fixed_geometry(self.db.collection_dir(name))
         return g
 
     def check(self, row: Any, where: str) -> None:
         """Check one row (:func:`check_row`) before any row is applied."""
         from .db import COLLECTIONS
 
-        check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry)
+        check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry,
+                  gsn_limit(self.db.seqmap.reserved("gsn")))
 
     def _bitcask_store(self, name: str) -> BitcaskStore | None:
         if name not in self._bitcask:

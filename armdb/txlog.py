@@ -680,7 +680,8 @@ def check_dir(path: str) -> list[str]:
     Besides the framing (header, magic, length, CRC) every record's txid and, for an
     unsealed record, every row is checked as open checks it before replay (sealed bodies
     need the log key, which check does not take)."""
-    from .replay import FixedGeometry, check_row, fixed_geometry
+    from . import seqmap
+    from .replay import FixedGeometry, check_row, fixed_geometry, gsn_limit
 
     fs = _fs.FS
     findings: list[str] = []
@@ -688,6 +689,12 @@ def check_dir(path: str) -> list[str]:
         return findings
     collections = os.path.join(os.path.dirname(path), "collections")
     geometries: dict[str, FixedGeometry] = {}
+    seq_path = os.path.join(os.path.dirname(path), "seqmap")
+    try:
+        reserved = seqmap.decode(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
+    except FormatError:
+        reserved = None  # armdb.check reports the seqmap itself
+    limit = gsn_limit(reserved)
 
     def geometry(name: str) -> FixedGeometry:
         if name not in geometries:
@@ -716,7 +723,7 @@ def check_dir(path: str) -> list[str]:
                 _check_txid(rec)
                 if not flags & FLAG_SEALED:
                     for row in _rows(body, rec.where):
-                        check_row(row, rec.where, collections, geometry)
+                        check_row(row, rec.where, collections, geometry, limit)
             except (CorruptionError, FormatError) as e:
                 findings.append(str(e))
     return findings

@@ -365,7 +365,7 @@ def meta_bytes(magic: bytes = b"ARMDBMT1", version: int = 1) -> bytes:
 def test_d5_db_meta_is_magic_version_crc(db_path: Path) -> None:
     Db.open(db_path).shutdown()
     raw = (db_path / "db.meta").read_bytes()
-    assert raw[:16] == meta_bytes()
+    assert raw[:16] == meta_bytes(version=2)
     # Then the identity block (docs/format.md): magic, database id, an empty log key check value, CRC.
     ident = raw[16:-4]
     assert ident[:8] == b"ARMDBID1" and len(ident) == 8 + 16 + 4 and ident[-4:] == bytes(4)

@@ -203,7 +203,8 @@ def test_t2_logged_slot_row_with_bad_fields_is_refused(tmp_path: Path, field: st
     "row",
     [["B", "docs", b"k" * 70_000, b"v", 10_000], ["B", "docs", "k", b"v", 10_000], ["B", "docs", b"k", 5, 10_000],
      ["B", "docs", b"k", b"v", 0], ["B", "docs", b"k", b"v", -1], ["B", "docs", b"k", b"v", 2**60],
-     ["B", "docs", b"k", b"v", "9"], ["B", "docs", b"k", b"v"], ["B", "docs", b"k", b"v", 1, 2]],
+     ["B", "docs", b"k", b"v", "9"], ["B", "docs", b"k", b"v"], ["B", "docs", b"k", b"v", 1, 2],
+     ["B", "docs", b"k", b"v", 2**40]],  # past the gsns the seqmap reserved: would block the map's next open
     ids=repr,
 )
 def test_t2_logged_map_row_with_bad_fields_is_refused(tmp_path: Path, row: list[Any]) -> None:
@@ -480,6 +481,7 @@ def test_d5_db_meta_identity_and_key_check_survive_reopen(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("cut", [1, 4, 20])
 def test_d5_damaged_db_meta_is_a_format_error(tmp_path: Path, cut: int) -> None:
+    # The identity block cut short, its CRC fixed: the length field no longer fits.
     from armdb.db import META_FILE
 
     db = tmp_path / "db"
@@ -498,12 +500,13 @@ def test_d5_version_1_database_and_sealed_log_still_open_and_are_upgraded(tmp_pa
     # whose sealed record is bound to its txid alone.  It replays, then db.meta gains its
     # identity block and the log key's check value, and new log files are version 2.
     from armdb._crypto import Sealer
-    from armdb.db import META_FILE, check_meta
+    from armdb.db import META_FILE, DbMeta, check_meta, encode_meta
 
     db = tmp_path / "db"
     make_db(db)
-    raw = (db / META_FILE).read_bytes()
-    (db / META_FILE).write_bytes(raw[:16])
+    v1 = encode_meta(DbMeta())  # what armdb wrote before database ids: 16 bytes, version 1
+    assert len(v1) == 16 and struct.unpack_from("<I", v1, 8)[0] == 1
+    (db / META_FILE).write_bytes(v1)
     head = bytearray(txlog._file_header(7))
     struct.pack_into("<I", head, 8, 1)
     struct.pack_into("<I", head, txlog._FILE_HEAD.size, zlib.crc32(bytes(head[: txlog._FILE_HEAD.size])))
@@ -533,3 +536,14 @@ def test_d5_log_file_of_an_unknown_version_is_a_format_error(tmp_path: Path, ver
     struct.pack_into("<I", head, txlog._FILE_HEAD.size, zlib.crc32(bytes(head[: txlog._FILE_HEAD.size])))
     (db / "txlog" / "00000009.log").write_bytes(bytes(head))
     refuse(db, tmp_path, exc=FormatError, match=f"format {version} is not supported")
+
+
+def test_d5_db_meta_cut_back_to_its_first_16_bytes_is_not_read_as_version_1(tmp_path: Path) -> None:
+    from armdb.db import META_FILE
+
+    db = tmp_path / "db"
+    make_db(db, key=LOGKEY)
+    meta = db / META_FILE
+    meta.write_bytes(meta.read_bytes()[:16])  # version 2 without its identity block
+    refuse(db, tmp_path, exc=FormatError, match="identity block")
+    assert not armdb.check(db).ok
