@@ -342,8 +342,17 @@ def worker_main(spec_path: str) -> None:
     out = sys.stdout
     out.write('{"ready": 1}\n')
     out.flush()
+    controls = spec.get("controls", {})
     for i, raw in enumerate(spec["cases"]):
         c = S.Case(*raw)
+        control = controls.get(str(i))  # the detectors' own test: a fault on purpose
+        if control == "segv":
+            faulthandler._sigsegv()
+        elif control == "hang":
+            time.sleep(3600)
+        elif control == "outside":
+            with open(os.path.join(child.case, "stray"), "w") as f:
+                f.write("x")
         try:
             res = child.run(i, c)
         except Exception as e:  # noqa: BLE001 - a harness failure, reported as such
@@ -438,7 +447,8 @@ def select_cases(cases: list[S.Case], total: int, seed: int) -> list[S.Case]:
     return out
 
 
-def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str, tally: D2Tally, lock: threading.Lock) -> None:
+def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str, tally: D2Tally, lock: threading.Lock,
+           *, timeout: float = CASE_TIMEOUT, controls: dict[int, str] | None = None) -> None:
     start = 0
     run = 0
     startup_failures = 0
@@ -447,8 +457,9 @@ def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str,
         run += 1
         files = wdir + f"-files{run}"
         os.makedirs(files, exist_ok=True)
-        spec = {"work": wdir, "goldens": goldens, "canary": canary, "timeout": CASE_TIMEOUT,
-                "errlog": os.path.join(files, "stderr.txt"), "cases": [list(c.key()) for c in cases[start:]]}
+        spec = {"work": wdir, "goldens": goldens, "canary": canary, "timeout": timeout,
+                "errlog": os.path.join(files, "stderr.txt"), "cases": [list(c.key()) for c in cases[start:]],
+                "controls": {str(j - start): a for j, a in (controls or {}).items() if j >= start}}
         spec_path = os.path.join(files, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
@@ -467,7 +478,7 @@ def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str,
             # A case past the bound: SIGABRT makes the child's faulthandler dump every
             # thread's stack (the head of the finding), then it dies; SIGKILL if it does not.
             while p.poll() is None:
-                if time.monotonic() - last[0] > CASE_TIMEOUT + (20 if last[1] == 0 else 0):
+                if time.monotonic() - last[0] > timeout + (20 if last[1] == 0 else 0):
                     killed[0] = True
                     with contextlib.suppress(OSError):
                         p.send_signal(signal.SIGABRT)
@@ -511,7 +522,7 @@ def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str,
         culprit = cases[start + got]
         head = _fault_head(err)
         if killed[0] or "Timeout (" in err:
-            cls, detail = "hangs", f"no answer within {CASE_TIMEOUT:.0f} s"
+            cls, detail = "hangs", f"no answer within {timeout:.0f} s"
         elif rc == -signal.SIGXFSZ:
             cls, detail = "file_size", "killed by SIGXFSZ"
         elif rc < 0:
@@ -578,19 +589,35 @@ def coverage_table(t: D2Tally) -> tuple[str, list[tuple[str, str]]]:
     return "\n".join(lines), missing
 
 
+_CHECK_OWNER = {"log": "armdb/txlog.py (check_dir) and armdb/check.py", "fixed": "armdb/fixed.py (check_shard_file) and armdb/check.py",
+                "redo": "armdb/fixed.py (check_shard_file) and armdb/check.py", "bitcask": "armdb/bitcask.py (check_dir)",
+                "hint": "armdb/bitcask.py (check_dir)", "pending": "armdb/bitcask.py (check_dir)",
+                "collection": "armdb/bitcask.py (check_dir)"}
+
+
+def owner(sig: tuple[str, ...]) -> str:
+    """The module that must fix a violation class: where it was raised, or for a check that
+    passed what open refused, the check of that kind of file."""
+    cls, kind, frame = sig[0], sig[1], sig[4]
+    if cls == "check_ok_on_refused":
+        return _CHECK_OWNER.get(kind.split("_")[0], "armdb/check.py")
+    if cls == "silent_loss":
+        return "armdb/bitcask.py (open: hints, compaction marker)"
+    return frame.split(" ")[0].split(":")[0] if frame else "(no armdb frame)"
+
+
 def findings_markdown(t: D2Tally, title: str) -> str:
     out = [f"# d2 structure-aware mutation: findings ({title})", "",
            f"crafted={t.crafted} seconds={t.seconds:.0f} " + " ".join(f"{k}={t.counts[k]}" for k in VIOLATIONS), "",
-           "Grouped by (violation, kind, field, exception, innermost armdb frame); "
-           "each with its count, the values that hit it and one example.", ""]
-    by_file: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {}
+           "Violation classes, grouped by the module that must fix them; each class is (violation, kind.field, "
+           "exception, innermost armdb frame) with its count, the values that hit it and one example.", ""]
+    by_owner: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {}
     for sig, g in t.groups.items():
-        frame = sig[4] or "(no frame)"
-        by_file.setdefault(frame.split(" ")[0].split(":")[0], []).append((sig, g))
-    for fname in sorted(by_file):
-        out.append(f"## {fname}")
+        by_owner.setdefault(owner(sig), []).append((sig, g))
+    for name in sorted(by_owner):
+        out.append(f"## {name}")
         out.append("")
-        for sig, g in sorted(by_file[fname], key=lambda x: -x[1]["n"]):
+        for sig, g in sorted(by_owner[name], key=lambda x: (x[0][0], -x[1]["n"])):
             ex = g["example"]
             labels = ", ".join(f"{lab} x{n}" for lab, n in g["labels"].most_common(8))
             out.append(f"- **{sig[0]}** `{sig[1]}.{sig[2]}` {sig[3]} at `{sig[4] or '-'}`: {g['n']} case(s); values: {labels}")
@@ -663,6 +690,7 @@ def _finish(t: D2Tally, what: str, *, min_crafted: int) -> None:
                     pytrace=False)
 
 
+@pytest.mark.timeout(900)  # about 2 minutes on 2 idle cores; 4 on the shared machine
 def test_d2_structured_mutation(scratch: str) -> None:
     """Every field of every file and record kind, set to boundary and hostile values and
     re-sealed: no signal, hang, runaway memory or file, write outside the directory,
@@ -766,3 +794,20 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     redo = next(v for k, v in files.items() if k.endswith("fixed.redo"))
     ss = _fixed.decode_header(files[c.target.replace("fixed.redo", "fixed.data")][:4096], "d")[0]
     assert _k.redo_record(np.frombuffer(redo, dtype=np.uint8), ss)[0] == 1
+
+
+def test_d2_detectors_fire(scratch: str) -> None:
+    """The harness's own controls: a child that segfaults, a case that hangs and a write
+    beside the database are each counted once, and the cases after them still run."""
+    g = build_golden("fixed_queue", os.path.join(scratch, "golden"))
+    w = GOLDEN_SPECS["fixed_queue"][0]
+    info = S.golden_info("fixed_queue", g.path, dict(w.queues), list(w.maps))
+    cases = [c for c in S.enumerate_cases(info) if c.kind == "db_meta"][:7]
+    tally = D2Tally()
+    _drive(cases, os.path.join(scratch, "w"), {"fixed_queue": g.path}, g.path, tally, threading.Lock(),
+           timeout=2.0, controls={1: "segv", 3: "hang", 5: "outside"})
+    assert tally.crafted == 7
+    assert (tally.counts["signals"], tally.counts["hangs"], tally.counts["outside_writes"]) == (1, 1, 1), tally.counts
+    sig = next(s for s in tally.groups if s[0] == "signals")
+    assert "SIGSEGV" in sig[3], sig
+    assert tally.outcomes["served"] + sum(v for k, v in tally.outcomes.items() if k.startswith("refused:")) == 5
