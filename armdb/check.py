@@ -242,8 +242,13 @@ class _Checker:
             return
         # Every gsn is reserved in seqmap before it reaches a file (T5).
         limit = self.reserved.get("gsn") if self.reserved else None
+        kwargs: dict[str, Any] = {} if limit is None else {"gsn_limit": limit}
+        if not os.path.basename(d).endswith(".payload"):  # a map: its keys and values must decode
+            from .maps import decode_key, decode_value
+
+            kwargs["decode"] = lambda k, v: (decode_key(k), decode_value(v))
         try:
-            found = check_dir(d, gsn_limit=limit) if limit is not None else check_dir(d)
+            found = check_dir(d, **kwargs)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return

@@ -277,3 +277,82 @@ def test_t5_a_header_base_gsn_beyond_the_limit_is_refused(tmp_path: Path) -> Non
     with pytest.raises(CorruptionError, match="base gsn"):
         open_store(coll)
     assert any("base gsn" in f for f in check_dir(str(coll)))
+
+
+# -- item 11: CRC-valid content that does not decode is a typed error and a check finding --------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        pytest.param(b"zkey", None, id="unknown-key-tag"),
+        pytest.param(b"s\xff\xfe", None, id="str-key-not-utf8"),
+        pytest.param(None, b"\xc1", id="value-never-used-byte"),
+        pytest.param(None, b"\x01\x02", id="value-extra-data"),
+        pytest.param(None, b"\x91" * 5000 + b"\x00", id="value-too-deep"),
+        pytest.param(None, b"\xd9\x02\xff\xfe", id="value-str-not-utf8"),
+        pytest.param(None, b"\x81\x91\x01\x02", id="value-unhashable-dict-key"),
+    ],
+)
+def test_d6_map_record_that_does_not_decode_is_typed_and_found_by_check(
+    tmp_path: Path, key: bytes | None, value: bytes | None
+) -> None:
+    from armdb import Db
+    from armdb.check import check
+    from armdb.errors import ArmdbError
+    from armdb.maps import encode_key, encode_value
+
+    db = Db.open(tmp_path / "db")
+    db.open_map("m").put("ok", 1)
+    gsn = db.gsn()
+    db.close()
+    active = max((tmp_path / "db" / "collections" / "m" / "shard-000").glob("*.data"))
+    at = append_record(active, gsn, key or encode_key("bad"), value if value is not None else encode_value(2))
+    report = check(tmp_path / "db")
+    assert any("do not decode" in f and f"offset {at}" in f for f in report.findings), report.findings
+    db = Db.open(tmp_path / "db")
+    try:
+        m = db.open_map("m")
+        with pytest.raises(ArmdbError):
+            dict(m.items())
+        if key is None:
+            with pytest.raises(ArmdbError):
+                m.get("bad")
+        assert m.get("ok") == 1  # the rest of the map still reads
+    finally:
+        db.close()
+
+
+def test_d5_seqmap_entry_at_the_top_of_the_id_space_is_a_format_error(tmp_path: Path) -> None:
+    from armdb import Db, seqmap
+    from armdb.check import check
+    from armdb.errors import FormatError
+
+    Db.open(tmp_path / "db").close()
+    (tmp_path / "db" / "seqmap").write_bytes(seqmap.encode({"gsn": (1 << 64) - 1}))
+    with pytest.raises(FormatError, match="sequence map entry"):
+        Db.open(tmp_path / "db")
+    assert any("sequence map entry" in f for f in check(tmp_path / "db").findings)
+    for bad in ({"gsn": 0}, {"gsn": "x"}, {1: 5}, {"gsn": 2.5}):
+        with pytest.raises(FormatError):
+            seqmap.decode(seqmap.encode(bad), "seqmap")  # type: ignore[arg-type]
+    raw = seqmap.encode({"gsn": 5})
+    body = b"\xc1"
+    forged = seqmap._HEAD.pack(seqmap.MAGIC, seqmap.FORMAT_VERSION, len(body)) + body
+    forged += struct.pack("<I", zlib.crc32(forged))
+    assert raw
+    with pytest.raises(FormatError, match="does not decode"):
+        seqmap.decode(forged, "seqmap")
+
+
+def test_d6_check_of_a_meta_naming_four_billion_shards_ends_with_one_finding(tmp_path: Path) -> None:
+    coll = tmp_path / "m"
+    open_store(coll).close()
+    meta = bitcask._Meta((1 << 32) - 1, False, b"s" * 16, b"")
+    (coll / bitcask.META_NAME).write_bytes(bitcask._encode_meta(meta))
+    t0 = time.perf_counter()
+    found = check_dir(str(coll))
+    assert time.perf_counter() - t0 < 5
+    assert any("names 4294967295 shards" in f for f in found), found
+    with pytest.raises(CorruptionError):
+        open_store(coll)
