@@ -512,6 +512,9 @@ def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *
     rule("hold a negative lease deadline", "report", low < 0, lambda: ~leased & (deadline < 0))
     rule("were delivered (LEASED or DEAD) but count 0 attempts", "report", attempts.min() == 0,
          lambda: (leased | dead_state) & (attempts == 0))
+    flags = hdr["flags"]
+    rule("hold flags armdb never sets (bit 0, dead-lettered explicitly, is the only flag, on DEAD rows)",
+         "report", bool(flags.any()), lambda: (flags > FLAG_DEAD_EXPLICIT) | ((flags != 0) & ~dead_state))
     pid = hdr["payload_id"]
     if var:
         rule("point at a payload id other than their row id", "report", not np.array_equal(pid, seq),

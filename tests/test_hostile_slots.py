@@ -133,6 +133,8 @@ CASES: dict[str, tuple[Mutate, str, str]] = {
     "ready_negative_deadline": (lambda r: [r[1].set(deadline=-(1 << 63))], "serve", "negative lease deadline"),
     "leased_with_0_attempts": (lambda r: [r[0].set(attempts=0)], "expired_lease", "count 0 attempts"),
     "payload_id_mismatch": (lambda r: [r[1].set(payload_id=r[1].seq + 1000)], "serve", "payload id"),
+    "unknown_flags": (lambda r: [r[1].set(flags=0x81)], "serve", "flags armdb never sets"),
+    "explicit_dead_flag_on_ready_row": (lambda r: [r[1].set(flags=1)], "serve", "flags armdb never sets"),
 }
 
 
