@@ -68,7 +68,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "collection_meta": ("magic", "version", "flags", "shard_count", "salt", "check_len", "check"),
     "queue_meta": ("magic", "version", "length", "body", "var", "fingerprint", "shard_count", "key_size",
                    "value_size", "missing", "extra"),
-    "db_meta": ("magic", "version"),
+    "db_meta": ("magic", "version", "ident_magic", "db_id", "check_len", "log_key_check"),
     "pending": ("magic", "version", "reserved", "count", "fid"),
     "seqmap": ("magic", "version", "length", "body", "value", "name", "extra"),
 }
@@ -334,6 +334,8 @@ class GoldenInfo:
     log_rel: str
     log_template: list[tuple[int, int, list[Any]]]  # (txid, flags, rows) appended/kept in the log
     collections: tuple[str, ...]
+    log_version: int = 1  # the log file's format version (how its sealed bodies are bound)
+    db_id: bytes = b""  # the database id of db.meta (format 2), part of a sealed body's AAD
 
 
 _INFO: dict[str, GoldenInfo] = {}
@@ -347,15 +349,18 @@ def golden_info(name: str, root: str, queues: dict[str, bool], maps: list[str]) 
     logs = sorted(f for f in files if f.startswith("txlog" + os.sep) and f.endswith(".log"))
     log_rel = logs[-1]
     raw = _read(root, log_rel)
+    log_version = struct.unpack_from("<I", raw, 8)[0]
+    parts = _db_meta_parts(_read(root, "db.meta"))
+    db_id = parts[3] if parts is not None else b""
     recs = txlog.parse_records(raw, txlog.FILE_HEADER_SIZE)[0]
     template: list[tuple[int, int, list[Any]]] = []
     for txid, flags, body in recs:
-        plain = _LOG_SEALER.open(body, txid.to_bytes(8, "little")) if flags & txlog.FLAG_SEALED else body
+        plain = _LOG_SEALER.open(body, _log_aad(log_version, db_id, txid)) if flags & txlog.FLAG_SEALED else body
         template.append((txid, flags, msgpack.unpackb(plain, raw=False)))
     if not template:
         template = [_synth_record(root, files, queues, maps)]
     colls = tuple(sorted(os.listdir(os.path.join(root, "collections"))))
-    info = GoldenInfo(name, root, files, queues, maps, log_rel, template, colls)
+    info = GoldenInfo(name, root, files, queues, maps, log_rel, template, colls, log_version, db_id)
     _INFO[key] = info
     return info
 
@@ -493,23 +498,69 @@ def _split(target: str) -> tuple[str, int]:
     return rel, int(idx) if idx else -1
 
 
+def _db_meta_parts(raw: bytes) -> tuple[bytes, int, bytes, bytes, bytes] | None:
+    """``(magic, version, ident magic, db id, log key check)`` of a format 2 ``db.meta``
+    (16-byte head and CRC, then ``ident magic (8) | db id (16) | u32 n | check (n) | CRC``)."""
+    if len(raw) < 16 + 28 + 4:
+        return None
+    magic, version = struct.unpack_from("<8sI", raw)
+    imagic, db_id, n = struct.unpack_from("<8s16sI", raw, 16)
+    return magic, version, imagic, db_id, raw[44 : 44 + n]
+
+
 class DbMeta(Crafter):
     kind = "db_meta"
 
     def targets(self, info: GoldenInfo) -> list[str]:
         return ["db.meta"]
 
+    def fields_for(self, info: GoldenInfo, target: str) -> tuple[str, ...]:
+        has_ident = _db_meta_parts(_read(info.root, target)) is not None
+        return FIELDS[self.kind] if has_ident else ("magic", "version")
+
     def values(self, info: GoldenInfo, target: str, field: str) -> list[tuple[str, Any]]:
-        return magic_values(b"ARMDBMT1") if field == "magic" else int_values(32)
+        parts = _db_meta_parts(_read(info.root, target))
+        if field == "magic":
+            return magic_values(b"ARMDBMT1")
+        if field == "ident_magic":
+            return magic_values(b"ARMDBID1")
+        if field == "db_id":
+            assert parts is not None
+            d = parts[3]
+            return [("zero", bytes(16)), ("ff", b"\xff" * 16), ("flipped", bytes([d[0] ^ 1]) + d[1:]), ("short", d[:15]),
+                    ("long", d + b"\0")]
+        if field == "log_key_check":
+            assert parts is not None
+            c = parts[4]
+            other = Sealer(KEY).key_check()  # a valid check value of another key
+            return [("empty", b""), ("zero58", bytes(58)), ("other_key", other), ("one", b"\1"),
+                    ("flipped", (bytes([c[0] ^ 1]) + c[1:]) if c else b"\1" * 58)]
+        return int_values(32, (2, 3))
 
     def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, bytes]:
-        b = bytearray(_read(info.root, target))
+        raw = _read(info.root, target)
+        magic, version = struct.unpack_from("<8sI", raw)
         if field == "magic":
-            b[0:8] = value
-        else:
-            struct.pack_into("<I", b, 8, value)
-        struct.pack_into("<I", b, 12, _crc(b[:12]))
-        return {target: bytes(b)}
+            magic = value
+        elif field == "version":
+            version = value
+        head = struct.pack("<8sI", magic, version)
+        out = head + _U32.pack(_crc(head))
+        parts = _db_meta_parts(raw)
+        if parts is not None:
+            _m, _v, imagic, db_id, check = parts
+            n = None
+            if field == "ident_magic":
+                imagic = value
+            elif field == "db_id":
+                db_id = value
+            elif field == "check_len":
+                n = value
+            elif field == "log_key_check":
+                check = value
+            ident = imagic + db_id + _U32.pack(len(check) if n is None else n) + check
+            out += ident + _U32.pack(_crc(ident))
+        return {target: out}
 
 
 class Framed(Crafter):
@@ -1280,12 +1331,23 @@ class LogHeader(Crafter):
         return {target: _log_file(info, head, _template_records(info))}
 
 
-def _seal_body(flags: int, txid: int, plain: bytes) -> bytes:
-    return _LOG_SEALER.seal(plain, (txid & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")) if flags & txlog.FLAG_SEALED else plain
+def _log_aad(version: int, db_id: bytes, txid: int) -> bytes:
+    """What a sealed log body is bound to (``armdb.txlog.record_aad``; format 1: the txid)."""
+    txid &= 0xFFFFFFFFFFFFFFFF
+    record_aad = getattr(txlog, "record_aad", None)
+    if record_aad is None:
+        return txid.to_bytes(8, "little")
+    return bytes(record_aad(version, db_id, txid))
+
+
+def _seal_body(info: GoldenInfo, flags: int, txid: int, plain: bytes) -> bytes:
+    if not flags & txlog.FLAG_SEALED:
+        return plain
+    return _LOG_SEALER.seal(plain, _log_aad(info.log_version, info.db_id, txid))
 
 
 def _template_records(info: GoldenInfo) -> list[bytes]:
-    return [_encode_log_record(txid, flags, _seal_body(flags, txid, mp(rows))) for txid, flags, rows in info.log_template]
+    return [_encode_log_record(txid, flags, _seal_body(info, flags, txid, mp(rows))) for txid, flags, rows in info.log_template]
 
 
 _F_ROW = ("kind", "collection", "shard", "slot", "version", "status", "body")
@@ -1318,7 +1380,7 @@ class LogRecord(Crafter):
         ri, j = self._ctx(info, target)
         txid, flags, rows = info.log_template[ri]
         if field in ("magic", "flags", "body_len"):
-            blen = len(_seal_body(flags, txid, mp(rows)))
+            blen = len(_seal_body(info, flags, txid, mp(rows)))
             extra = (blen - 1, blen + 1, blen + 8, txlog.MAX_BODY, txlog.MAX_BODY + 1) if field == "body_len" else (2, 3)
             return int_values(32, extra)
         if field == "txid":
@@ -1356,7 +1418,7 @@ class LogRecord(Crafter):
         recs = []
         for i, (txid, flags, rows) in enumerate(info.log_template):
             if i != ri:
-                recs.append(_encode_log_record(txid, flags, _seal_body(flags, txid, mp(rows))))
+                recs.append(_encode_log_record(txid, flags, _seal_body(info, flags, txid, mp(rows))))
                 continue
             magic, body_len = txlog.REC_MAGIC, None
             new_rows: Any = [list(r) for r in rows]
@@ -1377,7 +1439,7 @@ class LogRecord(Crafter):
                 kind, name = field.split(".", 1)
                 new_rows[j][(_F_ROW if kind == "F" else _B_ROW).index(name)] = value
             # The body is sealed as the template was (flags changes only the stated flags).
-            body = _seal_body(flags, new_txid, mp(new_rows))
+            body = _seal_body(info, flags, new_txid, mp(new_rows))
             recs.append(_encode_log_record(new_txid, new_flags, body, magic=magic, body_len=body_len))
         b = bytearray(_log_file(info, None, recs))
         _seal_log_crcs(b)

@@ -751,7 +751,8 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     recs, _end, bad = txlog.parse_records(files[infos["var_encrypted"].log_rel], txlog.FILE_HEADER_SIZE)
     assert bad is None and len(recs) == 1
     txid, flags, body = recs[0]
-    rows = msgpack.unpackb(S._LOG_SEALER.open(body, txid.to_bytes(8, "little")), raw=False)
+    info = infos["var_encrypted"]
+    rows = msgpack.unpackb(S._LOG_SEALER.open(body, S._log_aad(info.log_version, info.db_id, txid)), raw=False)
     assert rows[0][3] == 2**31 - 1
     # A slot with crafted attempts validates as occupied.
     c, files = crafted("fixed_slot", "attempts", "fixed_queue", "0xffff")
