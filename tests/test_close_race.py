@@ -215,3 +215,44 @@ def test_close_race_in_process(shards: int, grow: int) -> None:
             shutil.rmtree(p)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_commit_holding_its_locks_while_close_starts_still_applies(tmp_path: Path, monkeypatch) -> None:
+    """A commit that passed its checks under its locks and logs its record just as close
+    begins closing its store applies in full (close waits for the lock it holds); it
+    is not refused half way, after its record is logged (that was a TxFailedAfterLog)."""
+    from armdb.txlog import TxLog
+
+    path = tmp_path / "db"
+    db = armdb.Db.open(path)
+    m = db.open_map("m")
+    store = m.store
+    append = TxLog.append
+
+    def append_once_close_began(self, rows):  # runs in the committing thread, locks held
+        limit = time.monotonic() + 5
+        while not store._closed and time.monotonic() < limit:
+            time.sleep(0.001)
+        assert store._closed, "close did not begin"
+        return append(self, rows)
+
+    monkeypatch.setattr(TxLog, "append", append_once_close_began)
+    result: list[object] = []
+
+    def commit() -> None:
+        try:
+            result.append(db.tx().put(m, "k", "v").commit())
+        except BaseException as e:
+            result.append(e)
+
+    t = threading.Thread(target=commit)
+    t.start()
+    while not store.lock_for(b"\x00").locked() and t.is_alive():  # the commit holds its shard lock
+        time.sleep(0.001)
+    db.close()
+    t.join(10)
+    assert result == [[]], result
+    monkeypatch.setattr(TxLog, "append", append)
+    with armdb.Db.open(path) as db2:
+        assert db2.open_map("m").get("k") == "v"
+    assert armdb.check(path).ok
