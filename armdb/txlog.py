@@ -227,7 +227,14 @@ def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
 
 
 def _valid_record_after(raw: bytes, pos: int) -> int | None:
-    """The offset of the first valid record after ``pos`` (8-byte aligned), if any.
+    """The offset of the first valid record after ``pos`` (8-byte aligned), if any
+    (:func:`valid_offsets_after`, which gives them all in the same pass)."""
+    hits = valid_offsets_after(raw, pos)
+    return int(hits[0]) if hits.size else None
+
+
+def valid_offsets_after(raw: bytes, pos: int) -> np.ndarray:
+    """The offsets of every valid record from ``pos + 8`` on (8-byte aligned), ascending.
 
     One forward pass, with bounded work per candidate, so that a crafted file cannot
     make open quadratic: every aligned offset from ``pos + 8`` whose magic, length and
@@ -239,11 +246,12 @@ def _valid_record_after(raw: bytes, pos: int) -> int | None:
     ``log2(L)`` table steps (``_shift_zeros``).  The verdict is the one checking each
     candidate with :func:`_parse_one` gives (tests/test_hostile_log.py compares them).
     """
+    none = np.zeros(0, dtype=np.int64)
     n = len(raw)
     first = pos + 8
     first += -(first - FILE_HEADER_SIZE) % 8
     if first + REC_HEAD_SIZE > n:
-        return None
+        return none
     words = np.frombuffer(raw, dtype="<u4", count=n // 4)
     # Aligned offsets are multiples of 4 (FILE_HEADER_SIZE is), so each field is a word.
     m = (n - REC_HEAD_SIZE - first) // 8 + 1
@@ -251,12 +259,12 @@ def _valid_record_after(raw: bytes, pos: int) -> int | None:
     magic = words[base : base + 2 * m : 2]
     offsets = first + 8 * np.flatnonzero(magic == REC_MAGIC).astype(np.int64)
     if offsets.size == 0:
-        return None
+        return none
     blen = words[offsets // 4 + 4].astype(np.int64)
     ok = (blen <= MAX_BODY) & (offsets + REC_HEAD_SIZE + blen <= n)
     offsets, blen = offsets[ok], blen[ok]
     if offsets.size == 0:
-        return None
+        return none
     stored = words[offsets // 4 + 5]
     starts = offsets + REC_HEAD_SIZE
     ends = starts + blen
@@ -272,8 +280,7 @@ def _valid_record_after(raw: bytes, pos: int) -> int | None:
     c_start, c_end = prefix[where[: starts.size]], prefix[where[starts.size :]]
     heads = np.fromiter((zlib.crc32(view[p : p + _REC_HEAD.size]) for p in offsets.tolist()), np.uint32, offsets.size)
     crcs = _shift_zeros(heads ^ c_start, blen) ^ c_end
-    hits = np.flatnonzero(crcs == stored)
-    return int(offsets[hits[0]]) if hits.size else None
+    return offsets[crcs == stored]
 
 
 _SHIFT_TABLES: list[np.ndarray] = []

@@ -413,6 +413,9 @@ def test_s7_linear_search_gives_the_verdicts_of_the_per_candidate_search() -> No
             want = _reference_valid_record_after(data, pos)
             hits += want is not None
             assert txlog._valid_record_after(data, pos) == want
+            first = pos + 8 + (-(pos + 8 - txlog.FILE_HEADER_SIZE) % 8)
+            every = [p for p in range(first, len(data), 8) if txlog._parse_one(data, p) is not None]
+            assert txlog.valid_offsets_after(data, pos).tolist() == every
     assert hits > 100
 
 
