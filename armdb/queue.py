@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import enum
+import inspect
 import itertools
 import logging
 import os
@@ -292,15 +293,12 @@ class _VarCodec:
         self.is_dataclass = dataclasses.is_dataclass(payload)
         self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
         self.any = payload is typing.Any or payload is object
-        # A dataclass with a __post_init__, its own __init__ or init=False fields may
-        # refuse or change its stored fields when a lease rebuilds it: push rebuilds it
-        # once to be sure.  Without those, rebuilding sets exactly the fields, so push
-        # only has to know that msgpack can decode them.
-        self.rebuild_at_push = self.is_dataclass and (
-            hasattr(payload, "__post_init__")
-            or not payload.__dataclass_params__.init
-            or any(not f.init for f in dataclasses.fields(payload))
-        )
+        # A lease rebuilds a dataclass as cls(*fields).  With the generated __init__
+        # taking exactly the fields by position and no __post_init__, that sets the
+        # fields and nothing else, so push only has to know msgpack decodes them;
+        # otherwise (a __post_init__, init=False or keyword-only fields, a hand-written
+        # __init__ of another signature) push rebuilds the value once to be sure.
+        self.rebuild_at_push = self.is_dataclass and not _rebuilds_plainly(payload)
 
     def encode(self, value: Any) -> bytes:
         if self.is_dataclass:
@@ -339,6 +337,22 @@ class _VarCodec:
         if self.payload is tuple:
             return tuple(obj)
         return obj
+
+
+def _rebuilds_plainly(cls: type) -> bool:
+    """Whether ``cls(*field_values)`` can only set the fields (see ``_VarCodec``)."""
+    if hasattr(cls, "__post_init__") or not cls.__dataclass_params__.init:  # type: ignore[attr-defined]
+        return False
+    names = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            return False
+        names.append(f.name)
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return [p.name for p in params] == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
 
 
 def _is_instance(value: Any, tp: type) -> bool:

@@ -88,6 +88,25 @@ BumpsQ = armdb.queue("bumpsq", payload=Bumps, var=True)
 
 
 @dataclasses.dataclass
+class OwnInit:
+    n: int
+
+    def __init__(self, m: int, k: int) -> None:  # noqa: D107 - cannot take the stored [n] back
+        self.n = m + k
+
+
+OwnInitQ = armdb.queue("owninitq", payload=OwnInit, var=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class KwOnly:
+    n: int
+
+
+KwOnlyQ = armdb.queue("kwonlyq", payload=KwOnly, var=True)
+
+
+@dataclasses.dataclass
 class Plain:
     n: int
     meta: dict[Any, str]
@@ -315,8 +334,11 @@ def test_q9_values_that_read_back_are_still_accepted(db: armdb.Db) -> None:
         (PairQ, Pair((1, 2)), r"cannot be rebuilt.*xy must be a tuple"),
         (DerivedQ, Derived(2), r"cannot be rebuilt.*init=False"),
         (BumpsQ, Bumps(1), r"does not read back as it was written"),
+        (OwnInitQ, OwnInit(1, 2), r"cannot be rebuilt"),
+        (KwOnlyQ, KwOnly(n=1), r"cannot be rebuilt"),
     ],
-    ids=["post_init_rejects_the_list", "init_false_field", "post_init_not_idempotent"],
+    ids=["post_init_rejects_the_list", "init_false_field", "post_init_not_idempotent", "own_init",
+         "keyword_only_fields"],
 )
 def test_q9_dataclass_that_does_not_round_trip_is_refused_at_push(db: armdb.Db, spec: armdb.QueueSpec,
                                                                   value: Any, match: str) -> None:
