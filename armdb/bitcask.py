@@ -194,9 +194,16 @@ def _file_header(fid: int, flags: int, base_gsn: int, nonce: int) -> bytes:
     return head + _U32.pack(zlib.crc32(head))
 
 
-def _hint_header(fid: int, flags: int, nonce: int) -> bytes:
-    head = FILE_HEAD.pack(HINT_MAGIC, FORMAT_VERSION, flags, fid, 0, nonce, 0)[:-4]
+def _hint_header(fid: int, flags: int, nonce: int, identity: int) -> bytes:
+    head = FILE_HEAD.pack(HINT_MAGIC, FORMAT_VERSION, flags, fid, identity, nonce, 0)[:-4]
     return head + _U32.pack(zlib.crc32(head))
+
+
+def _hint_identity(data: _DataFile) -> int:
+    """What a hint records of its data file, in the header's u64 at offset 16: the data
+    file's header CRC (over its file id, flags, base gsn and nonce), with bit 32 set so
+    that 0 still means a hint written before hints carried it."""
+    return (1 << 32) | _U32.unpack_from(_file_header(data.fid, data.flags, data.base_gsn, data.nonce), 28)[0]
 
 
 def _record_crc(buf: bytes | memoryview, n: int) -> int:
@@ -389,7 +396,7 @@ class _HintBuilder:
     def __init__(self, sdir: str, data: _DataFile) -> None:
         self.final = os.path.join(sdir, _hint_name(data.fid))
         self.tmp = self.final + ".tmp"
-        self.buf = bytearray(_hint_header(data.fid, data.flags, data.nonce))
+        self.buf = bytearray(_hint_header(data.fid, data.flags, data.nonce, _hint_identity(data)))
         self.fd: int | None = None
         self.written = 0
         self.crc = 0
@@ -729,12 +736,18 @@ def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
     return best
 
 
-def _iter_hint(raw: bytes, path: str, data: _DataFile) -> Iterator[Scanned] | None:
+def _iter_hint(
+    raw: bytes, path: str, data: _DataFile, encrypted: bool = False, *, legacy: bool = False
+) -> Iterator[Scanned] | None:
     """Validate a hint file against its data file; return an entry iterator or None if unusable.
 
-    The whole-file checks (headers, trailer, CRC of all entries, data size)
-    happen here, before the first entry is used; the iterator then checks that
-    entries tile the data file exactly and raises CorruptionError otherwise.
+    A hint is only a cache, so every check happens here, before the first entry is used,
+    and a hint that fails one is not used (the caller scans the data file instead): the
+    headers, the data file's identity (the CRC of its header: see :func:`_hint_identity`),
+    the trailer, the CRC of all entries, the data size, and that the entries are plausible
+    records that tile the data file exactly.  ``legacy`` accepts a hint written before
+    hints carried the identity (``armdb.check`` compares every entry with the data file
+    anyway; open rebuilds such a hint instead).
     """
     if len(raw) < 2 * FILE_HEADER_SIZE:
         return None
@@ -748,6 +761,8 @@ def _iter_hint(raw: bytes, path: str, data: _DataFile) -> Iterator[Scanned] | No
         return None  # garbage where a hint should be: ignore the cache
     if head is None or head.fid != data.fid or head.nonce != data.nonce:
         return None
+    if head.base_gsn != _hint_identity(data) and not (legacy and head.base_gsn == 0):
+        return None  # written for another incarnation of the file, or by an older armdb
     tail = raw[-HINT_TRAILER.size :]
     magic, data_size, count, crc, tcrc = HINT_TRAILER.unpack(tail)
     if magic != HINT_END_MAGIC or zlib.crc32(tail[:28]) != tcrc or data_size != data.size:
@@ -755,31 +770,30 @@ def _iter_hint(raw: bytes, path: str, data: _DataFile) -> Iterator[Scanned] | No
     body = memoryview(raw)[FILE_HEADER_SIZE : len(raw) - HINT_TRAILER.size]
     if zlib.crc32(body) != crc:
         return None
+    # One pass over the entries first: they must be records that tile the data file.
+    pos = 0
+    off = FILE_HEADER_SIZE
+    n = 0
+    unpack = HINT_ENTRY.unpack_from
+    esize = HINT_ENTRY.size
+    blen = len(body)
+    while pos + esize <= blen:
+        gsn_word, roff, vlen, klen = unpack(body, pos)
+        pos += esize + klen
+        if roff != off or pos > blen or not _plausible(gsn_word, RECORD_MAGIC, klen, vlen, encrypted):
+            return None
+        off += _pad8(REC_HEAD_SIZE + klen + vlen)
+        n += 1
+    if pos != blen or off != data_size or n != count:
+        return None
 
     def entries() -> Iterator[Scanned]:
         pos = 0
-        off = FILE_HEADER_SIZE
-        n = 0
-        unpack = HINT_ENTRY.unpack_from
-        esize = HINT_ENTRY.size
-        blen = len(body)
         while pos < blen:
-            if pos + esize > blen:
-                break
             gsn_word, roff, vlen, klen = unpack(body, pos)
             pos += esize
-            if roff != off or pos + klen > blen or gsn_word & _RESERVED_GSN_BITS:
-                break
-            rsize = _pad8(REC_HEAD_SIZE + klen + vlen)
-            yield (roff, gsn_word, klen, vlen, rsize, bytes(body[pos : pos + klen]))
+            yield (roff, gsn_word, klen, vlen, _pad8(REC_HEAD_SIZE + klen + vlen), bytes(body[pos : pos + klen]))
             pos += klen
-            off += rsize
-            n += 1
-        if pos != blen or off != data_size or n != count:
-            raise CorruptionError(
-                f"{path}: hint entries do not match data file {data.path} (entry {n}); "
-                f"delete the hint file to rebuild it from the data file"
-            )
 
     return entries()
 
@@ -1215,9 +1229,17 @@ class BitcaskStore:
             entries: Iterable[Scanned] | None = None
             hint_path = os.path.join(plan.sdir, _hint_name(fid))
             if _fs.FS.exists(hint_path) and hint_path not in plan.to_delete:
-                entries = _iter_hint(_fs.FS.read_file(hint_path), hint_path, f)
+                raw = _fs.FS.read_file(hint_path)
+                entries = _iter_hint(raw, hint_path, f, self._encrypted)
                 if entries is None:
-                    log.warning("hint file %s is damaged or stale; scanning %s instead", hint_path, f.path)
+                    if _iter_hint(raw, hint_path, f, self._encrypted, legacy=True) is not None:
+                        log.info("hint file %s was written by an older armdb; rebuilding it from %s", hint_path, f.path)
+                    else:
+                        log.warning(
+                            "hint file %s is damaged or does not belong to %s; scanning the data file instead",
+                            hint_path,
+                            f.path,
+                        )
             if entries is None:
                 scan = _Scan(f.fd, f.size, self._encrypted)
                 buf = bytearray()
@@ -2065,7 +2087,7 @@ class BitcaskStore:
         entries = None
         if fs.exists(hint_path):
             try:
-                entries = _iter_hint(fs.read_file(hint_path), hint_path, f)
+                entries = _iter_hint(fs.read_file(hint_path), hint_path, f, self._encrypted)
             except (FormatError, CorruptionError):
                 entries = None
         if entries is not None:
@@ -2491,7 +2513,7 @@ def _check_shard(
         _check_gsns(path, head, records, gsn_limit, findings)
         hpath = hints.get(fid)
         if hpath is not None:
-            _check_hint(hpath, dummy, records, findings)
+            _check_hint(hpath, dummy, records, findings, encrypted)
     for fid, hpath in hints.items():
         if fid not in data:
             findings.append(f"{hpath}: hint file without its data file")
@@ -2531,10 +2553,12 @@ def _check_gsns(path: str, head: _Header, records: dict[int, Scanned], limit: in
         )
 
 
-def _check_hint(hpath: str, f: _DataFile, records: dict[int, Scanned], findings: list[str]) -> None:
+def _check_hint(
+    hpath: str, f: _DataFile, records: dict[int, Scanned], findings: list[str], encrypted: bool = False
+) -> None:
     raw = _fs.FS.read_file(hpath)
     try:
-        entries = _iter_hint(raw, hpath, f)
+        entries = _iter_hint(raw, hpath, f, encrypted, legacy=True)
     except (FormatError, CorruptionError) as e:
         findings.append(str(e))
         return

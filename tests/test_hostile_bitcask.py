@@ -356,3 +356,113 @@ def test_d6_check_of_a_meta_naming_four_billion_shards_ends_with_one_finding(tmp
     assert any("names 4294967295 shards" in f for f in found), found
     with pytest.raises(CorruptionError):
         open_store(coll)
+
+
+# -- item 12: a hint must belong to its data file, and a hint that does not is only a cache ------
+
+
+def hinted_collection(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A collection whose file 1 is immutable and has a hint; returns (coll, data, hint)."""
+    coll = two_file_collection(tmp_path)
+    data = shard(coll) / "00000001.data"
+    hint = shard(coll) / "00000001.hint"
+    assert hint.exists()
+    return coll, data, hint
+
+
+def read_hint(raw: bytes) -> tuple[bytes, list[list[object]]]:
+    body = raw[FILE_HEADER_SIZE : len(raw) - bitcask.HINT_TRAILER.size]
+    entries: list[list[object]] = []
+    pos = 0
+    while pos < len(body):
+        g, off, vlen, klen = bitcask.HINT_ENTRY.unpack_from(body, pos)
+        pos += bitcask.HINT_ENTRY.size
+        entries.append([g, off, vlen, klen, bytes(body[pos : pos + klen])])
+        pos += klen
+    return raw[:FILE_HEADER_SIZE], entries
+
+
+def write_hint(path: Path, head: bytes, entries: list[list[object]], data_size: int) -> None:
+    body = b"".join(bitcask.HINT_ENTRY.pack(*e[:4]) + e[4] for e in entries)  # type: ignore[misc,operator]
+    count = len(entries)
+    tail = bitcask.HINT_TRAILER.pack(bitcask.HINT_END_MAGIC, data_size, count, zlib.crc32(body), 0)[:-4]
+    path.write_bytes(head + body + tail + struct.pack("<I", zlib.crc32(tail)))
+
+
+def reheader(head: bytes, identity: int) -> bytes:
+    """The hint header with its identity slot (the u64 at offset 16) set, CRC resealed."""
+    magic, version, flags, fid, _slot, nonce, _crc = bitcask.FILE_HEAD.unpack(head)
+    raw = bitcask.FILE_HEAD.pack(magic, version, flags, fid, identity, nonce, 0)[:-4]
+    return raw + struct.pack("<I", zlib.crc32(raw))
+
+
+def keys_of(coll: Path) -> set[bytes]:
+    store = open_store(coll)
+    try:
+        return set(store.keys())
+    finally:
+        store.close()
+
+
+def test_s6_hint_turning_a_put_into_a_tombstone_does_not_hide_the_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A CRC-valid hint whose entry says "tombstone" for a record that holds a value.
+    coll, data, hint = hinted_collection(tmp_path)
+    want = keys_of(coll)
+    head, entries = read_hint(hint.read_bytes())
+    victim = entries[3]
+    victim[0] = int(victim[0]) | bitcask.TOMBSTONE  # type: ignore[call-overload]
+    write_hint(hint, head, entries, data.stat().st_size)
+    assert any("hint" in f for f in check_dir(str(coll)))
+    with caplog.at_level(logging.WARNING, logger="armdb"):
+        assert keys_of(coll) == want
+    assert any("hint file" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert check_dir(str(coll)) == []  # open rebuilt the hint from the data file
+
+
+def test_s6_hint_of_another_incarnation_of_its_data_file_is_not_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Same file id, nonce and size, but the data file's header differs (base gsn): the hint
+    # belongs to another file, and its renamed key must not hide the real one.
+    coll, data, hint = hinted_collection(tmp_path)
+    want = keys_of(coll)
+    head, entries = read_hint(hint.read_bytes())
+    victim = entries[0]
+    key = victim[4]
+    assert isinstance(key, bytes)
+    victim[4] = b"X" + key[1:]
+    write_hint(hint, head, entries, data.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    _m, _v, flags, fid, base, nonce, _c = bitcask.FILE_HEAD.unpack_from(raw)
+    raw[:FILE_HEADER_SIZE] = _file_header(fid, flags, base + 1, nonce)
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="armdb"):
+        assert keys_of(coll) == want
+    assert any("hint file" in r.getMessage() for r in caplog.records)
+
+
+def test_s6_hint_entries_that_do_not_tile_fall_back_to_a_scan(tmp_path: Path) -> None:
+    # A hint is a cache: one that does not match its data file is rebuilt, not fatal.
+    coll, data, hint = hinted_collection(tmp_path)
+    want = keys_of(coll)
+    head, entries = read_hint(hint.read_bytes())
+    entries[2][1] = int(entries[2][1]) + 8  # type: ignore[call-overload]
+    write_hint(hint, head, entries, data.stat().st_size)
+    assert keys_of(coll) == want
+    assert check_dir(str(coll)) == []  # open rewrote the hint from the data file
+
+
+def test_d5_hint_without_identity_from_an_older_armdb_still_opens(tmp_path: Path) -> None:
+    # D5: a hint written before hints carried their data file's identity (slot 0) is read
+    # by check as before and rebuilt by open from the data file.
+    coll, data, hint = hinted_collection(tmp_path)
+    want = keys_of(coll)
+    head, entries = read_hint(hint.read_bytes())
+    write_hint(hint, reheader(head, 0), entries, data.stat().st_size)
+    assert check_dir(str(coll)) == []
+    assert keys_of(coll) == want
+    new_head = hint.read_bytes()[:FILE_HEADER_SIZE]
+    assert bitcask.FILE_HEAD.unpack(new_head)[4] != 0  # rewritten with the identity
+    assert check_dir(str(coll)) == []
