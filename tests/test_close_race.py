@@ -13,12 +13,14 @@ child-process test runs first: there a segfault shows as a signal exit code.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ import armdb
 from armdb.config import FixedConfig, QueueConfig
 from armdb.maps import Map
 from tests.conftest import run_child
+from tests.reliability.journal import report_line
 
 THREADS = 8
 FIXED = armdb.queue("race_fixed", payload=np.dtype([("a", "<u8"), ("b", "<u4")]))
@@ -40,6 +43,27 @@ IN_PROCESS_ROUNDS = 48  # per variant: 4 x 48 = 192, and 8 more in child process
 CHILD_ROUNDS = 4
 # Opening a fresh database per round costs dozens of fsyncs; on tmpfs they are free.
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+# Figures of this module's rounds, for its RELIABILITY line (the CI figures table):
+# rounds (with those run in child processes), the worker calls that met DbClosed, and
+# the violations: signals, untyped exceptions, close() raising, hung workers, check.
+FIGURES = {"rounds": 0, "child_rounds": 0, "db_closed": 0, "signals": 0, "untyped_exceptions": 0,
+           "close_errors": 0, "hangs": 0, "check_failures": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary(request: pytest.FixtureRequest) -> Iterator[None]:
+    t0 = time.monotonic()
+    yield
+    f = FIGURES
+    report_line(
+        f"RELIABILITY close-race rounds={f['rounds'] + f['child_rounds']} child_rounds={f['child_rounds']} "
+        f"threads={THREADS} db_closed={f['db_closed']} violations={f['close_errors']} "
+        f"signals={f['signals']} untyped_exceptions={f['untyped_exceptions']} hangs={f['hangs']} "
+        f"check_failures={f['check_failures']} seconds={time.monotonic() - t0:.0f}",
+        request,
+    )
 
 
 def _queue_config(shards: int, grow: int) -> QueueConfig:
@@ -115,6 +139,7 @@ def _worker(db: armdb.Db, fq: armdb.Queue, vq: armdb.Queue, m: Map, seed: int,
             else:
                 db.stats()
     except armdb.DbClosed:
+        FIGURES["db_closed"] += 1
         return
     except BaseException as e:  # anything else is the failure this test looks for
         errors.append(e)
@@ -138,7 +163,9 @@ class _SlowClock:
 
 
 def one_round(path: str, shards: int, grow: int, seed: int) -> None:
-    """Race ``close`` against the workers once; raise AssertionError on a violation."""
+    """Race ``close`` against the workers once; raise AssertionError on a violation
+    (counted in FIGURES first)."""
+    FIGURES["rounds"] += 1
     rnd = random.Random(seed)
     db = armdb.Db.open(path, clock=_SlowClock(seed))
     cfg = _queue_config(shards, grow)
@@ -157,13 +184,19 @@ def one_round(path: str, shards: int, grow: int, seed: int) -> None:
     time.sleep(rnd.random() * 0.03)
     try:
         db.close()  # must return, whatever the workers are doing
+    except BaseException:
+        FIGURES["close_errors"] += 1
+        raise
     finally:
         stop.set()
         for t in threads:
             t.join(20)
+    FIGURES["hangs"] += sum(t.is_alive() for t in threads)
+    FIGURES["untyped_exceptions"] += len(errors)
     assert not any(t.is_alive() for t in threads), "a worker hung after close"
     assert not errors, f"workers raised something other than DbClosed: {errors[:3]!r}"
     report = armdb.check(path)
+    FIGURES["check_failures"] += not report.ok
     assert report.ok, str(report)
     with armdb.Db.open(path) as db2:  # reopens and serves every row
         for spec in (FIXED, VAR):
@@ -173,6 +206,7 @@ def one_round(path: str, shards: int, grow: int, seed: int) -> None:
                 q.ack(lz.token)
         len(db2.open_map("race_map"))
     report = armdb.check(path)
+    FIGURES["check_failures"] += not report.ok
     assert report.ok, str(report)
 
 
@@ -188,16 +222,26 @@ def test_close_race_in_child_processes() -> None:
 def _child_rounds(base: str) -> None:
     for k, (shards, grow) in enumerate(VARIANTS[:2]):
         code = f"""
-            import shutil, sys
+            import json, shutil, sys
             sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-            from tests.test_close_race import one_round
-            for r in range({CHILD_ROUNDS}):
-                p = {base!r} + "/child-{k}-%d" % r
-                one_round(p, {shards}, {grow}, 90_000 + {k} * 100 + r)
-                shutil.rmtree(p)
+            from tests.test_close_race import FIGURES, one_round
+            try:
+                for r in range({CHILD_ROUNDS}):
+                    p = {base!r} + "/child-{k}-%d" % r
+                    one_round(p, {shards}, {grow}, 90_000 + {k} * 100 + r)
+                    shutil.rmtree(p)
+            finally:
+                print("FIGURES " + json.dumps(FIGURES), flush=True)
             print("ok")
         """
         res = run_child(code, timeout=120)
+        for line in res.stdout.splitlines():
+            if line.startswith("FIGURES "):
+                child = json.loads(line[8:])
+                for key in ("db_closed", "untyped_exceptions", "close_errors", "hangs", "check_failures"):
+                    FIGURES[key] += child[key]
+                FIGURES["child_rounds"] += child["rounds"]
+        FIGURES["signals"] += res.returncode < 0
         assert res.returncode == 0, (
             f"child exited with {res.returncode} (negative: killed by signal {-res.returncode})\n"
             f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
