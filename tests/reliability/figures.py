@@ -36,8 +36,11 @@ TARGETS: dict[str, tuple[str, list[tuple[str, float]], str]] = {
     "g-encryption": ("seals (cases)", [("seals", 100_000)], "all cases; 0 hits, 0 repeats in 1e5"),
     "h-bad-input": ("rows", [("rows", 80)], ">= 80 rows"),
     "full-disk": ("children on a full tmpfs", [("runs", 2)], "fixed + var queue and a map, 0 signals"),
+    "close-race": ("rounds (in children)", [("rounds", 200)],
+                   "200 rounds x 8 threads, 0 signals, only DbClosed"),
 }
-SECOND = {"d2-mutation": "fields", "killloop": "min_phase", "failpoints": "points", "e-model": "steps", "threads": "seeds",
+SECOND = {"close-race": "child_rounds",
+          "d2-mutation": "fields", "killloop": "min_phase", "failpoints": "points", "e-model": "steps", "threads": "seeds",
           "g-encryption": "cases"}
 
 
