@@ -1373,7 +1373,8 @@ class Queue(Generic[T]):
             self._next_retention = now + 1000  # back off one second before trying again
             if raise_errors:
                 raise first_error
-            log.warning("queue %s: retention failed: %s", self.name, first_error)
+            if not isinstance(first_error, DbClosed):  # a close raced the pass: nothing to report
+                log.warning("queue %s: retention failed: %s", self.name, first_error)
 
     # -- inspection (Q26, Q27) ---------------------------------------------------------------------------
     def stats(self) -> QueueStats:
