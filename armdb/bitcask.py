@@ -659,10 +659,34 @@ def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
     forward pass over the rest of the file, in chunks (see the comment above): the work
     is linear in the bytes after ``after`` whatever lengths the candidates claim.
     """
+    found = _valid_after(fd, size, after, encrypted, first=True)
+    return int(found[0]) if found.size else None
+
+
+class _ValidIndex:
+    """Every valid record at an 8-aligned offset after ``after``, found in one pass, for
+    callers that ask "the next valid record after this bad one" again and again
+    (``check_dir``, salvage): each question is then a lookup, not another pass."""
+
+    def __init__(self, fd: int, size: int, after: int, encrypted: bool) -> None:
+        self.after = after
+        self.offsets = _valid_after(fd, size, after, encrypted, first=False)
+
+    def next_after(self, pos: int) -> int | None:
+        assert pos >= self.after
+        i = int(np.searchsorted(self.offsets, pos, side="right"))
+        return int(self.offsets[i]) if i < self.offsets.size else None
+
+
+def _valid_after(fd: int, size: int, after: int, encrypted: bool, *, first: bool) -> np.ndarray:
+    """The offsets (sorted int64) of the valid records at 8-aligned offsets > ``after``;
+    with ``first``, only the first one, and the pass stops as soon as it is known."""
     fs = _fs.FS
     base = after + 8 - after % 8
+    none = np.zeros(0, dtype=np.int64)
     if base + REC_HEAD_SIZE > size:
-        return None
+        return none
+    found: list[np.ndarray] = []
     unpack = REC_HEAD.unpack_from
     crc32 = zlib.crc32
     magic_bytes = _RECORD_MAGIC_BYTES
@@ -680,7 +704,7 @@ def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
         if len(buf) < min(end - s + 32, size - s):
             break  # the file shrank underneath: nothing more to find
         mv = memoryview(buf)
-        if best is None:  # a candidate found later cannot come before a known valid record
+        if best is None or not first:  # with first, no later candidate can come before best
             starts: list[int] = []
             ends: list[int] = []
             regs: list[int] = []
@@ -726,14 +750,17 @@ def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
                 got[j] = zz
             ok = st[order][got == want[order]]
             if ok.size:
-                first = int(ok.min())
-                best = first if best is None else min(best, first)
+                found.append(ok)
+                low = int(ok.min())
+                best = low if best is None else min(best, low)
         z = crc32(mv[at : end - s], zz)
-        if best is not None and all(low > best for low in lowest.values()):
-            return best
+        if first and best is not None and all(low > best for low in lowest.values()):
+            return np.array([best], dtype=np.int64)
         s = end
         k += 1
-    return best
+    if first:
+        return none if best is None else np.array([best], dtype=np.int64)
+    return np.unique(np.concatenate(found)) if found else none
 
 
 def _iter_hint(
@@ -2488,7 +2515,8 @@ def _check_shard(
             for rec in scan:
                 records[rec[0]] = rec
             if scan.bad is not None:
-                nxt = _next_valid(fd, size, scan.bad, encrypted)
+                valid = _ValidIndex(fd, size, scan.bad, encrypted)  # one pass for every bad record
+                nxt = valid.next_after(scan.bad)
                 if nxt is None and fid == active:
                     findings.append(
                         f"{path}: torn tail of {size - scan.bad} bytes at offset {scan.bad} "
@@ -2504,7 +2532,7 @@ def _check_shard(
                         if more.bad is None:
                             break
                         findings.append(f"{path}: corrupt record at offset {more.bad}")
-                        nxt = _next_valid(fd, size, more.bad, encrypted)
+                        nxt = valid.next_after(more.bad)
             dummy = _DataFile(fid, path, -1, size, head.flags, head.nonce, head.base_gsn)
             if decode is not None:
                 _check_decode(path, fd, records, decode, findings)

@@ -50,6 +50,7 @@ from .bitcask import (
     _parse_header,
     _read_file_header,
     _Scan,
+    _ValidIndex,
     _shard_dir,
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
@@ -224,9 +225,8 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
         after = _next_valid(fd, size, bad, encrypted)
         if after is None:
             return None  # a torn tail: open cuts it itself
-        kept = _valid_records(
-            after, lambda pos: _data_run(fd, size, encrypted, pos), lambda b: _next_valid(fd, size, b, encrypted)
-        )
+        valid = _ValidIndex(fd, size, bad, encrypted)  # one pass answers every later bad record
+        kept = _valid_records(after, lambda pos: _data_run(fd, size, encrypted, pos), valid.next_after)
     finally:
         fs.close(fd)
     return Cut(_rel(directory, p), bad, after, size - bad, kept, None)

@@ -134,6 +134,11 @@ def test_s7_linear_search_agrees_with_direct_crc_on_random_files(tmp_path: Path,
         for after in sorted({0, 1, 7, 8, rng.randrange(size), rng.randrange(size)}):
             want = _direct_next_valid(bytes(buf), after)
             assert bitcask._next_valid(fd, size, after, False) == want, (seed, after)
+        every = bitcask._ValidIndex(fd, size, 0, False)  # the one-pass index check and salvage use
+        pos, direct = 0, []
+        while (pos := _direct_next_valid(bytes(buf), pos)) is not None:
+            direct.append(pos)
+        assert every.offsets.tolist() == direct, seed
     finally:
         os.close(fd)
 
@@ -466,3 +471,27 @@ def test_d5_hint_without_identity_from_an_older_armdb_still_opens(tmp_path: Path
     new_head = hint.read_bytes()[:FILE_HEADER_SIZE]
     assert bitcask.FILE_HEAD.unpack(new_head)[4] != 0  # rewritten with the identity
     assert check_dir(str(coll)) == []
+
+
+def test_d6_check_of_many_bad_records_each_hiding_a_long_candidate_stays_linear(tmp_path: Path) -> None:
+    # Each bad record is followed by a candidate that claims to run to the end of the file
+    # and then by a valid record: asking "the next valid record" once per bad record used
+    # to be a pass to the end of the file each time.
+    size = 256 * 1024
+    coll = tmp_path / "m"
+    open_store(coll).close()
+    out = bytearray(_file_header(1, 0, 0, 7))
+    regions = 0
+    while len(out) + 64 <= size:
+        out += b"\xff" * 8  # not a record: the scan stops here
+        c = len(out)
+        out += struct.pack("<QIIHH", 3, 0, size - c - 20, RECORD_MAGIC, 0) + b"\0" * 4
+        out += bitcask_record(regions + 1, b"k%03d" % (regions % 1000), b"v" * 8, RECORD_MAGIC)
+        regions += 1
+    out += b"\0" * (size - len(out))
+    (shard(coll) / "00000001.data").write_bytes(bytes(out))
+    t0 = time.perf_counter()
+    found = check_dir(str(coll))
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10, f"check took {elapsed:.1f} s"
+    assert sum("corrupt record at offset" in f for f in found) >= regions
