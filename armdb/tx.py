@@ -166,7 +166,12 @@ class Tx:
             raise ConfigError("this transaction was already committed or aborted; start a new db.tx()")
 
     def push(self, queue: Queue[Any], payload: Any, *, delay: timedelta | float | None = None) -> Tx:
-        """Record a push; its id is in the list ``commit()`` returns."""
+        """Record a push; its id is in the list ``commit()`` returns.
+
+        The payload is encoded and checked here, as ``Queue.push`` does: a value that
+        does not match the queue's type or would not read back raises
+        ``PayloadTypeError`` at this call, and the transaction holds nothing of it.
+        """
         self._open_step()
         q = self._queue_arg(queue)
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
@@ -192,6 +197,8 @@ class Tx:
         return self
 
     def put(self, map: Map, key: Any, value: Any) -> Tx:
+        """Record a map write; key and value are checked here as ``Map.put`` does
+        (``PayloadTypeError`` at this call for a value that would not read back)."""
         self._open_step()
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), value, encode_value(value)))
