@@ -19,7 +19,7 @@ VIOLATION_KEYS = (
     "canary_hits", "nonce_repeats", "state_changes",
     # d2-mutation (structure-aware mutation)
     "signals", "hangs", "memory", "file_size", "outside_writes", "check_ok_on_refused", "silent_loss",
-    "harness_errors",
+    "unwritable", "harness_errors",
 )
 
 # harness -> (what is measured, [(key, minimum)], CI target as written in RELIABILITY.md)

@@ -15,7 +15,7 @@ Each crafted file is written into a fresh copy of its golden database (the golde
 ``RLIMIT_AS`` = 2 GiB and ``RLIMIT_FSIZE`` = 64 MiB, ``SIGXFSZ`` ignored so that a
 runaway file is an ``EFBIG`` error) runs ``armdb.check`` on it, opens the database,
 reads everything (every queue: stats, snapshot, lease until empty; every map:
-``items()``) and closes it.  Children take a batch of cases each and print one JSON
+``items()``), writes once (a push to every queue, a put to every map) and closes it.  Children take a batch of cases each and print one JSON
 line per case; a per-case watchdog (``faulthandler.dump_traceback_later``) ends a
 hung case.  Beside the database lies a canary folder holding a copy of a database,
 and the folders above it are watched: a crafted name such as ``../../canary/x`` or
@@ -34,6 +34,8 @@ Violations (each counter must be 0):
   with a corruption-family error;
 * ``silent_loss``: a hint or compaction marker (which must never change what is
   served: the goldens hold no real compaction input) changed what an open served;
+* ``unwritable``: the open served the database, then one push to every queue or one
+  put to every map raised (the open accepted a state it cannot go on from);
 * ``harness_errors``: the harness itself failed (a child died for no reason above).
 
 Size: ``ARMDB_D2_CASES`` crafted files (CI default 21,000, at least 20,000 checked),
@@ -87,7 +89,7 @@ FSIZE_LIMIT = 64 << 20
 MIN_CI_CRAFTED = 20_000
 
 VIOLATIONS = ("signals", "hangs", "memory", "file_size", "outside_writes", "untyped_exceptions",
-              "check_ok_on_refused", "silent_loss", "harness_errors")
+              "check_ok_on_refused", "silent_loss", "unwritable", "harness_errors")
 # Refusals that say the declaration or the keys do not match the files (a valid file
 # can cause them: check, which knows neither, rightly says OK).
 _MISMATCH = (SchemaMismatch, EncryptionKeyRequired, WrongKey, ConfigError)
@@ -167,6 +169,13 @@ def read_all(world: World, path: str) -> tuple[str, Any, BaseException | None]:
             state.append((n, counts, snap, leased))
         for m, mm in ms.items():
             state.append((m, sorted(mm.items(), key=repr)))
+        # The database it served must go on working: one push to every queue, one put to
+        # every map (a stored gsn or id at the end of its range would block every write).
+        stage = "write"
+        for n, q in qs.items():
+            q.push(b"probe" if dict(world.queues)[n] else (7, 7))
+        for mm in ms.values():
+            mm.put(b"probe", b"v")
         stage = "close"
         d.close()
         d = None
@@ -282,6 +291,8 @@ class _Child:
                 violation(cls, stage, err)
             elif not isinstance(err, ArmdbError):
                 violation("untyped_exceptions", stage, err)
+            elif stage == "write":
+                violation("unwritable", "the open served the database, then a push or put raised", err)
             elif pre_ok and not isinstance(err, _MISMATCH) and "authentication tag" not in str(err):
                 # (check reads no key: a sealed field that fails its tag is the open's to find)
                 violation("check_ok_on_refused", f"check said OK; {stage} raised", err)
