@@ -25,7 +25,8 @@ Violations (each counter must be 0):
 
 * ``signals``: a child killed by a signal (SIGSEGV, SIGBUS, SIGABRT ...);
 * ``hangs``: a case still running after ``ARMDB_D2_CASE_TIMEOUT`` seconds;
-* ``memory``: ``MemoryError`` or ``ENOMEM`` (the address-space bound was hit);
+* ``memory``: ``MemoryError`` or ``ENOMEM`` (the address-space bound was hit), or a
+  case whose peak resident memory passed ``ARMDB_D2_RSS_MB`` (512);
 * ``file_size``: ``EFBIG`` or ``SIGXFSZ``, or a database past 64 MiB;
 * ``outside_writes``: the canary changed, or a file appeared beside the database;
 * ``untyped_exceptions``: anything but an ``armdb.errors.ArmdbError`` escaping
@@ -86,6 +87,7 @@ NIGHTLY_CASES = int(os.environ.get("ARMDB_D2_CASES_NIGHTLY", str(10**9)))  # def
 WORKERS = int(os.environ.get("ARMDB_D2_WORKERS", str(max(1, min(2, os.cpu_count() or 1)))))
 CASE_TIMEOUT = float(os.environ.get("ARMDB_D2_CASE_TIMEOUT", "5"))  # the slowest sound case: ~1.5 s loaded
 MEMORY_LIMIT = 2 << 30
+RSS_LIMIT_MB = int(os.environ.get("ARMDB_D2_RSS_MB", "512"))  # peak resident memory of one case
 FSIZE_LIMIT = 64 << 20
 MIN_CI_CRAFTED = 20_000
 # To reproduce one class: ARMDB_D2_ONLY=hint_entry.tombstone,pending (kinds or kind.field).
@@ -251,6 +253,7 @@ class _Child:
         return self.truth[name]
 
     def run(self, i: int, c: S.Case) -> dict[str, Any]:
+        _reset_peak_rss()
         t0 = time.perf_counter()
         res: dict[str, Any] = {"i": i, "v": []}
         info = self.info(c.golden)
@@ -303,6 +306,10 @@ class _Child:
                 res["msg"] = str(err)[:160]
         self._after(res, violation)
         res["ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        rss = _peak_rss_mb()
+        res["rss"] = rss
+        if rss > RSS_LIMIT_MB:
+            violation("memory", f"the case's peak resident memory was {rss} MiB (bound {RSS_LIMIT_MB} MiB)")
         return res
 
     def _after(self, res: dict[str, Any], violation: Any) -> None:
@@ -329,6 +336,21 @@ class _Child:
                 shutil.copytree(self.canary_src, self.canary)
                 self.canary_digest = _digest(self.canary)
         shutil.rmtree(self.db, ignore_errors=True)
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak resident set size of this process (``VmHWM``)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_mb() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"VmHWM:\s+(\d+)", f.read())
+    except OSError:
+        return 0
+    return int(m.group(1)) // 1024 if m else 0
 
 
 def _diff(truth: Any, state: Any) -> str:
@@ -397,6 +419,7 @@ class D2Tally:
     groups: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict)
     child_starts: int = 0
     slowest: float = 0.0
+    peak_rss_mb: int = 0
     seconds: float = 0.0
 
     def add(self, c: S.Case, res: dict[str, Any]) -> None:
@@ -404,6 +427,7 @@ class D2Tally:
         self.coverage[(c.kind, c.field)] += 1
         self.outcomes[res.get("outcome", "died")] += 1
         self.slowest = max(self.slowest, float(res.get("ms", 0)) / 1000)
+        self.peak_rss_mb = max(self.peak_rss_mb, int(res.get("rss", 0)))
         for cls in dict.fromkeys(res["v"]):
             self.counts[cls] += 1
             frame = re.sub(r":\d+ ", " ", (res.get("tb") or "").split(" <- ")[0])
@@ -661,6 +685,7 @@ def _summary(request: pytest.FixtureRequest):
         t.outcomes.update(r.outcomes)
         t.child_starts += r.child_starts
         t.slowest = max(t.slowest, r.slowest)
+        t.peak_rss_mb = max(t.peak_rss_mb, r.peak_rss_mb)
         t.seconds += r.seconds
     _table, missing = coverage_table(t)
     nfields = sum(len(fs) for fs in S.FIELDS.values())
@@ -669,7 +694,7 @@ def _summary(request: pytest.FixtureRequest):
         f"RELIABILITY d2-mutation crafted={t.crafted} kinds={len(S.FIELDS)} fields={nfields - len(missing)} "
         + " ".join(f"{k}={t.counts[k]}" for k in VIOLATIONS)
         + f" violations={t.violations()} served={t.outcomes['served']} refused={refused} "
-        f"fields_total={nfields} child_starts={t.child_starts} workers={WORKERS} slowest_case={t.slowest:.2f}s "
+        f"fields_total={nfields} child_starts={t.child_starts} workers={WORKERS} slowest_case={t.slowest:.2f}s peak_rss_mb={t.peak_rss_mb} "
         f"seconds={t.seconds:.0f}"
     )
     report_line(line, request)
