@@ -52,7 +52,7 @@ _FILE_HEAD_FIELDS = ("magic", "version", "flags", "file_id", "base_gsn", "nonce"
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "log_header": ("magic", "version", "flags", "number"),
-    "log_record": ("magic", "flags", "txid", "body_len", "body", "row", "F.collection", "F.shard", "F.slot",
+    "log_record": ("magic", "flags", "txid", "body_len", "body", "tail", "row", "F.collection", "F.shard", "F.slot",
                    "F.version", "F.status", "F.body", "B.collection", "B.key", "B.value", "B.gsn"),
     "fixed_header": ("magic", "version", "slot_size", "key_size", "value_size", "shard", *_HWM_FIELDS),
     "fixed_slot": _SLOT_FIELDS,
@@ -61,7 +61,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
              "image.pad"),
     "bitcask_header": _FILE_HEAD_FIELDS,
     "bitcask_record": ("gsn", "tombstone", "reserved_bits", "value_len", "magic", "key_len", "key", "value",
-                       "pad"),
+                       "pad", "tail"),
     "hint_header": _FILE_HEAD_FIELDS,
     "hint_entry": ("gsn", "tombstone", "reserved_bits", "offset", "value_len", "key_len", "key"),
     "hint_trailer": ("magic", "data_size", "count"),
@@ -1041,6 +1041,44 @@ class HintHeader(FileHead):
     magic = bitcask.HINT_MAGIC
 
 
+# A bad tail after the last valid record (harness field "tail"): a torn-looking record
+# followed by candidates at every 32 bytes, each a plausible head whose stated length runs
+# to the end of the file and whose CRC is wrong.  Deciding "torn tail or corruption" must
+# take linear time: CRC-checking every candidate to the end is quadratic (a 1 MiB file
+# took 9.8 s), past the hang bound.
+TAILS: list[tuple[str, int]] = [("candidates_64k", 64 << 10), ("candidates_1m", 1 << 20)]
+
+
+def _log_tail(start: int, size: int) -> bytes:
+    out = bytearray(size)
+    end = start + size
+    for p in range(0, size - 32, 32):
+        struct.pack_into("<IIQII", out, p, txlog.REC_MAGIC, 0, 1, end - (start + p) - 24, 0)
+    return bytes(out)
+
+
+def _bitcask_tail(start: int, size: int, encrypted: bool) -> bytes:
+    out = bytearray(size)
+    end = start + size
+    klen = 28 if encrypted else 8
+    for p in range(0, size - 64, 32):
+        vlen = end - (start + p) - 20 - klen
+        struct.pack_into("<QIIHH", out, p, 1, 0, vlen, bitcask.RECORD_MAGIC, klen)
+    return bytes(out)
+
+
+def _is_active(info: GoldenInfo, rel: str) -> bool:
+    """The newest data file of its shard that is not a compaction output."""
+    d = os.path.dirname(rel)
+    fids = []
+    for f in _bitcask_files(info, ".data"):
+        if os.path.dirname(f) == d:
+            flags = bitcask.FILE_HEAD.unpack_from(_read(info.root, f))[2]
+            if not flags & bitcask.FLAG_COMPACTED:
+                fids.append(f)
+    return bool(fids) and max(fids) == rel
+
+
 def _plain_key_values(coll: str, orig: bytes, others: list[bytes]) -> list[tuple[str, bytes]]:
     if coll.endswith(".payload"):
         extra = [("id0", bytes(8)), ("idmax", b"\xff" * 8), ("id7", orig[:7]), ("id9", orig + b"\0")]
@@ -1100,6 +1138,8 @@ class BitcaskRecord(Crafter):
         if field == "pad":
             n = -(20 + len(r.key_field) + len(r.value_field)) % 8
             return [("ff", b"\xff" * n)] if n else []
+        if field == "tail":
+            return TAILS
         k, v = self._plain(r, salt, enc)
         if field == "key":
             others = [self._plain(x, salt, enc)[0] for x in recs if x is not r]
@@ -1112,7 +1152,8 @@ class BitcaskRecord(Crafter):
         rel, raw, recs, idx, salt, enc = self._ctx(info, target)
         r = recs[idx]
         pad = -(20 + len(r.key_field) + len(r.value_field)) % 8
-        return tuple(f for f in FIELDS[self.kind] if f != "pad" or pad)
+        last_of_active = idx == len(recs) - 1 and _is_active(info, rel)
+        return tuple(f for f in FIELDS[self.kind] if (f != "pad" or pad) and (f != "tail" or last_of_active))
 
     def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, bytes]:
         rel, raw, recs, idx, salt, enc = self._ctx(info, target)
@@ -1148,6 +1189,8 @@ class BitcaskRecord(Crafter):
         rec = encode_bitcask_record(gw, kf, vf, magic=magic, klen=klen, vlen=vlen, pad=pad)
         b = bytearray(raw[: r.off] + rec + raw[r.off + r.size :])
         _reseal_bitcask_crc(b, r.off)
+        if field == "tail":
+            b += _bitcask_tail(len(b), value, enc)
         return {rel: bytes(b)}
 
 
@@ -1372,7 +1415,7 @@ class LogRecord(Crafter):
     def fields_for(self, info: GoldenInfo, target: str) -> tuple[str, ...]:
         ri, j = self._ctx(info, target)
         if j < 0:
-            return ("magic", "flags", "txid", "body_len", "body")
+            return ("magic", "flags", "txid", "body_len", "body", "tail")
         kind = info.log_template[ri][2][j][0]
         return ("row", *(f"{kind}.{f}" for f in (_F_ROW if kind == "F" else _B_ROW)[1:]))
 
@@ -1385,6 +1428,8 @@ class LogRecord(Crafter):
             return int_values(32, extra)
         if field == "txid":
             return int_values(64, (txid - 1, txid + 1))
+        if field == "tail":
+            return TAILS
         if field == "body":
             return [*TYPES, *RAWS, ("empty", Raw(b"")), ("rows_10k_empty", [[]] * 10_000),
                     ("dup_rows", rows * 2), ("rows_as_map", {"rows": rows})]
@@ -1433,6 +1478,8 @@ class LogRecord(Crafter):
                 body_len = value
             elif field == "body":
                 new_rows = value
+            elif field == "tail":
+                pass  # the record stays valid; a bad tail follows it (below)
             elif field == "row":
                 new_rows[j] = value
             else:
@@ -1443,6 +1490,8 @@ class LogRecord(Crafter):
             recs.append(_encode_log_record(new_txid, new_flags, body, magic=magic, body_len=body_len))
         b = bytearray(_log_file(info, None, recs))
         _seal_log_crcs(b)
+        if field == "tail":
+            b += _log_tail(len(b), value)
         return {info.log_rel: bytes(b)}
 
 
