@@ -170,6 +170,16 @@ def check_row(
             raise _bad(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
         if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
             raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
+        if not name.endswith(PAYLOAD_SUFFIX):  # a map's: its keys and values must read back
+            from .errors import PayloadTypeError
+            from .maps import decode_key, decode_value
+
+            try:
+                decode_key(key)
+                if value is not None:
+                    decode_value(value)
+            except (PayloadTypeError, CorruptionError) as e:
+                raise _bad(where, f"row for map {name!r} holds a key or value the map cannot read ({e})") from None
         if not _is_int(gsn) or not 1 <= gsn < gsn_limit:
             raise _bad(
                 where,

@@ -201,10 +201,12 @@ def test_t2_logged_slot_row_with_bad_fields_is_refused(tmp_path: Path, field: st
 
 @pytest.mark.parametrize(
     "row",
-    [["B", "docs", b"k" * 70_000, b"v", 10_000], ["B", "docs", "k", b"v", 10_000], ["B", "docs", b"k", 5, 10_000],
-     ["B", "docs", b"k", b"v", 0], ["B", "docs", b"k", b"v", -1], ["B", "docs", b"k", b"v", 2**60],
-     ["B", "docs", b"k", b"v", "9"], ["B", "docs", b"k", b"v"], ["B", "docs", b"k", b"v", 1, 2],
-     ["B", "docs", b"k", b"v", 2**40]],  # past the gsns the seqmap reserved: would block the map's next open
+    [["B", "docs", b"b" * 70_000, b"\xa1v", 10_000], ["B", "docs", "k", b"\xa1v", 10_000], ["B", "docs", b"bk", 5, 10_000],
+     ["B", "docs", b"bk", b"\xa1v", 0], ["B", "docs", b"bk", b"\xa1v", -1], ["B", "docs", b"bk", b"\xa1v", 2**60],
+     ["B", "docs", b"bk", b"\xa1v", "9"], ["B", "docs", b"bk", b"\xa1v"], ["B", "docs", b"bk", b"\xa1v", 1, 2],
+     ["B", "docs", b"bk", b"\xa1v", 2**40],  # past the gsns the seqmap reserved: would block the map's next open
+     ["B", "docs", b"\xffkey", b"\x01", 500],  # a map key of no known type tag
+     ["B", "docs", b"skey", b"\xc1", 500], ["B", "docs", b"skey", b"\x01\x02", 500]],  # values that do not decode
     ids=repr,
 )
 def test_t2_logged_map_row_with_bad_fields_is_refused(tmp_path: Path, row: list[Any]) -> None:
@@ -550,3 +552,16 @@ def test_d5_db_meta_cut_back_to_its_first_16_bytes_is_not_read_as_version_1(tmp_
     meta.write_bytes(meta.read_bytes()[:16])  # version 2 without its identity block
     refuse(db, tmp_path, exc=FormatError, match="identity block")
     assert not armdb.check(db).ok
+
+
+def test_t2_well_formed_logged_rows_still_replay(tmp_path: Path) -> None:
+    # The control for the refusals above: rows as a commit writes them are applied.
+    from armdb.maps import encode_key, encode_value
+
+    db = tmp_path / "db"
+    make_db(db)
+    add_rows(db, [["B", "docs", encode_key("b"), encode_value({"x": [1, 2]}), 500],
+                  ["B", "docs", encode_key(7), None, 501]])
+    with armdb.Db.open(db) as d:
+        assert d.open_map("docs").get("b") == {"x": [1, 2]}
+    assert armdb.check(db).ok
