@@ -34,7 +34,7 @@ import msgpack
 
 from . import _fail, _fs
 from ._core.atomicfile import AtomicWriter
-from .errors import CorruptionError, FormatError, StorageError
+from .errors import CorruptionError, DbClosed, FormatError, StorageError
 
 ID_BLOCK = 1024
 # Post the next block once less than this is left of the reserved one (from its second
@@ -221,6 +221,8 @@ class SeqMap:
             self._writer_thread.join()
 
     def _reserve(self, name: str, end: int) -> None:
+        if self._closed:  # a call racing Db.close: the directory may belong to another process now
+            raise DbClosed(f"the database of {self.path!r}")
         if self._ahead is not None:
             self._finish_ahead(wait=True)  # one writer at a time, so the file only moves forward
         reserved = dict(self._reserved)
