@@ -300,3 +300,17 @@ def test_commit_holding_its_locks_while_close_starts_still_applies(tmp_path: Pat
     with armdb.Db.open(path) as db2:
         assert db2.open_map("m").get("k") == "v"
     assert armdb.check(path).ok
+
+
+def test_id_reservation_after_close_is_refused(tmp_path: Path) -> None:
+    """A push that reaches its id block's end after close must not write ``seqmap``: the
+    directory lock is released by then and another process may own the database."""
+    path = tmp_path / "db"
+    db = armdb.Db.open(path)
+    q = db.open_queue(FIXED, _queue_config(1, 64))
+    q.push((1, 1))
+    db.close()
+    before = (path / "seqmap").read_bytes()
+    with pytest.raises(armdb.DbClosed):
+        db.seqmap.next("q:a_name_with_no_block_yet")
+    assert (path / "seqmap").read_bytes() == before
