@@ -535,7 +535,10 @@ def _drive(cases: list[S.Case], wdir: str, goldens: dict[str, str], canary: str,
         for line in p.stdout:
             last[0] = time.monotonic()
             last[1] += 1
-            res = json.loads(line)
+            try:
+                res = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the child's death: its case is the culprit below
             if "ready" in res:
                 ready = True
                 continue
