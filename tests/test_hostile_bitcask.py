@@ -106,13 +106,13 @@ def test_s7_linear_search_still_finds_a_valid_record_among_crafted_candidates(tm
     assert path.read_bytes() == bytes(raw)  # nothing was cut
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(24))
 def test_s7_linear_search_agrees_with_direct_crc_on_random_files(tmp_path: Path, seed: int) -> None:
     # The first valid record after a bad one, compared with a direct CRC of every candidate.
     import random
 
     rng = random.Random(seed)
-    size = rng.choice([200, 512, 4096, 70_000])
+    size = rng.choice([200, 512, 4096, 20_000])
     buf = bytearray(rng.randbytes(size))
     # Sprinkle real records, crafted candidates and magics at random aligned offsets.
     for _ in range(rng.randint(0, 12)):
