@@ -629,12 +629,12 @@ def _crc_shift_tables() -> np.ndarray:
             one.append(c)
         # The image of each register bit after one zero byte: s -> (s >> 8) ^ T[s & 0xFF].
         cols = np.array([((1 << i) >> 8) ^ one[(1 << i) & 0xFF] for i in range(32)], dtype=np.uint32)
-        bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1  # [byte value, bit]
         tables = np.zeros((_SHIFT_BITS, 4, 256), dtype=np.uint32)
         for k in range(_SHIFT_BITS):
             for b in range(4):
-                picked = np.where(bits == 1, cols[8 * b : 8 * b + 8][None, :], 0).astype(np.uint32)
-                tables[k, b] = np.bitwise_xor.reduce(picked, axis=1)
+                row = tables[k, b]
+                for j in range(8):  # the values with bit j as their top bit: those below, plus bit j
+                    row[1 << j : 2 << j] = row[: 1 << j] ^ cols[8 * b + j]
             cols = _apply_crc_map(tables[k], cols)  # 2**(k+1) zero bytes: the map twice
         _shift_tables = tables
     return _shift_tables
