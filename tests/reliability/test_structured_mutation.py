@@ -11,7 +11,8 @@ fields are sealed again with the test's keys, so only armdb's judgement of the
 content stands between the file and the process.
 
 Each crafted file is written into a fresh copy of its golden database (the goldens of
-``test_mutation.py``), and a child process (``sys.executable``, under
+``test_mutation.py``, an encrypted payload store that rotated, a fixed queue with two
+header shards), and a child process (``sys.executable``, under
 ``RLIMIT_AS`` = 2 GiB and ``RLIMIT_FSIZE`` = 64 MiB, ``SIGXFSZ`` ignored so that a
 runaway file is an ``EFBIG`` error) runs ``armdb.check`` on it, opens the database,
 reads everything (every queue: stats, snapshot, lease until empty; every map:
@@ -82,7 +83,8 @@ from armdb.errors import ArmdbError, ConfigError, EncryptionKeyRequired, SchemaM
 from . import structured as S
 from .bcd_workloads import FakeClock, World, fast_tmpdir, quiesce
 from .journal import quiet_armdb_log, report_line
-from .test_mutation import GOLDEN_SPECS, build_golden
+from .test_mutation import GOLDEN_SPECS as D_GOLDENS
+from .test_mutation import _qops, build_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_CASES = int(os.environ.get("ARMDB_D2_CASES", "21000"))
@@ -95,6 +97,32 @@ FSIZE_LIMIT = 64 << 20
 MIN_CI_CRAFTED = 20_000
 # To reproduce one class: ARMDB_D2_ONLY=hint_entry.tombstone,pending (kinds or kind.field).
 ONLY = {x for x in os.environ.get("ARMDB_D2_ONLY", "").split(",") if x}
+
+# The goldens of harness (d), and two more: an encrypted payload store that rotated (sealed
+# keys in several data files and in hint files) and a fixed queue with two header shards.
+EXTRA_GOLDENS: dict[str, tuple[World, list[str]]] = {
+    "var_encrypted_rotated": (World(queues=(("vq", True),), durable=True, encrypted=True, payload_size=3000),
+                              _qops("vq", 44) + ["lease:vq", "ack:vq"] * 6),
+    "fixed_two_shards": (World(queues=(("fq", False),), durable=True, shards=2), _qops("fq", 12)),
+}
+GOLDEN_SPECS: dict[str, tuple[World, list[str]]] = {**D_GOLDENS, **EXTRA_GOLDENS}
+
+
+def build_d2_golden(name: str, root: str) -> str:
+    """The folder of golden database ``name``: (d)'s builder, or the workload run here."""
+    if name in D_GOLDENS:
+        return build_golden(name, root).path
+    from .bcd_workloads import Session
+
+    world, ops = EXTRA_GOLDENS[name]
+    path = os.path.join(root, name, "db")
+    os.makedirs(path)
+    sess = Session(world, path).open()
+    for op in ops:
+        sess.run(op)
+    sess.close()
+    return path
+
 
 VIOLATIONS = ("signals", "hangs", "memory", "file_size", "outside_writes", "untyped_exceptions",
               "check_ok_on_refused", "silent_loss", "unwritable", "harness_errors")
@@ -607,10 +635,9 @@ def run_d2(total: int, seed: int, scratch: str) -> tuple[D2Tally, list[S.Case]]:
     goldens: dict[str, str] = {}
     cases: list[S.Case] = []
     for name in sorted(GOLDEN_SPECS):
-        g = build_golden(name, groot)
-        goldens[name] = g.path
+        goldens[name] = build_d2_golden(name, groot)
         w = GOLDEN_SPECS[name][0]
-        cases += S.enumerate_cases(S.golden_info(name, g.path, dict(w.queues), list(w.maps)))
+        cases += S.enumerate_cases(S.golden_info(name, goldens[name], dict(w.queues), list(w.maps)))
     if ONLY:
         cases = [c for c in cases if f"{c.kind}.{c.field}" in ONLY or c.kind in ONLY]
     chosen = select_cases(cases, total, seed)
@@ -702,7 +729,10 @@ def _summary(request: pytest.FixtureRequest):
         t.peak_rss_mb = max(t.peak_rss_mb, r.peak_rss_mb)
         t.reported_loss += r.reported_loss
         t.seconds += r.seconds
-    _table, missing = coverage_table(t)
+    table, missing = coverage_table(t)
+    capman = request.config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
+        print(f"\nd2-mutation coverage (kind: field=crafted files), {len(missing)} field(s) never crafted:\n{table}")
     nfields = sum(len(fs) for fs in S.FIELDS.values())
     refused = sum(v for k, v in t.outcomes.items() if k.startswith("refused:"))
     line = (
@@ -778,10 +808,10 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
 
     infos = {}
     cases: list[S.Case] = []
-    for name in ("fixed_queue", "var_encrypted", "var_queue_rotated"):
-        g = build_golden(name, os.path.join(scratch, "golden"))
+    for name in ("fixed_queue", "var_encrypted", "var_queue_rotated", "var_encrypted_rotated"):
+        path = build_d2_golden(name, os.path.join(scratch, "golden"))
         w = GOLDEN_SPECS[name][0]
-        infos[name] = S.golden_info(name, g.path, dict(w.queues), list(w.maps))
+        infos[name] = S.golden_info(name, path, dict(w.queues), list(w.maps))
         cases += S.enumerate_cases(infos[name])
 
     def crafted(kind: str, fld: str, golden: str, label: str | None = None) -> tuple[S.Case, dict[str, bytes]]:
@@ -848,6 +878,10 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     hraw = next(iter(files.values()))
     _m, _size, count, ecrc, tcrc = bitcask.HINT_TRAILER.unpack_from(hraw, len(hraw) - 32)
     assert ecrc == S._crc(hraw[32:-32]) and tcrc == S._crc(hraw[-32:-4])
+    # An encrypted store's hint: an entry given another record's (sealed) key keeps valid CRCs.
+    c, files = crafted("hint_entry", "key", "var_encrypted_rotated", "other0")
+    hraw = next(iter(files.values()))
+    assert S._crc(hraw[32:-32]) == bitcask.HINT_TRAILER.unpack_from(hraw, len(hraw) - 32)[3]
     # The redo record: valid, naming the crafted slot, with the original slot torn.
     c, files = crafted("redo", "rec_slot", "fixed_queue", "0x1")
     redo = next(v for k, v in files.items() if k.endswith("fixed.redo"))
