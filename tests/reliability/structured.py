@@ -1046,7 +1046,7 @@ class HintHeader(FileHead):
 # to the end of the file and whose CRC is wrong.  Deciding "torn tail or corruption" must
 # take linear time: CRC-checking every candidate to the end is quadratic (a 1 MiB file
 # took 9.8 s), past the hang bound.
-TAILS: list[tuple[str, int]] = [("candidates_64k", 64 << 10), ("candidates_1m", 1 << 20)]
+TAILS: list[tuple[str, int]] = [("candidates_64k", 64 << 10), ("candidates_1m", 1 << 20), ("candidates_2m", 2 << 20)]
 
 
 def _log_tail(start: int, size: int) -> bytes:
