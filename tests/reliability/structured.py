@@ -71,6 +71,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "db_meta": ("magic", "version", "ident_magic", "db_id", "check_len", "log_key_check"),
     "pending": ("magic", "version", "reserved", "count", "fid"),
     "seqmap": ("magic", "version", "length", "body", "value", "name", "extra"),
+    "lock_file": ("entry", "content"),
 }
 
 # Kinds whose content must never change what an open serves: a hint is a cache, and a
@@ -1495,9 +1496,33 @@ class LogRecord(Crafter):
         return {info.log_rel: bytes(b)}
 
 
+class LockFile(Crafter):
+    """``LOCK``: not a format file, but a path open and check write through.  An entry is
+    ``(kind, target)``, made by the child: a symbolic or hard link to a canary file, a
+    dangling link, a folder, a fifo; a content is the bytes of a regular ``LOCK``."""
+
+    kind = "lock_file"
+
+    def targets(self, info: GoldenInfo) -> list[str]:
+        return ["LOCK"]
+
+    def values(self, info: GoldenInfo, target: str, field: str) -> list[tuple[str, Any]]:
+        if field == "entry":
+            return [("symlink_canary", ("symlink", CASE_DIR + "/canary/db.meta")),
+                    ("symlink_canary_rel", ("symlink", "../canary/seqmap")),
+                    ("symlink_dangling", ("symlink", CASE_DIR + "/nowhere/x")),
+                    ("hardlink_canary", ("hardlink", CASE_DIR + "/canary/db.meta")),
+                    ("directory", ("dir", "")), ("fifo", ("fifo", ""))]
+        return [("empty", b""), ("garbage", b"xyz\n"), ("negative", b"-1\n"), ("huge_pid", b"9" * 40 + b"\n"),
+                ("m1", b"1" * (1 << 20)), ("nul", bytes(8)), ("bad_utf8", b"\xff\xfe\n")]
+
+    def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, Any]:
+        return {target: value}
+
+
 CRAFTERS: dict[str, Crafter] = {c.kind: c for c in (
     LogHeader(), LogRecord(), FixedHeader(), FixedSlot(), Redo(), BitcaskHeader(), BitcaskRecord(), HintHeader(),
-    HintEntry(), HintTrailer(), CollectionMeta(), QueueMeta(), DbMeta(), Pending(), SeqMapKind(),
+    HintEntry(), HintTrailer(), CollectionMeta(), QueueMeta(), DbMeta(), Pending(), SeqMapKind(), LockFile(),
 )}
 assert set(CRAFTERS) == set(FIELDS)
 
@@ -1522,8 +1547,8 @@ def _subst(o: Any, case_dir: str) -> Any:
     return o
 
 
-def craft(info: GoldenInfo, case: Case, case_dir: str) -> tuple[str, dict[str, bytes]]:
-    """``(value label, {rel path: crafted bytes})`` for one case."""
+def craft(info: GoldenInfo, case: Case, case_dir: str) -> tuple[str, dict[str, Any]]:
+    """``(value label, {rel path: crafted bytes, or (entry kind, target) for LOCK})``."""
     c = CRAFTERS[case.kind]
     label, value = c.values(info, case.target, case.field)[case.vi]
     return label, c.apply(info, case.target, case.field, _subst(value, case_dir))

@@ -5,7 +5,8 @@ decodes every record and file kind armdb writes (``structured.FIELDS``: the log 
 header and its records down to each field of each logged row, the ``fixed.data``
 header page, its slots and high-water mark, ``fixed.redo``, Bitcask data file headers
 and records, hint file headers, entries and trailers, ``collection.meta``,
-``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``), sets one field to a
+``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``, and ``LOCK`` as a link,
+a folder or a fifo), sets one field to a
 boundary or hostile value and re-seals the file: every CRC is recomputed and sealed
 fields are sealed again with the test's keys, so only armdb's judgement of the
 content stands between the file and the process.
@@ -297,6 +298,9 @@ class _Child:
         for rel, data in files.items():
             p = os.path.join(self.db, rel)
             os.makedirs(os.path.dirname(p), exist_ok=True)
+            if isinstance(data, tuple):  # a LOCK entry of another kind than a file
+                _make_entry(p, *data)
+                continue
             with open(p, "wb") as f:
                 f.write(data)
 
@@ -375,6 +379,19 @@ class _Child:
                 shutil.copytree(self.canary_src, self.canary)
                 self.canary_digest = _digest(self.canary)
         shutil.rmtree(self.db, ignore_errors=True)
+
+
+def _make_entry(path: str, kind: str, target: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    if kind == "symlink":
+        os.symlink(target, path)
+    elif kind == "hardlink":
+        os.link(target, path)
+    elif kind == "dir":
+        os.mkdir(path)
+    else:
+        os.mkfifo(path)
 
 
 def _reset_peak_rss() -> None:
