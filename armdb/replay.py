@@ -68,6 +68,7 @@ class FixedGeometry:
     """What a logged slot row is checked against: from ``queue.meta`` and the file sizes."""
 
     shard_count: int
+    var: bool
     key_size: int
     value_size: int
     body_size: int
@@ -90,7 +91,8 @@ def fixed_geometry(directory: str) -> FixedGeometry:
         data = os.path.join(directory, f"shard-{i:03d}", FILE_NAME)
         size = fs.file_size(data) if fs.exists(data) else 0
         capacities.append(max(0, (size - HEADER_PAGE) // slot_size))
-    return FixedGeometry(meta["shard_count"], meta["key_size"], meta["value_size"], slot_size - 8, tuple(capacities))
+    return FixedGeometry(meta["shard_count"], meta["var"], meta["key_size"], meta["value_size"], slot_size - 8,
+                         tuple(capacities))
 
 
 def _is_int(value: object) -> bool:
@@ -162,6 +164,8 @@ def check_row(
         if not isinstance(body, bytes) or len(body) > g.body_size:
             size = f"{len(body)} bytes" if isinstance(body, bytes) else type(body).__name__
             raise _bad(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
+        if status == OCCUPIED:
+            _check_queue_row(body, name, shard, g, where)
     else:
         if is_queue or not fs.exists(os.path.join(d, META_NAME)):
             raise _bad(where, f"row names map collection {name!r}, which does not exist")
@@ -186,6 +190,21 @@ def check_row(
                 f"row for {name!r} has gsn {_short(gsn)}, not from 1 to below {gsn_limit}, the end of the "
                 f"gsns the database has reserved",
             )
+
+
+def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where: str) -> None:
+    """A logged occupied slot holds one queue row: the rules open applies to stored rows
+    (``armdb.queue.row_problems``; a row id stored twice is left to that check after replay)."""
+    import numpy as np
+
+    from .queue import ROW_DTYPE, row_problems
+
+    if len(body) < ROW_DTYPE.itemsize:
+        raise _bad(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
+    row = np.frombuffer(body, dtype=ROW_DTYPE, count=1)
+    for p in row_problems(row, shard, g.shard_count, g.var, duplicates=False):
+        if p.action == "refuse":
+            raise _bad(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
 
 
 def gsn_limit(reserved: int | None) -> int:

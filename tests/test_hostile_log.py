@@ -256,13 +256,37 @@ def test_t2_txid_that_would_overflow_the_next_commit_is_refused(tmp_path: Path) 
     refuse(db, tmp_path)
 
 
+def queue_row(seq: int = 2, state: int = 0, payload: bytes = bytes(8)) -> bytes:
+    """A queue row image as a push writes it (ready, due at 1000 ms)."""
+    from armdb.queue import _pack_row
+
+    return _pack_row(1000, seq, state, 0, 0, 0, 0, 0, 1000, payload)
+
+
 def test_t2_every_row_is_checked_before_any_is_applied(tmp_path: Path) -> None:
     # A good row before a bad one is not applied either: nothing is written.
     db = tmp_path / "db"
     make_db(db)
-    add_rows(db, [slot_row(version=99, body=b"\x01" * 8)], txid=1)
+    add_rows(db, [slot_row(slot=1, version=99, body=queue_row())], txid=1)
     add_rows(db, [slot_row(shard=9)], txid=2)
     refuse(db, tmp_path)
+    # The good row alone replays: the queue then holds both rows.
+    log = log_file(db)
+    raw = log.read_bytes()
+    log.write_bytes(raw[: len(raw) - len(txlog.encode_record(2, msgpack.packb([slot_row(shard=9)]), 0))])
+    with armdb.Db.open(db) as d:
+        assert d.open_queue(Pings, qcfg()).len() == 2
+
+
+@pytest.mark.parametrize("image", ["row_id_0", "unknown_state", "short"])
+def test_t2_logged_slot_image_that_is_no_queue_row_is_refused(tmp_path: Path, image: str) -> None:
+    # The rules open applies to stored rows apply to a logged row before it is written.
+    db = tmp_path / "db"
+    make_db(db)
+    body = {"row_id_0": queue_row(seq=0), "unknown_state": queue_row(state=77), "short": b"\x01" * 8}[image]
+    add_rows(db, [slot_row(slot=1, version=99, body=body)])
+    refuse(db, tmp_path)
+    assert not armdb.check(db).ok
 
 
 # -- items 6 and 11: queue.meta --------------------------------------------------------------------------------
