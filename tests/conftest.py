@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -113,3 +114,18 @@ def spawn_child(code: str, *, env: dict[str, str] | None = None) -> subprocess.P
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def kill_and_read(p: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGKILL a :func:`spawn_child` child and return the rest of its stdout and stderr.
+
+    Reads through the same text wrappers a caller's ``p.stdout.readline()`` used:
+    ``communicate()`` reads the raw pipes, so whatever ``readline`` had buffered past its
+    line would be lost, and the first line it returned could start in the middle of one
+    (a job id cut to its last digits)."""
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.stdout is not None and p.stderr is not None
+    with p.stdout, p.stderr:
+        out, err = p.stdout.read(), p.stderr.read()  # the child is dead: both reach EOF
+    p.wait()
+    return out, err

@@ -25,7 +25,7 @@ from armdb._core.groupsync import GroupSync
 from armdb.errors import StorageError, TxFailedAfterLog
 from armdb.tx import TxSyncFailed
 
-from .conftest import spawn_child
+from .conftest import kill_and_read, spawn_child
 from .reliability.bcd_workloads import fast_tmpdir
 from .reliability.faultfs import CrashModel, RecordingFS, cut_points
 
@@ -367,8 +367,7 @@ def test_t3_sigkill_mid_group_loses_no_commit_and_halves_none(db_path: Path) -> 
             acked.add(int(line.split()[1]))
             seen += 1
         time.sleep(rng.uniform(0, 0.05))
-        os.kill(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
+        out, err = kill_and_read(p)
         assert seen == want, err
         for line in out.splitlines():
             parts = line.split()

@@ -12,7 +12,7 @@ import pytest
 import armdb
 from armdb import QueueConfig
 
-from .conftest import child_env, run_child, spawn_child
+from .conftest import child_env, kill_and_read, run_child, spawn_child
 
 VarJobs = armdb.queue("jobs", payload=dict, var=True)
 
@@ -44,8 +44,7 @@ def test_q15_var_push_sigkill_never_leaves_header_without_body(tmp_path):
         if len(parts) == 2:
             returned[int(parts[0])] = int(parts[1])
         time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
+        out, _ = kill_and_read(p)
         for line in out.splitlines():
             parts = line.split()
             if len(parts) == 2:
