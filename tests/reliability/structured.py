@@ -1537,6 +1537,17 @@ def enumerate_cases(info: GoldenInfo) -> list[Case]:
     return out
 
 
+def sealed_content(info: GoldenInfo, case: Case) -> bool:
+    """The crafted value sits inside a sealed field: a keyless ``check`` cannot read it, so
+    only the open (with the key) can judge it."""
+    if case.kind == "log_record" and (case.field in ("body", "row") or case.field[:2] in ("F.", "B.")):
+        ri = int(case.target.partition("#")[2].partition(".")[0])
+        return bool(info.log_template[ri][1] & txlog.FLAG_SEALED)
+    if case.kind == "bitcask_record" and case.field in ("key", "value"):
+        return salt_of(info.root, coll_of(case.target.partition("#")[0]))[1]
+    return False
+
+
 def _subst(o: Any, case_dir: str) -> Any:
     if isinstance(o, str):
         return o.replace(CASE_DIR, case_dir)

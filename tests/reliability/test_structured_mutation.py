@@ -34,7 +34,8 @@ Violations (each counter must be 0):
 * ``untyped_exceptions``: anything but an ``armdb.errors.ArmdbError`` escaping
   ``check``, the open, a read or the close;
 * ``check_ok_on_refused``: ``check`` said OK and the open or a read then refused
-  with a corruption-family error;
+  with a corruption-family error (not counted where the crafted value lies inside a
+  sealed field or fails a tag: check reads no key);
 * ``silent_loss``: a hint or compaction marker (which must never change what is
   served: the goldens hold no real compaction input) changed what an open served, and
   ``check`` had said OK (when check named the file first, the case is counted as
@@ -132,6 +133,7 @@ VIOLATIONS = ("signals", "hangs", "memory", "file_size", "outside_writes", "unty
 # Refusals that say the declaration or the keys do not match the files (a valid file
 # can cause them: check, which knows neither, rightly says OK).
 _MISMATCH = (SchemaMismatch, EncryptionKeyRequired, WrongKey, ConfigError)
+_TAG_FAILURE = re.compile(r"authentication tag|fails its tag")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,8 +344,9 @@ class _Child:
                 violation("untyped_exceptions", stage, err)
             elif stage == "write":
                 violation("unwritable", "the open served the database, then a push or put raised", err)
-            elif pre_ok and not isinstance(err, _MISMATCH) and "authentication tag" not in str(err):
-                # (check reads no key: a sealed field that fails its tag is the open's to find)
+            elif pre_ok and not isinstance(err, _MISMATCH) and not _TAG_FAILURE.search(str(err)) \
+                    and not S.sealed_content(info, c):
+                # (check reads no key: a sealed field, its tag or its content, is the open's to judge)
                 violation("check_ok_on_refused", f"check said OK; {stage} raised", err)
             if isinstance(err, ArmdbError):
                 res["msg"] = str(err)[:160]
