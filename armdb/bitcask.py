@@ -2493,16 +2493,25 @@ def _check_shard(
         if head.flags & FLAG_ENCRYPTED != want:
             findings.append(f"{path}: encryption flag differs from the collection's (offset 10)")
         heads[fid] = head
+    pending: list[int] = []
     if PENDING_NAME in names:
         path = os.path.join(sdir, PENDING_NAME)
         try:
             fids = _decode_pending(fs.read_file(path), path)
             _check_pending(fids, all_heads, path)
+            pending = fids
             findings.append(
                 f"{path}: an interrupted compaction is pending (files {fids}); the next open finishes it"
             )
         except (FormatError, CorruptionError) as e:
             findings.append(str(e))
+    live = [fid for fid in sorted(all_heads) if fid not in pending]
+    try:  # open's rule: a shard whose active data file is gone is refused
+        BitcaskStore._check_active_present(
+            _ShardPlan(0, sdir), live, _appenders(all_heads, set(pending)), sorted(hints)
+        )
+    except CorruptionError as e:
+        findings.append(str(e))
     appenders = [fid for fid, h in heads.items() if not h.flags & FLAG_COMPACTED]
     active = max(appenders) if appenders else None
     for fid, head in sorted(heads.items()):

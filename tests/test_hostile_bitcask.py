@@ -495,3 +495,19 @@ def test_d6_check_of_many_bad_records_each_hiding_a_long_candidate_stays_linear(
     elapsed = time.perf_counter() - t0
     assert elapsed < 10, f"check took {elapsed:.1f} s"
     assert sum("corrupt record at offset" in f for f in found) >= regions
+
+
+def test_d6_check_reports_an_active_file_flagged_as_a_compaction_output(tmp_path: Path) -> None:
+    # Open refuses a shard that holds only compaction outputs; check must not say OK.
+    coll = tmp_path / "m"
+    store = open_store(coll)
+    store.put(b"k", b"v")
+    store.close()
+    path = shard(coll) / "00000001.data"
+    raw = bytearray(path.read_bytes())
+    _m, _v, flags, fid, base, nonce, _c = bitcask.FILE_HEAD.unpack_from(raw)
+    raw[:FILE_HEADER_SIZE] = _file_header(fid, flags | bitcask.FLAG_COMPACTED, base, nonce)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match="only compaction outputs"):
+        open_store(coll)
+    assert any("only compaction outputs" in f for f in check_dir(str(coll)))
