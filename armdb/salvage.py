@@ -58,6 +58,7 @@ from .errors import CorruptionError, FormatError
 from .txlog import _NAME_RE, _check_file_header, _valid_record_after, parse_records
 from .txlog import DIR as TXLOG_DIR
 from .txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
+from . import _syncmark
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
 
@@ -278,4 +279,7 @@ def _cut(directory: str, c: Cut) -> Cut:
         fs.fsync(fd)
     finally:
         fs.close(fd)
+    # The synced mark of the file's folder may lie past the cut: open would take the
+    # cut for lost synced bytes.  Without a mark, open judges by the records' flags.
+    _syncmark.drop(os.path.dirname(path))
     return Cut(c.path, c.offset, c.next_valid, c.dropped_bytes, c.dropped_records, _rel(directory, kept))

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgpack
 import numpy as np
 
-from . import _fail, _fs
+from . import _fail, _fs, _syncmark
 from ._core import fixed as _k
 from ._core.groupsync import GroupSync
 from ._crypto import Sealer
@@ -76,8 +76,12 @@ DIR = "txlog"
 FILE_MAGIC = b"ARMTXLG1"
 # Version 2 binds sealed bodies to the database (their AAD holds the database id from
 # db.meta); version 1 files (AAD: the txid alone) are still read, and replayed as such.
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# Version 3 adds the synced-before record flag and the synced mark (``txlog/synced.mark``,
+# armdb._syncmark): open cuts a bad record that neither proves was synced.  Versions 1
+# and 2 keep the older rule (any bad record with a valid one after it is refused).
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+MARKED_VERSION = 3
 _AAD_PREFIX = b"armdb.txlog\x00"
 _FILE_HEAD = struct.Struct("<8sIIQ")  # magic, version, flags, file number; then crc32, pad to 32
 FILE_HEADER_SIZE = 32
@@ -85,6 +89,8 @@ REC_MAGIC = 0x314E5854
 _REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
 REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
 FLAG_SEALED = 1
+# Set on a record appended when a completed sync already covered everything before it.
+FLAG_SYNCED_BEFORE = 2
 MAX_BODY = 1 << 30
 MAX_TXID = (1 << 62) - 1
 _NAME_RE = re.compile(r"^(\d{8})\.log$")
@@ -226,6 +232,39 @@ def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
     return txid, flags, body, end + (-(end - pos) % 8)
 
 
+def _judge_bad(raw: bytes, path: str, bad: int, version: int, mark: int) -> int:
+    """Whether the bad record at ``bad`` is damage (raises ``CorruptionError``) or a tail
+    to cut; returns how many valid records the cut drops (0: a torn tail).
+
+    In a file of :data:`MARKED_VERSION` or later, the record is damage if it lies below
+    ``mark`` (a completed sync covered it) or a valid record after it carries
+    :data:`FLAG_SYNCED_BEFORE` (it was appended once a sync covered the bad bytes).
+    Any other bad record is an unsynced tail whose pages a power cut wrote out of order.
+    In older files every bad record with a valid record after it is damage."""
+    after = valid_offsets_after(raw, bad)
+    if version < MARKED_VERSION:
+        if after.size:
+            raise CorruptionError(
+                f"{path}: transaction log record at offset {bad} is damaged but later records are "
+                f"intact; refusing to guess. Restore the database from a backup. {SALVAGE_HINT}"
+            )
+        return 0
+    if bad < mark:
+        raise CorruptionError(
+            f"{path}: transaction log record at offset {bad} is damaged below offset {mark}, which a "
+            f"completed sync covered; this is damage, not a torn write. Restore the database from a "
+            f"backup. {SALVAGE_HINT}"
+        )
+    for off in after.tolist():
+        if struct.unpack_from("<I", raw, off + 4)[0] & FLAG_SYNCED_BEFORE:
+            raise CorruptionError(
+                f"{path}: transaction log record at offset {bad} is damaged, and the intact record at "
+                f"offset {off} was appended after a sync had covered it; this is damage, not a torn "
+                f"write. Restore the database from a backup. {SALVAGE_HINT}"
+            )
+    return int(after.size)
+
+
 def _valid_record_after(raw: bytes, pos: int) -> int | None:
     """The offset of the first valid record after ``pos`` (8-byte aligned), if any
     (:func:`valid_offsets_after`, which gives them all in the same pass)."""
@@ -350,6 +389,11 @@ class TxLog:
         self._retained: list[str] = []
         self.commits = 0
         self.replayed = 0
+        self.torn_bytes_dropped = 0  # bad tails cut at open
+        self.unsynced_records_dropped = 0  # intact records in those tails (reordered write-back)
+        # The synced mark of the current file (armdb._syncmark), under _mark_lock.
+        self._marks: _syncmark.MarkWriter | None = None
+        self._mark_lock = threading.Lock()
 
     # -- open / replay ---------------------------------------------------------------
     @classmethod
@@ -384,16 +428,33 @@ class TxLog:
                     continue
                 raise
             recs, _end, bad = _records_at(raw, FILE_HEADER_SIZE)
+            mark = 0
+            if version >= MARKED_VERSION:
+                mark = _syncmark.read_mark(self.dir, raw[:FILE_HEADER_SIZE])[0]
+                if mark > len(raw):
+                    raise CorruptionError(
+                        f"{path}: the log file ends at offset {len(raw)}, below offset {mark}, which a completed "
+                        f"sync covered: synced records are missing. Restore the database from a backup. "
+                        f"{SALVAGE_HINT}"
+                    )
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
-                after = _valid_record_after(raw, bad)
-                if after is not None:
-                    raise CorruptionError(
-                        f"{path}: transaction log record at offset {bad} is damaged but later records are "
-                        f"intact; refusing to guess. Restore the database from a backup. {SALVAGE_HINT}"
+                dropped = _judge_bad(raw, path, bad, version, mark)
+                self.torn_bytes_dropped += len(raw) - bad
+                self.unsynced_records_dropped += dropped
+                if dropped:
+                    log.warning(
+                        "%s: cutting an unsynced log tail at offset %d: %d bytes with %d intact record(s) after a "
+                        "damaged one, which no sync had covered (a power cut wrote its pages out of order); "
+                        "those commits were not durable and are dropped",
+                        path,
+                        bad,
+                        len(raw) - bad,
+                        dropped,
                     )
-                log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
+                else:
+                    log.warning("%s: dropping a torn log tail of %d bytes (an uncommitted transaction)", path, len(raw) - bad)
             records.extend(_Logged(txid, flags, body, path, offset, version) for offset, txid, flags, body in recs)
         for rec in records:
             _check_txid(rec)
@@ -494,12 +555,32 @@ class TxLog:
         commit in flight); if creating it fails, appends stay where they were."""
         fs = _fs.FS
         path = os.path.join(self.dir, f"{number:08d}.log")
-        fd = fs.create_file(path, _file_header(number))
+        head = _file_header(number)
+        fd = fs.create_file(path, head)
         if self._fd >= 0:
             fs.close(self._fd)
         self._fd, self._path, self._number = fd, path, number
         self._end = FILE_HEADER_SIZE
         self._group.reset(fd, FILE_HEADER_SIZE)
+        with self._mark_lock:
+            if self._marks is None:
+                self._marks = _syncmark.MarkWriter(self.dir, head, FILE_HEADER_SIZE)
+            else:
+                self._marks.rebind(head, FILE_HEADER_SIZE)
+
+    def _note_synced(self) -> None:
+        """Record in the synced mark what the last completed sync covered.  The mark
+        only sharpens open's verdict, so a failure to write it is logged, not raised."""
+        with self._mark_lock:
+            marks = self._marks
+            if marks is None:
+                return
+            try:
+                marks.write(self._group.synced)
+            except OSError as e:
+                log.warning("%s: could not write the log's synced mark (%s); open will rely on record flags", marks.path, e)
+                marks.close()
+                self._marks = None
 
     def _unlink(self, old: list[str]) -> None:
         fs = _fs.FS
@@ -534,10 +615,12 @@ class TxLog:
                 failure = self.poisoned or os.strerror(self._group.err)
                 raise StorageError(f"{self._path}: an earlier log sync failed ({failure}); reopen the database")
             txid = self._next_txid
-            flags = 0
+            # The flag says that everything before this record was synced: a bad record
+            # before it is then damage, never a tail that a power cut reordered.
+            flags = FLAG_SYNCED_BEFORE if self._end == self._group.synced else 0
             if self.sealer is not None:
                 body = self.sealer.seal(body, record_aad(FORMAT_VERSION, self.db_id, txid))
-                flags = FLAG_SEALED
+                flags |= FLAG_SEALED
             raw = encode_record(txid, body, flags)
             end = self._end
             fs = _fs.FS
@@ -592,6 +675,7 @@ class TxLog:
                 f"{self._path}: log sync failed ({failure}); nothing of this commit was applied; reopen the "
                 f"database"
             ) from failure
+        self._note_synced()
         _fail.point("txlog.after_sync")
 
     def done(self) -> bool:
@@ -663,8 +747,32 @@ class TxLog:
         raises ``DbClosed``: neither uses the closed descriptor nor starts a new file."""
         with self._ckpt_lock, self._lock:
             if self._fd >= 0:
+                if self.poisoned is None:
+                    self._seal_mark()
                 _fs.FS.close(self._fd)
                 self._fd = -1
+            self._close_marks()
+
+    def _close_marks(self) -> None:
+        with self._mark_lock:
+            if self._marks is not None:
+                self._marks.close()
+                self._marks = None
+
+    def _seal_mark(self) -> None:
+        """At a clean close: sync the file, mark its end, sync the mark, so that any bad
+        byte found later in this file is below the mark and refused as damage."""
+        fs = _fs.FS
+        with self._mark_lock:
+            marks = self._marks
+            if marks is None or self._fd < 0:
+                return
+            try:
+                fs.fdatasync(self._fd)
+                marks.write(self._end, force=True)
+                marks.sync()
+            except OSError as e:
+                log.warning("%s: could not seal the log's synced mark at close (%s)", marks.path, e)
 
     def close(self) -> None:
         if self._fd < 0:
@@ -672,13 +780,23 @@ class TxLog:
         try:
             if self.poisoned is None:
                 self.checkpoint()
+                with self._lock:
+                    self._seal_mark()
         finally:
             with self._lock:
                 _fs.FS.close(self._fd)
                 self._fd = -1
+            self._close_marks()
 
     def stats(self) -> dict[str, int]:
-        return {"commits": self.commits, "syncs": self.syncs, "replayed": self.replayed, "bytes": self._end}
+        return {
+            "commits": self.commits,
+            "syncs": self.syncs,
+            "replayed": self.replayed,
+            "bytes": self._end,
+            "torn_bytes_dropped": self.torn_bytes_dropped,
+            "unsynced_records_dropped": self.unsynced_records_dropped,
+        }
 
 
 def check_dir(path: str) -> list[str]:

@@ -367,7 +367,8 @@ def crafted_log(size: int, *, valid_at_end: bool = False) -> bytes:
     file and whose CRC fails: the search for a valid record after the first bad one once
     CRC'd every candidate to the end (quadratic)."""
     raw = bytearray(txlog._file_header(1)) + bytearray(size - txlog.FILE_HEADER_SIZE)
-    tail = txlog.encode_record(3, b"tail", 0) if valid_at_end else b""
+    # flagged: appended after a sync covered the bad bytes, so they are damage (S7)
+    tail = txlog.encode_record(3, b"tail", txlog.FLAG_SYNCED_BEFORE) if valid_at_end else b""
     end = size - len(tail)
     end -= end % 8
     for p in range(txlog.FILE_HEADER_SIZE, end - txlog.REC_HEAD_SIZE, 24):
@@ -550,13 +551,13 @@ def test_d5_version_1_database_and_sealed_log_still_open_and_are_upgraded(tmp_pa
         assert d.open_map("docs").get("old") == "sealed v1"
     meta = check_meta((db / META_FILE).read_bytes(), "db.meta")
     assert len(meta.db_id) == 16 and meta.log_key_check
-    assert struct.unpack_from("<I", log_file(db).read_bytes(), 8)[0] == txlog.FORMAT_VERSION == 2
+    assert struct.unpack_from("<I", log_file(db).read_bytes(), 8)[0] == txlog.FORMAT_VERSION == 3
     with pytest.raises(WrongKey, match="log key"):
         armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
     assert armdb.check(db).ok
 
 
-@pytest.mark.parametrize("version", [0, 3, 99])
+@pytest.mark.parametrize("version", [0, 4, 99])
 def test_d5_log_file_of_an_unknown_version_is_a_format_error(tmp_path: Path, version: int) -> None:
     db = tmp_path / "db"
     make_db(db)

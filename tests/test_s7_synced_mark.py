@@ -1,0 +1,133 @@
+"""SPEC S7 (since turn 2): the synced mark and the synced-before flag tell a tail that a
+power cut wrote out of order from damage.
+
+A crash state is taken by copying the database folder while it is open (what a process
+kill leaves); the files are then damaged as a power cut (or a bad disk) would.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+import armdb
+from armdb import Config, Db, _syncmark, txlog
+from armdb.errors import CorruptionError
+
+MAP_CFG = Config.balanced().shard_count(1).enable_fsync(False).build()
+SYNCED_CFG = Config.balanced().shard_count(1).enable_fsync(True).build()
+
+
+def _flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+# -- the transaction log ------------------------------------------------------------------
+
+
+def _log_state(tmp_path: Path, durable: list[bool]) -> tuple[Path, Path, list[tuple[int, int]]]:
+    """A crash state after one commit per entry of ``durable``: the database folder, its
+    log file and each commit record's ``(offset, flags)``."""
+    live, snap = tmp_path / "live", tmp_path / "snap"
+    db = Db.open(live)
+    m = db.open_map("m", MAP_CFG)
+    for i, d in enumerate(durable):
+        tx = db.tx().put(m, i, "v%d" % i)
+        (tx.durable() if d else tx).commit()
+    shutil.copytree(live, snap)
+    db.close()
+    (log,) = sorted((snap / "txlog").glob("*.log"))
+    raw = log.read_bytes()
+    recs, _end, bad = txlog._records_at(raw, txlog.FILE_HEADER_SIZE)
+    assert bad is None
+    return snap, log, [(off, flags) for off, _txid, flags, _body in recs][-len(durable) :]
+
+
+def _body(offset: int) -> int:
+    return offset + txlog.REC_HEAD_SIZE + 2  # a byte inside the record's body
+
+
+def test_s7_log_bad_record_before_unflagged_records_is_cut_with_a_warning(tmp_path, caplog):
+    snap, log, recs = _log_state(tmp_path, [True, False, False, False])
+    assert [bool(f & txlog.FLAG_SYNCED_BEFORE) for _o, f in recs] == [True, True, False, False]
+    _flip(log, _body(recs[2][0]))  # an unsynced record; only an unflagged one follows
+    size = log.stat().st_size
+    with caplog.at_level(logging.WARNING, logger="armdb"), Db.open(snap) as db:
+        m = db.open_map("m", MAP_CFG)
+        assert db.txlog.stats()["unsynced_records_dropped"] == 1
+        assert db.txlog.stats()["torn_bytes_dropped"] == size - recs[2][0]
+        assert m.get(0) == "v0" and m.get(1) == "v1"
+    assert any("unsynced log tail" in r.getMessage() and "1 intact record" in r.getMessage() for r in caplog.records)
+
+
+def test_s7_log_bad_record_before_a_flagged_record_is_refused(tmp_path):
+    snap, log, recs = _log_state(tmp_path, [True, True])
+    assert recs[1][1] & txlog.FLAG_SYNCED_BEFORE
+    _syncmark.drop(str(snap / "txlog"))  # the flag alone proves it
+    _flip(log, _body(recs[0][0]))
+    with pytest.raises(CorruptionError, match=rf"offset {recs[0][0]} is damaged.*offset {recs[1][0]}"):
+        Db.open(snap)
+
+
+def test_s7_log_bad_record_below_the_mark_is_refused(tmp_path):
+    # The last record, with nothing after it: without the mark it would be a torn tail.
+    snap, log, recs = _log_state(tmp_path, [True, True, True])
+    _flip(log, _body(recs[2][0]))
+    with pytest.raises(CorruptionError, match=rf"offset {recs[2][0]} is damaged below offset"):
+        Db.open(snap)
+
+
+def test_s7_log_torn_mark_cell_is_ignored_and_the_other_cell_used(tmp_path):
+    snap, log, recs = _log_state(tmp_path, [True, True, True])
+    head = log.read_bytes()[: txlog.FILE_HEADER_SIZE]
+    mark_file = snap / "txlog" / _syncmark.MARK_NAME
+    cells = mark_file.read_bytes()
+    newest, gen = _syncmark.parse_cells(cells, head)
+    assert newest == log.stat().st_size and gen >= 2
+    older_cell = (gen - 1) % 2
+    older = struct.unpack_from("<Q", cells, older_cell * 16)[0]
+    assert older == recs[2][0]  # the mark after the second commit's sync
+    _flip(mark_file, (gen % 2) * 16 + 3)  # tear the newest cell
+    assert _syncmark.parse_cells(mark_file.read_bytes(), head) == (older, gen - 1)
+    _flip(log, _body(recs[2][0]))  # at the older mark, not below it: a torn tail
+    size = log.stat().st_size
+    with Db.open(snap) as db:
+        assert db.txlog.stats()["torn_bytes_dropped"] == size - recs[2][0]
+        assert db.open_map("m", MAP_CFG).get(1) == "v1"
+
+
+def _old_log(raw: bytes, version: int) -> bytes:
+    head = txlog._FILE_HEAD.pack(txlog.FILE_MAGIC, version, 0, 1)
+    head += struct.pack("<I", zlib.crc32(head))
+    return head + bytes(txlog.FILE_HEADER_SIZE - len(head)) + raw[txlog.FILE_HEADER_SIZE :]
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_s7_log_old_format_keeps_the_old_rule(tmp_path, version):
+    snap, log, recs = _log_state(tmp_path, [False, False, False])
+    _syncmark.drop(str(snap / "txlog"))
+    log.write_bytes(_old_log(log.read_bytes(), version))
+    _flip(log, _body(recs[1][0]))
+    if version == 2:
+        with pytest.raises(CorruptionError, match="later records are intact"):
+            Db.open(snap)
+    else:
+        with Db.open(snap) as db:
+            assert db.txlog.stats()["unsynced_records_dropped"] == 1
+
+
+def test_s7_log_clean_close_leaves_the_mark_at_the_end(tmp_path):
+    with Db.open(tmp_path / "db") as db:
+        m = db.open_map("m", MAP_CFG)
+        db.tx().put(m, 1, "x").commit()
+    (log,) = sorted((tmp_path / "db" / "txlog").glob("*.log"))
+    raw = log.read_bytes()
+    mark, _gen = _syncmark.read_mark(str(tmp_path / "db" / "txlog"), raw[: txlog.FILE_HEADER_SIZE])
+    assert mark == len(raw)
