@@ -4,7 +4,7 @@ The mark is the offset up to which a completed ``fdatasync`` covered the file.  
 lives in a small side file next to it (``synced.mark``: one per Bitcask shard, one
 for the log) as two 16-byte cells written alternately::
 
-    u64 mark | u32 generation | u32 crc32 (over the file's identity, mark, generation)
+    u64 mark | u32 generation | u32 crc32 (over mark, generation, BLAKE2b-64 of the identity)
 
 The identity is the appendable file's 32-byte header, so a cell left by an earlier
 file of the shard (or log) fails its CRC for the current one and is ignored, as a
@@ -16,6 +16,7 @@ or not at all, which only makes open less sure (mark 0: the records' flags decid
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import zlib
@@ -29,7 +30,14 @@ CELL_SIZE = CELL.size  # 16
 
 def _cell(identity: bytes, mark: int, generation: int) -> bytes:
     body = struct.pack("<QI", mark, generation)
-    return body + struct.pack("<I", zlib.crc32(body, zlib.crc32(identity)))
+    return body + struct.pack("<I", _crc(body, identity))
+
+
+def _crc(body: bytes, identity: bytes) -> int:
+    # The identity enters through a hash, not the CRC itself: a header ends with its own
+    # CRC, and CRC-32 is linear, so mixing a header into a CRC adds the same constant (its
+    # residue) whatever the header.
+    return zlib.crc32(hashlib.blake2b(identity, digest_size=8).digest(), zlib.crc32(body))
 
 
 def parse_cells(raw: bytes, identity: bytes) -> tuple[int, int]:
@@ -41,7 +49,7 @@ def parse_cells(raw: bytes, identity: bytes) -> tuple[int, int]:
         if len(cell) < CELL_SIZE:
             continue
         mark, generation, crc = CELL.unpack(cell)
-        if crc == zlib.crc32(cell[:12], zlib.crc32(identity)) and generation > best[1]:
+        if crc == _crc(cell[:12], identity) and generation > best[1]:
             best = (mark, generation)
     return best
 

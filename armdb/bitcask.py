@@ -67,11 +67,10 @@ from typing import Any, Self
 
 import numpy as np
 
-from . import _fail, _fs
+from . import _fail, _fs, _syncmark
 from ._core.fixed import bitcask_record, hint_append
 from ._crypto import OVERHEAD, Sealer
 from .config import Config
-from .seqmap import MAX_RESERVED
 from .errors import (
     SALVAGE_HINT,
     ArmdbError,
@@ -83,6 +82,7 @@ from .errors import (
     PayloadTypeError,
     StorageError,
 )
+from .seqmap import MAX_RESERVED
 
 __all__ = ["FORMAT_VERSION", "MAX_KEY_LEN", "MAX_VALUE_LEN", "BitcaskStore", "check_dir"]
 
@@ -90,7 +90,12 @@ log = logging.getLogger("armdb")
 
 # -- on-disk constants ----------------------------------------------------------------
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # meta, compaction marker and hint files
+# Data files: version 2 adds the synced-before flag (gsn word bit 62) and the shard's
+# synced mark (armdb._syncmark); version 1 files are still read, under the older rule.
+DATA_VERSION = 2
+DATA_READ_VERSIONS = (1, 2)
+MARKED_DATA_VERSION = 2
 META_NAME = "collection.meta"
 PENDING_NAME = "compaction.pending"
 
@@ -124,7 +129,11 @@ FLAG_COMPACTED = 2
 
 TOMBSTONE = 1 << 63
 SEQ_MASK = (1 << 60) - 1
-_RESERVED_GSN_BITS = 0x7 << 60
+# Set on a record appended when a completed sync already covered everything before it in
+# its file (data format 2): a bad record before it is then damage, not a reordered tail.
+# The record's CRC covers it; sequence readers mask it out with SEQ_MASK.
+SYNCED_BEFORE = 1 << 62
+_RESERVED_GSN_BITS = 0x3 << 60
 
 MAX_KEY_LEN = 0xFFFF - OVERHEAD  # the key field is u16; a sealed key is 28 bytes longer
 MAX_VALUE_LEN = 0xFFFFFFFF - OVERHEAD
@@ -189,8 +198,8 @@ def _appenders(headers: dict[int, _Header | None], pending: set[int]) -> list[in
     ]
 
 
-def _file_header(fid: int, flags: int, base_gsn: int, nonce: int) -> bytes:
-    head = FILE_HEAD.pack(DATA_MAGIC, FORMAT_VERSION, flags, fid, base_gsn, nonce, 0)[:-4]
+def _file_header(fid: int, flags: int, base_gsn: int, nonce: int, version: int = DATA_VERSION) -> bytes:
+    head = FILE_HEAD.pack(DATA_MAGIC, version, flags, fid, base_gsn, nonce, 0)[:-4]
     return head + _U32.pack(zlib.crc32(head))
 
 
@@ -203,7 +212,12 @@ def _hint_identity(data: _DataFile) -> int:
     """What a hint records of its data file, in the header's u64 at offset 16: the data
     file's header CRC (over its file id, flags, base gsn and nonce), with bit 32 set so
     that 0 still means a hint written before hints carried it."""
-    return (1 << 32) | _U32.unpack_from(_file_header(data.fid, data.flags, data.base_gsn, data.nonce), 28)[0]
+    return (1 << 32) | _U32.unpack_from(_data_header(data), 28)[0]
+
+
+def _data_header(data: _DataFile) -> bytes:
+    """The header of a data file (also the identity its synced mark cells are bound to)."""
+    return _file_header(data.fid, data.flags, data.base_gsn, data.nonce, data.version)
 
 
 def _record_crc(buf: bytes | memoryview, n: int) -> int:
@@ -323,6 +337,7 @@ class _Header:
     flags: int
     base_gsn: int
     nonce: int
+    version: int = DATA_VERSION
 
 
 def _parse_header(raw: bytes, path: str, magic: bytes, kind: str) -> _Header | None:
@@ -345,12 +360,13 @@ def _parse_header(raw: bytes, path: str, magic: bytes, kind: str) -> _Header | N
         raise CorruptionError(
             f"{path}: {kind} file header fails its CRC check (offset 0); restore from a backup"
         )
-    if version != FORMAT_VERSION:
+    known = DATA_READ_VERSIONS if magic == DATA_MAGIC else (FORMAT_VERSION,)
+    if version not in known:
         raise FormatError(
             f"{path}: {kind} format version {version} is not supported by this armdb "
-            f"(it reads version {FORMAT_VERSION}); upgrade armdb"
+            f"(it reads version {', '.join(map(str, known))}); upgrade armdb"
         )
-    return _Header(fid, flags, base_gsn, nonce)
+    return _Header(fid, flags, base_gsn, nonce, version)
 
 
 # -- in-RAM structures --------------------------------------------------------------------
@@ -375,6 +391,7 @@ class _DataFile:
     base_gsn: int
     total: int = 0  # bytes of records (file header excluded)
     dead: int = 0  # bytes of records that are superseded or garbage tombstones
+    version: int = DATA_VERSION
 
     @property
     def compacted(self) -> bool:
@@ -489,6 +506,8 @@ class _Shard:
     last_sync: float = 0.0
     compact_due: bool = False  # rotated under a caller's lock: compact at the next chance
     closed: bool = False  # close closed this shard's descriptors (set under ``lock``)
+    synced: int = 0  # the active file's offset that a completed sync covered
+    marks: _syncmark.MarkWriter | None = None  # writes that offset (data format 2)
 
 
 # -- reading records ------------------------------------------------------------------------
@@ -763,6 +782,42 @@ def _valid_after(fd: int, size: int, after: int, encrypted: bool, *, first: bool
     return np.unique(np.concatenate(found)) if found else none
 
 
+def _judge_bad(f: _DataFile, bad: int, encrypted: bool, mark: int) -> int:
+    """Whether the bad record at ``bad`` of an active data file is damage (raises
+    ``CorruptionError``) or a tail to cut; returns how many valid records the cut drops
+    (0: a torn tail).
+
+    In a file of data format 2 the record is damage if it lies below ``mark`` (a
+    completed sync covered it) or a valid record after it carries
+    :data:`SYNCED_BEFORE` (it was appended once a sync had covered the bad bytes); any
+    other bad record is an unsynced tail whose pages a power cut wrote out of order.
+    In a format 1 file any bad record with a valid record after it is damage."""
+    if f.version < MARKED_DATA_VERSION:
+        found = _next_valid(f.fd, f.size, bad, encrypted)
+        if found is not None:
+            raise CorruptionError(
+                f"{f.path}: corrupt record at offset {bad}, followed by a valid record at offset "
+                f"{found}: this is damage, not a torn write; restore the file from a backup "
+                f"(armdb.check lists every bad record). {SALVAGE_HINT}"
+            )
+        return 0
+    if bad < mark:
+        raise CorruptionError(
+            f"{f.path}: corrupt record at offset {bad}, below offset {mark}, which a completed sync "
+            f"covered: this is damage, not a torn write; restore the file from a backup "
+            f"(armdb.check lists every bad record). {SALVAGE_HINT}"
+        )
+    after = _valid_after(f.fd, f.size, bad, encrypted, first=False)
+    for off in after.tolist():
+        if _U64.unpack(_fs.FS.pread(f.fd, 8, off))[0] & SYNCED_BEFORE:
+            raise CorruptionError(
+                f"{f.path}: corrupt record at offset {bad}, followed by a valid record at offset {off} "
+                f"that was appended after a sync had covered it: this is damage, not a torn write; "
+                f"restore the file from a backup (armdb.check lists every bad record). {SALVAGE_HINT}"
+            )
+    return int(after.size)
+
+
 def _iter_hint(
     raw: bytes, path: str, data: _DataFile, encrypted: bool = False, *, legacy: bool = False
 ) -> Iterator[Scanned] | None:
@@ -948,6 +1003,8 @@ class _ShardPlan:
     reset_active: bool = False  # active file's header was torn at creation: rewrite it
     truncate_to: int | None = None
     torn: int = 0
+    mark: int = 0  # the active file's synced mark
+    unsynced: int = 0  # intact records in the cut tail (reordered, unsynced write-back)
     hints_to_write: dict[int, tuple[bytearray, int]] = field(default_factory=dict)
     active_hint: tuple[bytearray, int] = (bytearray(), 0)
     index: dict[bytes, Entry] = field(default_factory=dict)
@@ -983,6 +1040,7 @@ class BitcaskStore:
         self._closed = False
         self._compact_deferred = False  # write_locked rotated a shard: maybe_compact has work
         self._torn_dropped = 0
+        self._unsynced_dropped = 0
         self._gsn_limit = MAX_RESERVED
         self._compaction_bytes = 0
         self._compactions = 0
@@ -1208,7 +1266,9 @@ class BitcaskStore:
                 if head is None:
                     head = _Header(fid, want, 0, 0)
                     plan.reset_active = True
-                plan.files[fid] = _DataFile(fid, path, fd, size, head.flags, head.nonce, head.base_gsn)
+                plan.files[fid] = _DataFile(
+                    fid, path, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version
+                )
         except BaseException:
             plan.close_all()
             raise
@@ -1303,14 +1363,16 @@ class BitcaskStore:
         count = ing.add_all(f, scan, buf)
         plan.active_hint = (buf, count)
         f.total = scan.end - FILE_HEADER_SIZE
-        if scan.bad is not None:
-            found = _next_valid(f.fd, f.size, scan.bad, self._encrypted)
-            if found is not None:
+        if f.version >= MARKED_DATA_VERSION:
+            plan.mark = _syncmark.read_mark(plan.sdir, _data_header(f))[0]
+            if plan.mark > f.size:
                 raise CorruptionError(
-                    f"{f.path}: corrupt record at offset {scan.bad}, followed by a valid record at offset "
-                    f"{found}: this is damage, not a torn write; restore the file from a backup "
-                    f"(armdb.check lists every bad record). {SALVAGE_HINT}"
+                    f"{f.path}: the data file ends at offset {f.size}, below offset {plan.mark}, which a "
+                    f"completed sync covered: synced records are missing. Restore the file from a backup. "
+                    f"{SALVAGE_HINT}"
                 )
+        if scan.bad is not None:
+            plan.unsynced = _judge_bad(f, scan.bad, self._encrypted, plan.mark)
             plan.truncate_to = scan.end
             plan.torn = f.size - scan.end
 
@@ -1341,6 +1403,7 @@ class BitcaskStore:
         if plan.has_marker and sync:
             fs.fsync_dir(sdir)
         flags = FLAG_ENCRYPTED if self._encrypted else 0
+        created = plan.active is None  # a new active file is created durably
         if plan.active is None:
             fid = plan.max_fid + 1
             active = self._new_data_file(sdir, fid, flags, plan.highest, tmp=False)
@@ -1353,6 +1416,7 @@ class BitcaskStore:
                 active.nonce = _new_nonce()
                 active.base_gsn = plan.highest
                 active.flags = flags
+                active.version = DATA_VERSION
                 fs.pwrite(active.fd, _file_header(active.fid, flags, plan.highest, active.nonce), 0)
                 active.size = FILE_HEADER_SIZE
             else:
@@ -1360,7 +1424,18 @@ class BitcaskStore:
             if sync:
                 fs.fsync(active.fd)
             self._torn_dropped += plan.torn
-            if plan.torn:
+            self._unsynced_dropped += plan.unsynced
+            if plan.unsynced:
+                log.warning(
+                    "cut an unsynced tail of %d bytes at offset %d of %s: %d intact record(s) after a "
+                    "damaged one, which no sync had covered (a power cut wrote their pages out of "
+                    "order); those writes were not durable and are dropped",
+                    plan.torn,
+                    plan.truncate_to,
+                    active.path,
+                    plan.unsynced,
+                )
+            elif plan.torn:
                 log.warning(
                     "dropped a torn tail of %d bytes at offset %d of %s (a write cut short by a crash)",
                     plan.torn,
@@ -1390,6 +1465,14 @@ class BitcaskStore:
             hint=hint,
         )
         sh.last_sync = time.monotonic()
+        # What a completed sync covered: the mark (at most), or the whole file if open
+        # just synced it (an empty mark and an unsynced size claim nothing).
+        # A data file's header is synced when the file is created (a reset header only if
+        # open synced it).
+        synced_now = created or (sync and plan.truncate_to is not None)
+        header = FILE_HEADER_SIZE if sync or not plan.reset_active else 0
+        sh.synced = active.size if synced_now else min(max(plan.mark, header), active.size)
+        sh.marks = _syncmark.MarkWriter(sdir, _data_header(active), sh.synced)
         return sh
 
     def _new_data_file(self, sdir: str, fid: int, flags: int, base_gsn: int, *, tmp: bool) -> _DataFile:
@@ -1507,9 +1590,13 @@ class BitcaskStore:
         """Append one record and update the index (under ``sh.lock``); True if the shard rotated."""
         fs = _fs.FS
         gsn_word = seq | (TOMBSTONE if value is None else 0)
+        act = sh.active
+        # Everything before this record was synced: say so (a rotation below keeps it
+        # true, as a new data file is created durably).
+        if act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
+            gsn_word |= SYNCED_BEFORE
         rec, kf, vlen = self._encode(key, value, gsn_word)
         rotated = False
-        act = sh.active
         if act.total and act.size + len(rec) > self.config.max_file_size:
             try:
                 self._rotate(sh)
@@ -1575,9 +1662,40 @@ class BitcaskStore:
         if cfg.sync_interval and now - sh.last_sync < cfg.sync_interval:
             return
         self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
+        self._synced_active(sh)
         sh.dirty = False
         sh.last_sync = now
         _fail.point("bitcask.after_sync")
+
+    def _synced_active(self, sh: _Shard) -> None:
+        """A completed sync just covered the whole active file (under ``sh.lock``): later
+        appends may carry the synced-before flag, and the synced mark moves.  The mark only
+        sharpens open's verdict, so a failure to write it is logged, not raised."""
+        act = sh.active
+        sh.synced = act.size
+        if act.version >= MARKED_DATA_VERSION and sh.marks is not None:
+            try:
+                sh.marks.write(act.size)
+            except OSError as e:
+                log.warning("%s: could not write the synced mark (%s); open will rely on record flags", sh.marks.path, e)
+                sh.marks.close()
+                sh.marks = None
+
+    def _seal_mark(self, sh: _Shard) -> None:
+        """At a clean close: sync the active file, mark its end, sync the mark, so that any
+        bad byte found later in it is below the mark and refused as damage."""
+        act = sh.active
+        if act.version < MARKED_DATA_VERSION or sh.marks is None:
+            return
+        try:
+            if sh.dirty or sh.synced != act.size:
+                _fs.FS.fdatasync(act.fd)
+                sh.dirty = False
+            sh.synced = act.size
+            sh.marks.write(act.size, force=True)
+            sh.marks.sync()
+        except OSError as e:
+            log.warning("%s: could not seal the synced mark at close (%s)", sh.marks.path, e)
 
     def _rotate(self, sh: _Shard) -> None:
         """Seal the active file and start a new one (under ``sh.lock``)."""
@@ -1593,6 +1711,9 @@ class BitcaskStore:
         sh.next_fid = fid + 1
         sh.files[fid] = new
         sh.active = new
+        sh.synced = new.size  # created durably, header and all
+        if sh.marks is not None:
+            sh.marks.rebind(_data_header(new), new.size)
         _fail.point("bitcask.after_rotate")
         hint, sh.hint = sh.hint, _HintBuilder(sh.sdir, new)
         try:
@@ -1741,6 +1862,7 @@ class BitcaskStore:
             with sh.lock:
                 if sh.dirty and not self._closed and self._poisoned is None:
                     self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
+                    self._synced_active(sh)
                     sh.dirty = False
                     sh.last_sync = time.monotonic()
 
@@ -1762,6 +1884,7 @@ class BitcaskStore:
                 self._check_open()  # a close may have closed the descriptors meanwhile
                 if sh.dirty:
                     self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
+                    self._synced_active(sh)
                     sh.dirty = False
                     sh.last_sync = time.monotonic()
 
@@ -1919,6 +2042,7 @@ class BitcaskStore:
             "compaction_bytes": self._compaction_bytes,
             "compactions": self._compactions,
             "torn_bytes_dropped": self._torn_dropped,
+            "unsynced_records_dropped": self._unsynced_dropped,
             "poisoned": self._poisoned is not None,
             "encrypted": self._encrypted,
         }
@@ -2227,6 +2351,7 @@ class BitcaskStore:
         with sh.lock:
             if sh.dirty and self._poisoned is None:
                 self._fsync(fs.fdatasync, sh.active.fd, sh.active.path)
+                self._synced_active(sh)
                 sh.dirty = False
                 sh.last_sync = time.monotonic()
         # Make the removal of all inputs atomic against a crash: record them first.
@@ -2355,9 +2480,14 @@ class BitcaskStore:
                 if self.config.enable_fsync and sh.dirty and self._poisoned is None:
                     try:
                         self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
+                        self._synced_active(sh)
                         sh.dirty = False
                     except StorageError as e:
                         err = err or e
+                if self._poisoned is None and err is None:
+                    self._seal_mark(sh)
+                if sh.marks is not None:
+                    sh.marks.close()
                 sh.hint.abort()
                 for f in sh.files.values():
                     try:

@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import _fs
+from . import _fs, _syncmark
 from .bitcask import (
     _DATA_RE,
     DATA_MAGIC,
@@ -42,23 +42,26 @@ from .bitcask import (
     PENDING_NAME,
     _appenders,
     _check_pending,
+    _data_header,
     _data_name,
+    _DataFile,
     _decode_meta,
     _decode_pending,
     _Header,
+    _judge_bad,
     _next_valid,
     _parse_header,
     _read_file_header,
     _Scan,
-    _ValidIndex,
     _shard_dir,
+    _ValidIndex,
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
-from .txlog import _NAME_RE, _check_file_header, _valid_record_after, parse_records
+from .txlog import _NAME_RE, _file_header_fields, _valid_record_after, parse_records
 from .txlog import DIR as TXLOG_DIR
 from .txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
-from . import _syncmark
+from .txlog import _judge_bad as _judge_log_bad
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
 
@@ -75,8 +78,9 @@ class Cut:
         The file, relative to the database directory.
     offset : int
         Where the bad record starts; the file ends here after the cut.
-    next_valid : int
-        The first valid record after it (why open refused).
+    next_valid : int or None
+        The first valid record after it, if any (None: the bad record lies below the
+        offset a completed sync covered, which is why open refused).
     dropped_bytes : int
         Bytes cut away.
     dropped_records : int
@@ -87,7 +91,7 @@ class Cut:
 
     path: str
     offset: int
-    next_valid: int
+    next_valid: int | None
     dropped_bytes: int
     dropped_records: int
     kept_as: str | None
@@ -106,8 +110,9 @@ class SalvageReport:
         verb = "would cut" if self.dry_run else "cut"
         lines = [f"armdb.salvage: {verb} {len(self.cuts)} file(s)"]
         for c in self.cuts:
+            why = "below the synced mark" if c.next_valid is None else f"a valid record follows at {c.next_valid}"
             line = (
-                f"  - {c.path}: at offset {c.offset} (a valid record follows at {c.next_valid}); "
+                f"  - {c.path}: at offset {c.offset} ({why}); "
                 f"{c.dropped_bytes} bytes, {c.dropped_records} valid record(s) dropped"
             )
             if c.kept_as is not None:
@@ -165,15 +170,19 @@ def _log_cuts(directory: str) -> list[Cut]:
         p = os.path.join(d, name)
         raw = fs.read_file(p)
         try:
-            _check_file_header(raw, p)
+            _number, version = _file_header_fields(raw, p)
         except FormatError:
             continue  # open ignores a torn header without records, and refuses any other: not S7
         _n, bad = _log_run(raw, LOG_HEADER_SIZE)
         if bad is None:
             continue
+        mark = _syncmark.read_mark(d, raw[:LOG_HEADER_SIZE])[0] if version >= 3 else 0
+        try:
+            _judge_log_bad(raw, p, bad, version, mark)
+            continue  # a torn or unsynced tail: open cuts it itself
+        except CorruptionError:
+            pass
         after = _valid_record_after(raw, bad)
-        if after is None:
-            continue  # a torn tail: open cuts it itself
         kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda b: _valid_record_after(raw, b))
         cuts.append(Cut(_rel(directory, p), bad, after, len(raw) - bad, kept, None))
     return cuts
@@ -216,6 +225,8 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
     appenders = _appenders(heads, pending)  # as open picks the active file
     if not appenders or heads[appenders[-1]] is None:
         return None  # no data file; or a zero header, which open resets or refuses: not a cut here
+    head = heads[appenders[-1]]
+    assert head is not None
     p = os.path.join(sdir, _data_name(appenders[-1]))
     fd = fs.open(p, os.O_RDONLY)
     try:
@@ -223,9 +234,14 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
         _n, bad = _data_run(fd, size, encrypted, FILE_HEADER_SIZE)
         if bad is None:
             return None
+        f = _DataFile(appenders[-1], p, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
+        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if head.version >= 2 else 0
+        try:
+            _judge_bad(f, bad, encrypted, mark)
+            return None  # a torn or unsynced tail: open cuts it itself
+        except CorruptionError:
+            pass
         after = _next_valid(fd, size, bad, encrypted)
-        if after is None:
-            return None  # a torn tail: open cuts it itself
         valid = _ValidIndex(fd, size, bad, encrypted)  # one pass answers every later bad record
         kept = _valid_records(after, lambda pos: _data_run(fd, size, encrypted, pos), valid.next_after)
     finally:

@@ -152,11 +152,12 @@ def test_s6_record_layout_is_byte_exact(tmp_path: Path) -> None:
     (f,) = data_files(tmp_path / "c")
     raw = f.read_bytes()
     magic, version, flags, fid, base, _nonce, crc = struct.unpack_from("<8sHHIQII", raw)
-    assert (magic, version, flags, fid, base) == (b"ARMDBBCD", 1, 0, 1, 0)
+    assert (magic, version, flags, fid, base) == (b"ARMDBBCD", 2, 0, 1, 0)
     assert crc == zlib.crc32(raw[:28])
     rec = raw[32:64]
     g, rcrc, vlen, rmagic, klen = struct.unpack_from("<QIIHH", rec)
-    assert (g, vlen, rmagic, klen) == (gsn, 5, 0xB17C, 3)
+    # Bit 62: synced before (the file was created durably, nothing came before it; S7).
+    assert (g, vlen, rmagic, klen) == (gsn | (1 << 62), 5, 0xB17C, 3)
     assert rec[20:28] == b"keyvalue" and rec[28:32] == bytes(4)  # padded to 8
     assert rcrc == zlib.crc32(rec[12:28], zlib.crc32(rec[:8]))
     tomb = raw[64:]
@@ -219,11 +220,16 @@ def test_gsn_source_going_backwards_is_refused(tmp_path: Path) -> None:
 # -- S7: torn tails and corruption ---------------------------------------------------------------
 
 
-def _make_tail_store(path: Path) -> list[tuple[bytes, bytes]]:
+def _make_tail_store(path: Path, *, clean_close: bool = False) -> list[tuple[bytes, bytes]]:
+    """Eight records in one shard.  Unless ``clean_close``, the state is the one a crash
+    before any sync leaves: no synced mark (a clean close marks the whole file synced,
+    and a tail cut or damaged after it is refused, S7)."""
     pairs = [(b"key%02d" % i, bytes([65 + i]) * (7 + 13 * i)) for i in range(8)]
     with open_store(path) as st:
         for k, v in pairs:
             st.put(k, v)
+    if not clean_close:
+        (path / "shard-000" / "synced.mark").unlink()
     return pairs
 
 
@@ -280,8 +286,9 @@ def test_s7_torn_tail_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture
 
 
 def test_s7_corrupt_record_followed_by_valid_ones_raises(tmp_path: Path) -> None:
+    # A cleanly closed file: its synced mark covers it all, so the bad record is damage.
     coll = tmp_path / "c"
-    _make_tail_store(coll)
+    _make_tail_store(coll, clean_close=True)
     (f,) = data_files(coll)
     recs = record_offsets(f)
     raw = bytearray(f.read_bytes())

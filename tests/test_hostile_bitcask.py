@@ -97,7 +97,8 @@ def test_s7_linear_search_still_finds_a_valid_record_among_crafted_candidates(tm
     coll = crafted_collection(tmp_path, size)
     path = shard(coll) / "00000001.data"
     raw = bytearray(path.read_bytes())
-    rec = bitcask_record(5, b"key", b"value", RECORD_MAGIC)
+    # Flagged synced-before (gsn bit 62): it proves the bad bytes before it were synced.
+    rec = bitcask_record(5 | (1 << 62), b"key", b"value", RECORD_MAGIC)
     at = 40_000
     raw[at : at + len(rec)] = rec
     path.write_bytes(bytes(raw))

@@ -66,7 +66,8 @@ def test_s7_salvage_cuts_a_map_file_at_its_hole_and_keeps_the_cut_bytes(tmp_path
     path, hole_at, tail = _map_with_hole(tmp_path)
     with Db.open(path) as db, pytest.raises(CorruptionError, match="armdb salvage") as refused:
         db.open_map("m", MAP_CFG)
-    assert "followed by a valid record" in str(refused.value)
+    # A cleanly closed file: its synced mark covers the hole, so it is damage (S7).
+    assert "which a completed sync covered" in str(refused.value)
 
     report = armdb.salvage(path)
     (cut,) = report.cuts
@@ -99,8 +100,11 @@ def test_s7_salvage_dry_run_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_s7_salvage_leaves_a_torn_tail_to_open(tmp_path: Path) -> None:
-    # The last record is the bad one: a torn tail, which open cuts by itself (S7).
+    # The last record is the bad one and no synced mark covers it (as a crash before any
+    # sync leaves it; a clean close would mark it synced): a torn tail, which open cuts
+    # by itself (S7).
     path, _hole_at, _tail = _map_with_hole(tmp_path, n=5, hole=4)
+    (_map_file(path).parent / "synced.mark").unlink()
     assert armdb.salvage(path).cuts == []
     with Db.open(path) as db:
         m = db.open_map("m", MAP_CFG)
