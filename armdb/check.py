@@ -46,7 +46,7 @@ from ._core import fixed as _k
 from .db import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
 from .errors import FormatError
 from .fixed import FILE_NAME as FIXED_FILE
-from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header
+from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header, slot_size_for
 from .seqmap import FILE_NAME as SEQMAP_FILE
 from .seqmap import decode as decode_seqmap
 
@@ -316,9 +316,11 @@ class _Checker:
             if data is None:
                 continue
             try:
-                slot_size, _ks, _vs, shard_no = decode_header(data[:HEADER_PAGE], path)
+                slot_size, ks, vs, shard_no = decode_header(data[:HEADER_PAGE], path)
             except FormatError:
                 continue  # already reported by check_shard_file
+            if (slot_size, ks, vs) != (slot_size_for(key_size, value_size), key_size, value_size):
+                continue  # a geometry open refuses, reported by check_shard_file: the slots cannot be read
             if shard_no != i:
                 self.add(f"{rel}: header says shard {shard_no}, but it is in folder {sdir}")
             n = (len(data) - HEADER_PAGE) // slot_size

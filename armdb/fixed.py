@@ -137,6 +137,32 @@ def decode_header(raw: bytes, path: str) -> tuple[int, int, int, int]:
     return slot_size, key_size, value_size, shard
 
 
+def redo_header(slot_size: int) -> bytes:
+    """The header of a ``fixed.redo`` for slots of ``slot_size`` bytes (magic, version, slot size, CRC)."""
+    head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, slot_size)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def judge_redo_header(raw: bytes, path: str, slot_size: int) -> bool:
+    """Judge an existing ``fixed.redo`` (its whole content ``raw``) as open does.
+
+    ``True``: its header is valid for slots of ``slot_size`` bytes.  ``False``: the header
+    is damaged but the file holds no redo record (files are created whole, by rename, so
+    only damage does this; open recreates the file, nothing is lost).  A bad header over
+    a record raises ``FormatError``: open refuses the shard, and ``armdb.check`` reports it.
+    """
+    head = redo_header(slot_size)
+    if raw[: len(head)] == head:
+        return True
+    if not any(raw[_k.REDO_OFFSET :]):
+        return False
+    magic, version, found = _REDO_HDR.unpack_from(raw[: len(head)].ljust(len(head), b"\0"))
+    if magic != REDO_MAGIC or raw[_REDO_HDR.size : len(head)] != struct.pack("<I", zlib.crc32(raw[: _REDO_HDR.size])):
+        raise FormatError(f"{path}: not an armdb redo file; point armdb at its own directory")
+    raise FormatError(f"{path}: redo file of version {version} / slot size {found} does not "
+                      f"match this store; upgrade armdb or restore the directory")
+
+
 class FixedShard:
     """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack."""
 
@@ -267,31 +293,23 @@ class FixedShard:
         path = os.path.join(self.directory, REDO_NAME)
         fs.remove_stale_tmp(path)
         length = -(-(_k.REDO_OFFSET + _k.REDO_HEAD + self.slot_size) // _fs.PAGE) * _fs.PAGE
-        head = _REDO_HDR.pack(REDO_MAGIC, FORMAT_VERSION, self.slot_size)
-        head += struct.pack("<I", zlib.crc32(head))
         fresh = not fs.exists(path)
         if not fresh:
             fd = fs.open(path, os.O_RDWR)
             try:
                 raw = fs.pread(fd, fs.size(fd), 0)
+                kept = judge_redo_header(raw, path, self.slot_size)
             except BaseException:
                 fs.close(fd)
                 raise
-            if raw[: len(head)] != head and not any(raw[_k.REDO_OFFSET :]):
+            if not kept:
                 # Damage only (files are created whole, by rename): no record to lose.
                 fs.close(fd)
                 fs.unlink(path)
                 fresh = True
         if fresh:
-            fd = fs.create_file(path, head, length)
+            fd = fs.create_file(path, redo_header(self.slot_size), length)
         self._redo_fd = fd
-        raw = fs.pread(fd, len(head), 0)
-        magic, version, slot_size = _REDO_HDR.unpack_from(raw.ljust(len(head), b"\0"))
-        if magic != REDO_MAGIC or raw[_REDO_HDR.size :] != struct.pack("<I", zlib.crc32(raw[: _REDO_HDR.size])):
-            raise FormatError(f"{path}: not an armdb redo file; point armdb at its own directory")
-        if version != FORMAT_VERSION or slot_size != self.slot_size:
-            raise FormatError(f"{path}: redo file of version {version} / slot size {slot_size} does not "
-                              f"match this store; upgrade armdb or restore the directory")
         # Blocks for the whole record before it is mapped (a file an older armdb
         # extended sparse has none): a full disk is an error here, not a SIGBUS later.
         try:
@@ -779,8 +797,18 @@ def check_shard_file(path: str, key_size: int | None = None, value_size: int | N
         return [str(e)]
     if len(raw) < HEADER_PAGE:
         findings.append(f"{path}: the file is cut short inside its header page ({len(raw)} bytes)")
+    # Every header field the slots are read with is input: open refuses a geometry other
+    # than the collection's, so the slots are not read with it here either.
     if key_size is not None and (ks, vs) != (key_size, value_size):
         findings.append(f"{path}: slot geometry {ks}+{vs} differs from the collection's {key_size}+{value_size}")
+        return findings
+    expected = slot_size_for(ks, vs)
+    if slot_size != expected:
+        findings.append(
+            f"{path}: the header gives a slot size of {slot_size} bytes, but {ks}+{vs}-byte slots take "
+            f"{expected}; open refuses the file. Restore it from a backup"
+        )
+        return findings
     n = max(0, (len(raw) - HEADER_PAGE) // slot_size)
     slots = np.frombuffer(raw[HEADER_PAGE:].ljust(n * slot_size, b"\0"), dtype=np.uint8, count=n * slot_size)
     slots = slots.reshape(n, slot_size).copy()
@@ -788,10 +816,19 @@ def check_shard_file(path: str, key_size: int | None = None, value_size: int | N
     status = np.zeros(n, dtype=np.uint8)
     _, torn = _k.validate(slots, versions, status)
     redo_path = os.path.join(os.path.dirname(path), REDO_NAME)
-    try:
-        redo = fs.read_file(redo_path)[: _k.REDO_OFFSET]
-    except OSError:
-        redo = b""
+    redo = b""
+    if fs.exists(redo_path):
+        try:
+            redo_raw = fs.read_file(redo_path)
+        except OSError as e:
+            findings.append(f"{redo_path}: cannot read ({e})")
+        else:
+            try:
+                if judge_redo_header(redo_raw, redo_path, slot_size):
+                    redo = redo_raw[: _k.REDO_OFFSET]
+                # else: open recreates the damaged, empty file; its high-water mark copy goes with it
+            except FormatError as e:
+                findings.append(str(e))
     _, mark = read_hwm(raw[:HEADER_PAGE], redo)
     lost, first = lost_below_hwm(status, mark)
     if lost:

@@ -1,0 +1,141 @@
+"""``armdb.check`` against crafted, CRC-valid hostile files (SPEC D6; found by the d2
+structured mutation harness, tests/reliability/test_structured_mutation.py).
+
+Each test builds a clean database, rewrites one field with a valid CRC, and asserts
+that ``check`` reports a finding (never raises a builtin) wherever the open refuses.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import armdb
+from armdb import Db, FixedConfig, QueueConfig
+from armdb.check import check
+from armdb.errors import ArmdbError, CorruptionError, FormatError
+
+from .conftest import FakeClock
+
+HEADER_PAGE = 4096
+PAYLOAD = np.dtype([("doc", "<u8"), ("flags", "<u4")])
+Pings = armdb.queue("pings", payload=PAYLOAD)
+SMALL = QueueConfig.balanced().header_config(FixedConfig.balanced().grow_step(8).build()).build()
+_HDR = struct.Struct("<8sIIIII")  # fixed.data: magic, version, slot_size, key_size, value_size, shard
+_REDO_HDR = struct.Struct("<8sII")  # fixed.redo: magic, version, slot_size; then crc32
+REDO_OFFSET = 64  # where the redo record starts
+
+
+def fixed_db(db_path: Path, n: int = 5) -> list[int]:
+    """A closed database with one fixed queue; leases and nacks leave a redo record."""
+    with Db.open(db_path, clock=FakeClock()) as db:
+        q = db.open_queue(Pings, SMALL)
+        ids = [q.push((i, i)) for i in range(n)]
+        leases = q.lease(3)
+        q.ack(leases[0].token)
+        q.nack(leases[1].token)
+    return ids
+
+
+def shard_dir(db_path: Path) -> Path:
+    return db_path / "collections" / "pings" / "shard-000"
+
+
+def open_and_read(db_path: Path) -> None:
+    with Db.open(db_path, clock=FakeClock()) as db:
+        q = db.open_queue(Pings, SMALL)
+        q.stats()
+
+
+def assert_check_reports(db_path: Path, needle: str) -> None:
+    r = check(db_path)  # must not raise
+    assert not r.ok, str(r)
+    assert any(needle in f for f in r.findings), str(r)
+
+
+# ------------------------------------------------------------------ fixed.data header
+
+
+@pytest.mark.parametrize("slot_size", [0, 1, 7, 8, 64, 4096, 0xFFFFFFFF])
+def test_d6_fixed_header_slot_size_is_a_finding_not_a_crash(db_path: Path, slot_size: int) -> None:
+    # SPEC D6: every header field check reads is validated first (slot size 0 raised
+    # ZeroDivisionError, 1 a ValueError out of armdb.check).
+    fixed_db(db_path)
+    path = shard_dir(db_path) / "fixed.data"
+    raw = bytearray(path.read_bytes())
+    magic, version, _ss, ks, vs, shard = _HDR.unpack_from(raw)
+    body = _HDR.pack(magic, version, slot_size, ks, vs, shard)
+    raw[: _HDR.size + 4] = body + struct.pack("<I", zlib.crc32(body))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError):
+        open_and_read(db_path)
+    assert_check_reports(db_path, "fixed.data")
+
+
+def test_d6_fixed_header_geometry_of_another_payload_is_a_finding(db_path: Path) -> None:
+    fixed_db(db_path)
+    path = shard_dir(db_path) / "fixed.data"
+    raw = bytearray(path.read_bytes())
+    magic, version, ss, ks, _vs, shard = _HDR.unpack_from(raw)
+    body = _HDR.pack(magic, version, ss, ks, 1, shard)  # value size 1, slot size unchanged
+    raw[: _HDR.size + 4] = body + struct.pack("<I", zlib.crc32(body))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ArmdbError):
+        open_and_read(db_path)
+    assert_check_reports(db_path, "slot geometry")
+
+
+# ------------------------------------------------------------------ fixed.redo header
+
+
+def _redo_with_record(db_path: Path) -> tuple[Path, bytearray]:
+    fixed_db(db_path)
+    path = shard_dir(db_path) / "fixed.redo"
+    raw = bytearray(path.read_bytes())
+    assert any(raw[REDO_OFFSET:]), "the golden must hold a redo record"
+    return path, raw
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("magic", b"ARMSEQ01"), ("magic", b"\0" * 8), ("version", 2), ("version", 0xFFFFFFFF),
+     ("slot_size", 0), ("slot_size", 63), ("slot_size", 256)],
+)
+def test_d6_redo_header_open_refuses_is_a_finding(db_path: Path, field: str, value: object) -> None:
+    # SPEC D6: open refuses a redo file whose header is not this store's (FormatError in
+    # FixedShard._open_redo); check judged only the data file and said OK.
+    path, raw = _redo_with_record(db_path)
+    magic, version, ss = _REDO_HDR.unpack_from(raw)
+    fields = {"magic": magic, "version": version, "slot_size": ss, field: value}
+    head = _REDO_HDR.pack(fields["magic"], fields["version"], fields["slot_size"])
+    raw[: _REDO_HDR.size + 4] = head + struct.pack("<I", zlib.crc32(head))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError):
+        open_and_read(db_path)
+    assert_check_reports(db_path, "fixed.redo")
+
+
+def test_d6_redo_header_failing_its_crc_over_a_record_is_a_finding(db_path: Path) -> None:
+    path, raw = _redo_with_record(db_path)
+    raw[_REDO_HDR.size] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError):
+        open_and_read(db_path)
+    assert_check_reports(db_path, "fixed.redo")
+
+
+def test_d6_damaged_redo_header_without_a_record_is_recreated_and_check_agrees(db_path: Path) -> None:
+    # Open recreates a redo file whose header is damaged but which holds no record (only
+    # damage does that; nothing is lost), so check does not call it a refusal.
+    path, raw = _redo_with_record(db_path)
+    raw[REDO_OFFSET:] = bytes(len(raw) - REDO_OFFSET)
+    raw[0] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    r = check(db_path)
+    assert not any("fixed.redo" in f for f in r.findings), str(r)
+    open_and_read(db_path)
+    assert check(db_path).ok
