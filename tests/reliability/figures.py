@@ -29,7 +29,7 @@ TARGETS: dict[str, tuple[str, list[tuple[str, float]], str]] = {
     "powerloss": ("crash states", [("states", 10_000)], ">= 10,000"),
     "faults": ("faults injected", [("faults", 1)], "every k of every workload"),
     "mutation": ("mutated files", [("mutations", 20_000)], ">= 20,000"),
-    "d2-mutation": ("crafted files (fields)", [("crafted", 20_000), ("fields", 129)],
+    "d2-mutation": ("crafted files (fields)", [("crafted", 20_000), ("fields", 133)],
                     ">= 20,000, every field of every kind"),
     "e-model": ("examples (steps)", [("examples", 600), ("machines", 3)], "200 examples x 50 steps per machine, 3 machines"),
     "threads": ("jobs (seeds)", [("jobs", 120_000), ("seeds", 3)], "8P x 8C x 40k jobs x 3 seeds"),

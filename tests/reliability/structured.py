@@ -23,6 +23,7 @@ absolute path in a crafted name points at a place the harness watches.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import struct
@@ -72,6 +73,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "pending": ("magic", "version", "reserved", "count", "fid"),
     "seqmap": ("magic", "version", "length", "body", "value", "name", "extra"),
     "lock_file": ("entry", "content"),
+    "synced_mark": ("mark", "generation", "binding", "size"),
 }
 
 # Kinds whose content must never change what an open serves: a hint is a cache, and a
@@ -1520,9 +1522,72 @@ class LockFile(Crafter):
         return {target: value}
 
 
+class SyncedMark(Crafter):
+    """``synced.mark`` (a shard's or the log's): two 16-byte cells ``u64 mark | u32
+    generation | u32 CRC-32 of the 12 bytes and the BLAKE2b-64 digest of the appendable
+    file's header``.  The crafted cell is made the newest (unless its generation is the
+    field) and bound to the file the golden's cells are bound to."""
+
+    kind = "synced_mark"
+
+    def targets(self, info: GoldenInfo) -> list[str]:
+        return [f"{f}#{c}" for f in info.files if os.path.basename(f) == "synced.mark" for c in (0, 1)]
+
+    def _ctx(self, info: GoldenInfo, target: str) -> tuple[str, bytes, int, bytes, list[str]]:
+        rel, cell = _split(target)
+        raw = _read(info.root, rel)
+        d = os.path.dirname(rel)
+        appendable = sorted(f for f in info.files if os.path.dirname(f) == d and f.endswith((".log", ".data")))
+        heads = {f: _read(info.root, f)[:32] for f in appendable}
+        bound = None
+        for c in range(len(raw) // 16):
+            for f, h in heads.items():
+                if _U32.unpack_from(raw, 16 * c + 12)[0] == _crc(raw[16 * c : 16 * c + 12] + _digest8(h)):
+                    bound = f
+        if bound is None:  # no valid cell: the newest log file, or the shard's active data file
+            logs = [f for f in appendable if f.endswith(".log")]
+            bound = logs[-1] if logs else next((f for f in reversed(appendable) if _is_active(info, f)), appendable[-1])
+        return rel, raw.ljust(32, b"\0"), cell, heads[bound], [f for f in appendable if f != bound]
+
+    def values(self, info: GoldenInfo, target: str, field: str) -> list[tuple[str, Any]]:
+        rel, raw, cell, _head, others = self._ctx(info, target)
+        mark, gen, _c = struct.unpack_from("<QII", raw, 16 * cell)
+        if field == "mark":
+            bound_size = max(mark, 32)
+            return int_values(64, (mark - 1, mark + 1, mark + 8, bound_size + 4096))
+        if field == "generation":
+            return int_values(32, (gen - 1, gen + 1))
+        if field == "binding":
+            return [*[(f"other:{os.path.basename(o)}", o) for o in others[:2]], ("zero_header", None)]
+        return [("empty", 0), ("8", 8), ("16", 16), ("31", 31), ("48", 48), ("4096", 4096)]
+
+    def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, bytes]:
+        rel, raw, cell, head, _others = self._ctx(info, target)
+        b = bytearray(raw)
+        if field == "size":
+            return {rel: bytes(b[:value]).ljust(value, b"\0")}
+        mark, gen, _c = struct.unpack_from("<QII", b, 16 * cell)
+        other_gen = struct.unpack_from("<QII", b, 16 * (1 - cell))[1]
+        gen = max(gen, other_gen) + 1
+        if field == "mark":
+            mark = value
+        elif field == "generation":
+            gen = value
+        else:
+            head = bytes(32) if value is None else _read(info.root, value)[:32]
+        body = struct.pack("<QI", mark, gen & 0xFFFFFFFF)
+        b[16 * cell : 16 * cell + 16] = body + _U32.pack(_crc(body + _digest8(head)))
+        return {rel: bytes(b)}
+
+
+def _digest8(header: bytes) -> bytes:
+    return hashlib.blake2b(header, digest_size=8).digest()
+
+
 CRAFTERS: dict[str, Crafter] = {c.kind: c for c in (
     LogHeader(), LogRecord(), FixedHeader(), FixedSlot(), Redo(), BitcaskHeader(), BitcaskRecord(), HintHeader(),
     HintEntry(), HintTrailer(), CollectionMeta(), QueueMeta(), DbMeta(), Pending(), SeqMapKind(), LockFile(),
+    SyncedMark(),
 )}
 assert set(CRAFTERS) == set(FIELDS)
 

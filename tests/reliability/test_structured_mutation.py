@@ -5,8 +5,8 @@ decodes every record and file kind armdb writes (``structured.FIELDS``: the log 
 header and its records down to each field of each logged row, the ``fixed.data``
 header page, its slots and high-water mark, ``fixed.redo``, Bitcask data file headers
 and records, hint file headers, entries and trailers, ``collection.meta``,
-``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``, and ``LOCK`` as a link,
-a folder or a fifo), sets one field to a
+``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``, ``synced.mark``, and
+``LOCK`` as a link, a folder or a fifo), sets one field to a
 boundary or hostile value and re-seals the file: every CRC is recomputed and sealed
 fields are sealed again with the test's keys, so only armdb's judgement of the
 content stands between the file and the process.
@@ -904,6 +904,13 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     c, files = crafted("hint_entry", "key", "var_encrypted_rotated", "other0")
     hraw = next(iter(files.values()))
     assert S._crc(hraw[32:-32]) == bitcask.HINT_TRAILER.unpack_from(hraw, len(hraw) - 32)[3]
+    # A synced mark's crafted cell keeps a valid CRC, bound to the same file as before.
+    c, files = crafted("synced_mark", "mark", "var_queue_rotated", "0x7fff")
+    rel, cell = S._split(c.target)
+    raw = files[rel]
+    _rel, _raw, _cell, head, _others = S.CRAFTERS["synced_mark"]._ctx(infos["var_queue_rotated"], c.target)
+    assert struct.unpack_from("<QII", raw, 16 * cell)[0] == 0x7FFF
+    assert struct.unpack_from("<I", raw, 16 * cell + 12)[0] == S._crc(raw[16 * cell : 16 * cell + 12] + S._digest8(head))
     # The redo record: valid, naming the crafted slot, with the original slot torn.
     c, files = crafted("redo", "rec_slot", "fixed_queue", "0x1")
     redo = next(v for k, v in files.items() if k.endswith("fixed.redo"))
