@@ -1357,7 +1357,7 @@ class LogHeader(Crafter):
         if field == "magic":
             return magic_values(txlog.FILE_MAGIC)
         if field in ("version", "flags"):
-            return int_values(32, (2,))
+            return int_values(32, (2, 3, 4))
         return int_values(64, (number - 1, number + 1))
 
     def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, bytes]:
