@@ -110,7 +110,9 @@ class MarkWriter:
         fs = _fs.FS
         if self._fd < 0:
             self._fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
-        self.generation += 1
+        # u32, wrapping from 2**32 - 1 to 1: for the one write after a wrap the older
+        # cell wins, whose mark is smaller, which only makes open less sure.
+        self.generation = self.generation % 0xFFFFFFFF + 1
         fs.pwrite(self._fd, _cell(self.identity, mark, self.generation), (self.generation % 2) * CELL_SIZE)
         self.mark = mark
 

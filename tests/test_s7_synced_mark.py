@@ -248,3 +248,15 @@ def test_s7_salvage_cuts_damage_below_the_mark_with_nothing_after_it(tmp_path):
     assert (cut.offset, cut.next_valid, cut.dropped_records) == (recs[3][0], None, 0)
     with Db.open(snap) as db:
         assert [db.open_map("m", MAP_CFG).get(i) for i in range(4)] == ["value 0", "value 1", "value 2", None]
+
+
+def test_s7_mark_generation_wraps_and_a_forged_generation_is_harmless(tmp_path):
+    # A damaged cell can hold any generation, 2**32 - 1 included: the next cell written
+    # wraps to 1 (an untyped struct error once refused the open).
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / _syncmark.MARK_NAME).write_bytes(bytes(16) + struct.pack("<QII", 5, 0xFFFFFFFF, 0))
+    w = _syncmark.MarkWriter(str(d), b"h" * 32, 0)
+    w.write(100)
+    w.close()
+    assert _syncmark.parse_cells((d / _syncmark.MARK_NAME).read_bytes(), b"h" * 32) == (100, 1)
