@@ -109,7 +109,12 @@ class MarkWriter:
             return
         fs = _fs.FS
         if self._fd < 0:
-            self._fd = fs.open(self.path, os.O_RDWR | os.O_CREAT)
+            if fs.exists(self.path):
+                self._fd = fs.open(self.path, os.O_RDWR)
+            else:
+                # Created whole and durably, its folder entry included (SPEC D3): a
+                # durable write that synced its file must not leave an entry pending.
+                self._fd = fs.create_file(self.path, bytes(2 * CELL_SIZE))
         # u32, wrapping from 2**32 - 1 to 1: for the one write after a wrap the older
         # cell wins, whose mark is smaller, which only makes open less sure.
         self.generation = self.generation % 0xFFFFFFFF + 1

@@ -408,6 +408,7 @@ class TxLog:
         for name in fs.listdir(self.dir):
             if name.endswith(".log.tmp"):  # a log file whose creation a crash cut short
                 fs.unlink(os.path.join(self.dir, name))
+        fs.remove_stale_tmp(os.path.join(self.dir, _syncmark.MARK_NAME))  # its creation cut short
         files = sorted(
             (int(m.group(1)), name) for name in fs.listdir(self.dir) if (m := _NAME_RE.match(name))
         )

@@ -22,10 +22,12 @@ reopened with the real file system and checked:
   process crash;
 * always: no header without its body (I4, Q15), no phantom or wrong payload (I3),
   ``armdb.check`` clean after the reopen (I9);
-* a non-durable state that open refuses under S7 (a bad record with valid ones after
-  it, which reordered page write-back can leave) is reported as ``refused_s7``, not
-  failed, but only once ``armdb.salvage`` cut the refused file(s) and the state then
-  opened and passed every check above (``salvaged``); anything else is a violation.
+* open never refuses a state: since synced marks and synced-before flags (SPEC S7,
+  since turn 2), a bad record with valid ones after it that reordered page write-back
+  left in an unsynced tail is cut by open itself.  A refusal whose message says the
+  mark or a flag proves damage is counted as ``refused_s7``; as this harness injects
+  no damage (every variant is a power cut), each one is also a violation, and so is
+  any other ``CorruptionError`` at open.
 
 Every bug the generator found also has a deterministic regression test at the end
 of this module (``test_s4_*``, ``test_d5_*``, ``test_t2_*``, ``test_s8_*``,
@@ -73,10 +75,12 @@ from .faultfs import CrashModel, Image, RecordingFS, cut_points
 from .journal import quiet_armdb_log, report_line
 
 ROOT = Path(__file__).resolve().parents[2]
-# What S7 refuses, in the Bitcask data files and the log: a bad record with a valid one
-# after it.  Any other CorruptionError at open is a violation in every world (a bare
-# "refused" once hid a hole that the log replay left below a FixedStore mark).
-_S7_REFUSAL = re.compile(r"followed by a valid record|a valid record follows|later records are intact")
+# What S7 refuses in the Bitcask data files and the log as proven damage: a bad record
+# below the synced mark, or followed by a record flagged synced-before.  A power cut
+# cannot leave either, so each one here is a violation too; any other CorruptionError
+# at open is a violation in every world (a bare "refused" once hid a hole that the log
+# replay left below a FixedStore mark).
+_S7_REFUSAL = re.compile(r"which a completed sync covered|appended after a sync had covered it")
 CI_STATES = int(os.environ.get("ARMDB_CRASH_STATES", "10000"))
 NIGHTLY_STATES = int(os.environ.get("ARMDB_CRASH_STATES_NIGHTLY", "200000"))  # the slow test
 KEEP_FAILURES = 24  # failing images kept per session (the first ones)
@@ -172,8 +176,7 @@ class Tally:
     by_variant: Counter = field(default_factory=Counter)
     signatures: Counter = field(default_factory=Counter)
     not_prefix: int = 0
-    refused_s7: int = 0
-    salvaged: int = 0  # refused_s7 states that opened and passed every check after armdb.salvage
+    refused_s7: int = 0  # refusals where the synced mark or a flag proved damage (violations too)
     sig_example: dict = field(default_factory=dict)
     sig_variants: dict = field(default_factory=dict)
     saved: int = 0
@@ -185,7 +188,6 @@ class Tally:
         self.untyped += o.untyped
         self.not_prefix += o.not_prefix
         self.refused_s7 += o.refused_s7
-        self.salvaged += o.salvaged
         self.examples += o.examples
         self.by_variant.update(o.by_variant)
         self.signatures.update(o.signatures)
@@ -227,12 +229,10 @@ class Verifier:
         self.tally.states += 1
         self.tally.by_variant[img.variant] += 1
         if outcome[0] == "refused_s7":
-            # SPEC S7: a bad record with a valid one after it is corruption, and open
-            # refuses it with CorruptionError rather than guess.  Page write-back that
-            # reorders unsynced pages can produce exactly that in a non-durable tail;
-            # refusing is the rule (never wrong data), so it is reported, not failed.
+            # SPEC S7: open refuses a bad record that the synced mark or a synced-before
+            # flag proves was synced.  No variant here damages synced bytes, so such a
+            # proof is wrong: counted, and failed like any other refusal.
             self.tally.refused_s7 += 1
-            return
         if outcome[0] != "ok":
             self.tally.violations[outcome[0]] += 1
             if outcome[0] == "untyped_exception":
@@ -258,14 +258,14 @@ class Verifier:
                         f"allowed state {j}: {describe_state(self.r.states[j])}\n" for j in range(lo, hi + 1)
                     )
 
-    def _reopen(self, path: str, lo: int, hi: int, *, salvaged: bool = False) -> tuple[str, str]:
+    def _reopen(self, path: str, lo: int, hi: int) -> tuple[str, str]:
         world = self.r.world
         sess = Session(world, path)
         try:
             sess.open()
         except CorruptionError as e:
-            if not world.durable and not salvaged and _S7_REFUSAL.search(str(e)):
-                return self._salvage(path, lo, hi, str(e))
+            if _S7_REFUSAL.search(str(e)):
+                return "refused_s7", f"{type(e).__name__}: {e}"
             return "open_raised", f"{type(e).__name__}: {e}"
         except ArmdbError as e:
             return "open_raised", f"{type(e).__name__}: {e}"
@@ -292,22 +292,6 @@ class Verifier:
         if not rep.ok:
             return "check_findings", "; ".join(rep.findings[:3])
         return "ok", ""
-
-    def _salvage(self, path: str, lo: int, hi: int, refusal: str) -> tuple[str, str]:
-        """An S7 refusal: ``armdb.salvage`` must cut the refused file(s), after which the
-        state must pass every check of a non-durable world (what salvage drops is
-        unsynced, so it is a state the power loss could have left anyway)."""
-        try:
-            report = armdb.salvage(path)
-        except Exception as e:  # noqa: BLE001 - exactly what the harness looks for
-            return "salvage_raised", f"{type(e).__name__}: {e} (refusal: {refusal})"
-        if not report.cuts:
-            return "salvage_cut_nothing", refusal
-        cls, detail = self._reopen(path, lo, hi, salvaged=True)
-        if cls != "ok":
-            return f"after_salvage_{cls}", f"{detail} (refusal: {refusal}; {report})"
-        self.tally.salvaged += 1
-        return "refused_s7", refusal
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,7 +499,7 @@ def _summary(request: pytest.FixtureRequest):
     line = (
         f"RELIABILITY powerloss states={v.states} faults=0 mutations=0 violations={v.total_violations} "
         f"untyped_exceptions={v.untyped} fd_leaks=0 generated={v.generated} "
-        f"not_prefix={v.not_prefix} refused_s7={v.refused_s7} salvaged={v.salvaged} by_class={dict(v.violations) or '{}'} seconds={time.monotonic() - t0:.0f}"
+        f"not_prefix={v.not_prefix} refused_s7={v.refused_s7} by_class={dict(v.violations) or '{}'} seconds={time.monotonic() - t0:.0f}"
     )
     report_line(line, request)
 
@@ -802,7 +786,7 @@ def test_d5_log_file_created_just_before_power_loss_opens(tmp_path: Any) -> None
     commit, so the next open must succeed (it skips a shorter file already)."""
     d = str(tmp_path / "db")
     armdb.Db.open(d).close()
-    logs = sorted(os.listdir(os.path.join(d, "txlog")))
+    logs = sorted(n for n in os.listdir(os.path.join(d, "txlog")) if n.endswith(".log"))  # not synced.mark
     _write(os.path.join(d, "txlog", f"{int(logs[-1][:8]) + 1:08d}.log"), bytes(32))
     armdb.Db.open(d).close()
 
@@ -811,7 +795,7 @@ def test_d5_log_file_with_torn_header_opens(tmp_path: Any) -> None:
     """D5/T2: as above, with only the first 16 bytes of the header on disk."""
     d = str(tmp_path / "db")
     armdb.Db.open(d).close()
-    logs = sorted(os.listdir(os.path.join(d, "txlog")))
+    logs = sorted(n for n in os.listdir(os.path.join(d, "txlog")) if n.endswith(".log"))  # not synced.mark
     head = _read(os.path.join(d, "txlog", logs[-1]))[:16]
     _write(os.path.join(d, "txlog", f"{int(logs[-1][:8]) + 1:08d}.log"), head + bytes(16))
     armdb.Db.open(d).close()
@@ -909,7 +893,7 @@ def test_t2_encrypted_replay_does_not_keep_log_files_forever(tmp_path: Any) -> N
     for _ in range(3):
         s = Session(world, d).open()
         s.close()
-        counts.append(len(os.listdir(os.path.join(d, "txlog"))))
+        counts.append(len([n for n in os.listdir(os.path.join(d, "txlog")) if n.endswith(".log")]))
     assert counts[-1] <= 1, f"log files after each open+close: {counts}"
 
 
@@ -1004,14 +988,19 @@ def test_q15_power_loss_never_leaves_a_header_without_its_body(tmp_path: Any) ->
     db.shutdown()
     data = os.path.join(d, "collections", "vq.payload", "shard-000", "00000001.data")
     body_before = _read(data)
+    mark = os.path.join(os.path.dirname(data), "synced.mark")
+    mark_before = _read(mark)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     q = db.open_queue(spec, _qcfg(durable=False))
     quiesce(db)
     q.push(b"hello")
     fixed = _read(os.path.join(d, "collections", "vq", "shard-000", "fixed.data"))  # the page cache
     db.shutdown()
-    # Power loss: the header page was written back, the body append was not.
+    # Power loss: the header page was written back, the body append was not (nor the
+    # synced mark that the clean shutdown wrote after syncing it: the state is the one a
+    # power cut before that shutdown leaves).
     _write(data, body_before)
+    _write(mark, mark_before)
     _write(os.path.join(d, "collections", "vq", "shard-000", "fixed.data"), fixed)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     try:
