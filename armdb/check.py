@@ -226,6 +226,14 @@ class _Checker:
             self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)
+        # What the replay would leave in each queue shard: a logged slot write must not
+        # put a row id in a second slot (the queue's open refuses such a shard).
+        from .replay import log_conflicts
+
+        try:
+            self.findings.extend(log_conflicts(d))
+        except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
+            self.add(f"{self.rel(d)}: judging the logged slot writes failed with {type(e).__name__}: {e}")
 
     # -- Bitcask collections ---------------------------------------------------------------
     def check_bitcask(self, d: str) -> None:

@@ -207,6 +207,188 @@ def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where
             raise _bad(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
 
 
+@dataclass(frozen=True)
+class LoggedSlot:
+    """One logged slot write (an ``F`` row that :func:`check_row` accepted), in log order."""
+
+    slot: int
+    version: int
+    status: int
+    body: bytes
+    where: str
+
+
+# Slots read at a time when a shard's stored row ids are scanned (bounded memory).
+_SCAN_SLOTS = 16384
+
+
+def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -> list[tuple[str, str]]:
+    """The row ids the replay of ``writes`` would leave twice in one shard, read-only.
+
+    Simulates what :meth:`Replayer.apply` does to the shard's ``fixed.data`` (the redo
+    record healing a torn slot at open, then each logged slot written where it is torn
+    or its logged version is NEWER on the 30-bit ring), and compares the row ids of the
+    occupied slots it writes with those of every other occupied slot of the shard.  A
+    queue row lives in one slot for its whole life (updates rewrite it in place), so a
+    legitimate log never leaves a row id in two slots; the queue's open refuses a shard
+    that holds one twice.  Returns ``(where, what)`` per conflict (``where``: the log
+    record of the write), empty when there is none.
+    """
+    from .fixed import REDO_NAME, judge_redo_header
+
+    fs = _fs.FS
+    fd = fs.open(data_path, os.O_RDONLY) if fs.exists(data_path) else -1
+    try:
+        n = max(0, (fs.size(fd) - HEADER_PAGE) // slot_size) if fd >= 0 else 0
+
+        def read_slots(lo: int, hi: int) -> tuple[Any, Any, Any]:
+            import numpy as np
+
+            raw = fs.pread(fd, (hi - lo) * slot_size, HEADER_PAGE + lo * slot_size).ljust((hi - lo) * slot_size, b"\0")
+            slots = np.frombuffer(raw, dtype=np.uint8).reshape(hi - lo, slot_size).copy()
+            versions = np.zeros(hi - lo, dtype=np.uint32)
+            status = np.zeros(hi - lo, dtype=np.uint8)
+            _k.validate(slots, versions, status)
+            return slots, versions, status
+
+        # The slot a redo record heals when the shard is opened for the replay.
+        healed: tuple[int, int, int, bytes] | None = None  # slot, version, status, image
+        redo_path = os.path.join(os.path.dirname(data_path), REDO_NAME)
+        if n and fs.exists(redo_path):
+            import numpy as np
+
+            redo = fs.read_file(redo_path)
+            try:
+                valid = judge_redo_header(redo, redo_path, slot_size)
+            except Exception:  # noqa: BLE001 - a refused redo file refuses the open by itself
+                valid = False
+            rec = _k.redo_record(np.frombuffer(redo, dtype=np.uint8), slot_size) if valid else None
+            if rec is not None and rec[0] < n:
+                slot, image = rec
+                one, versions, status = read_slots(slot, slot + 1)
+                if status[0] == TORN:
+                    st = _k.restore_slot(one, versions, 0, image)
+                    if st >= 0:
+                        healed = (slot, int(versions[0]), st, bytes(one[0, 8:]))
+
+        # Each logged slot's state as the replay leaves it: (version, status, body, where).
+        state: dict[int, tuple[int, int, bytes | None, str | None]] = {}
+        for w in writes:
+            if w.slot not in state:
+                if healed is not None and healed[0] == w.slot:
+                    state[w.slot] = (healed[1], healed[2], healed[3], None)
+                elif w.slot < n:
+                    _, versions, status = read_slots(w.slot, w.slot + 1)
+                    state[w.slot] = (int(versions[0]), int(status[0]), None, None)
+                else:
+                    state[w.slot] = (0, 0, None, None)  # grown by the replay: never written
+            version, status, _, where = state[w.slot]
+            if status == TORN or _k.compare(w.version, version) == _k.NEWER:
+                state[w.slot] = (w.version, w.status, w.body, w.where)
+        written: dict[int, tuple[int, str]] = {}  # row id -> (slot, where) of a written occupied slot
+        out: list[tuple[str, str]] = []
+        rewritten = {slot for slot, st in state.items() if st[3] is not None}
+        for slot, (_, status, body, where) in sorted(state.items()):
+            if where is None or status != OCCUPIED or body is None:
+                continue
+            seq = int.from_bytes(body[8:16], "big")  # a queue row (queue.ROW_DTYPE): due, then seq, big-endian
+            if seq in written:
+                out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
+                                   f"{written[seq][0]}"))
+            else:
+                written[seq] = (slot, where)
+        if not written:
+            return out
+        import numpy as np
+
+        ids = np.fromiter(written, dtype=np.uint64, count=len(written))
+        for lo in range(0, n, _SCAN_SLOTS):
+            hi = min(n, lo + _SCAN_SLOTS)
+            slots, _, status = read_slots(lo, hi)
+            if healed is not None and lo <= healed[0] < hi:
+                status[healed[0] - lo] = healed[2]
+                slots[healed[0] - lo, 8:] = np.frombuffer(healed[3], dtype=np.uint8)
+            occ = np.flatnonzero(status == OCCUPIED)
+            if occ.size == 0:
+                continue
+            seq = slots[occ, 16:24].copy().view(">u8").reshape(-1).astype(np.uint64)
+            for i in np.flatnonzero(np.isin(seq, ids)).tolist():
+                slot = lo + int(occ[i])
+                if slot in rewritten:
+                    continue  # the replay rewrites it: its stored row does not stand
+                other, where = written[int(seq[i])]
+                out.append((where, f"writes row id {int(seq[i])} into slot {other}, but slot {slot} of the shard "
+                                   f"holds that row and the log does not rewrite it"))
+        return out
+    finally:
+        if fd >= 0:
+            fs.close(fd)
+
+
+def log_conflicts(txlog_dir: str) -> list[str]:
+    """``armdb.check``'s view of :func:`replay_conflicts`: the logged slot writes of every
+    unsealed record, in the order open replays them, judged against each queue shard.
+
+    Rows that :func:`check_row` refuses are left out (``armdb.txlog.check_dir`` reports
+    them); with any sealed record in the log nothing is judged (a keyless check cannot
+    read what it writes)."""
+    from . import seqmap
+    from .txlog import _NAME_RE, FILE_HEADER_SIZE, FLAG_SEALED, _check_file_header, _records_at, _rows
+
+    fs = _fs.FS
+    db_dir = os.path.dirname(txlog_dir)
+    collections = os.path.join(db_dir, "collections")
+    seq_path = os.path.join(db_dir, "seqmap")
+    try:
+        reserved = seqmap.decode(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
+    except Exception:  # noqa: BLE001 - armdb.check reports the seqmap itself
+        reserved = None
+    limit = gsn_limit(reserved)
+    geometries: dict[str, FixedGeometry] = {}
+
+    def geometry(name: str) -> FixedGeometry:
+        if name not in geometries:
+            geometries[name] = fixed_geometry(os.path.join(collections, name))
+        return geometries[name]
+
+    writes: dict[tuple[str, int], list[LoggedSlot]] = {}
+    for name in sorted(n for n in fs.listdir(txlog_dir) if _NAME_RE.match(n)):
+        path = os.path.join(txlog_dir, name)
+        raw = fs.read_file(path)
+        try:
+            _check_file_header(raw, path)
+        except Exception:  # noqa: BLE001 - reported by txlog.check_dir
+            continue
+        recs, _, _ = _records_at(raw, FILE_HEADER_SIZE)
+        for offset, _txid, flags, body in recs:
+            if flags & FLAG_SEALED:
+                return []
+            where = f"{path}: transaction log record at offset {offset}"
+            try:
+                rows = _rows(body, where)
+            except Exception:  # noqa: BLE001 - reported by txlog.check_dir
+                continue
+            for row in rows:
+                try:
+                    check_row(row, where, collections, geometry, limit)
+                except Exception:  # noqa: BLE001 - reported by txlog.check_dir
+                    continue
+                if row[0] == "F":
+                    _, qname, shard, slot, version, status, rbody = row
+                    writes.setdefault((qname, shard), []).append(LoggedSlot(slot, version, status, rbody, where))
+    findings: list[str] = []
+    for (qname, shard), ws in writes.items():
+        g = geometry(qname)
+        data = os.path.join(collections, qname, f"shard-{shard:03d}", FILE_NAME)
+        try:
+            found = replay_conflicts(data, g.body_size + 8, ws)
+        except (OSError, ValueError) as e:
+            findings.append(f"{data}: cannot judge the logged slot writes ({type(e).__name__}: {e})")
+            continue
+        findings.extend(str(_bad(where, f"queue {qname!r} shard {shard}: the record {what}")) for where, what in found)
+    return findings
+
+
 def gsn_limit(reserved: int | None) -> int:
     """The first gsn no logged row can carry, from the seqmap's reserved end for "gsn"."""
     from .seqmap import MAX_RESERVED
@@ -233,6 +415,8 @@ class Replayer:
         self._bitcask: dict[str, BitcaskStore | None] = {}
         self.deferred: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
         self._geometry: dict[str, FixedGeometry] = {}
+        self._writes: dict[tuple[str, int], list[LoggedSlot]] = {}  # (queue, shard) -> its logged slot writes
+        self._images_checked = False
 
     def __enter__(self) -> Self:
         return self
@@ -283,6 +467,9 @@ class Replayer:
 
         check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry,
                   gsn_limit(self.db.seqmap.reserved("gsn")))
+        if row[0] == "F":
+            _, name, shard, slot, version, status, body = row
+            self._writes.setdefault((name, shard), []).append(LoggedSlot(slot, version, status, body, where))
 
     def _bitcask_store(self, name: str) -> BitcaskStore | None:
         if name not in self._bitcask:
@@ -292,8 +479,21 @@ class Replayer:
                 self._bitcask[name] = None
         return self._bitcask[name]
 
+    def check_images(self) -> None:
+        """Refuse, before anything is written, logged slot writes that would leave a row id
+        in two slots of a shard (:func:`replay_conflicts`); runs once, at the first apply."""
+        self._images_checked = True
+        for (name, shard), writes in self._writes.items():
+            g = self.geometry(name)
+            data = os.path.join(self.db.collection_dir(name), f"shard-{shard:03d}", FILE_NAME)
+            for where, what in replay_conflicts(data, g.body_size + 8, writes)[:1]:
+                raise _bad(where, f"queue {name!r} shard {shard}: the record {what}")
+
     def apply(self, row: list[Any]) -> None:
-        """Apply one row that :meth:`check` accepted."""
+        """Apply one row that :meth:`check` accepted (every row is checked before the first
+        is applied)."""
+        if not self._images_checked:
+            self.check_images()
         kind = row[0]
         if kind == "F":
             _, name, shard, slot, version, status, body = row

@@ -139,3 +139,101 @@ def test_d6_damaged_redo_header_without_a_record_is_recreated_and_check_agrees(d
     assert not any("fixed.redo" in f for f in r.findings), str(r)
     open_and_read(db_path)
     assert check(db_path).ok
+
+
+# ------------------------------------------------------------------ logged slot writes (log replay)
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "LOCK"}
+
+
+def _slot(db_path: Path, slot: int, slot_size: int) -> bytes:
+    raw = (shard_dir(db_path) / "fixed.data").read_bytes()
+    return raw[HEADER_PAGE + slot * slot_size : HEADER_PAGE + (slot + 1) * slot_size]
+
+
+def _log_rows(db_path: Path, rows: list[list[object]], txid: int = 1) -> int:
+    import msgpack
+
+    from armdb import txlog
+
+    f = sorted((db_path / "txlog").glob("*.log"))[-1]
+    offset = f.stat().st_size
+    with open(f, "ab") as out:
+        out.write(txlog.encode_record(txid, msgpack.packb(rows, use_bin_type=True), 0))
+    return offset
+
+
+def _queue_db(db_path: Path) -> tuple[int, bytes, int]:
+    """A closed database with one fixed queue holding rows 1..3 in slots 0..2; returns
+    the slot size, slot 0's body (row 1) and slot 0's version."""
+    with Db.open(db_path, clock=FakeClock()) as db:
+        q = db.open_queue(Pings, SMALL)
+        for i in range(3):
+            q.push((i, i))
+    slot_size = _HDR.unpack_from((shard_dir(db_path) / "fixed.data").read_bytes())[2]
+    image = _slot(db_path, 0, slot_size)
+    meta = struct.unpack_from("<I", image)[0]
+    assert meta & 3 == 1 and struct.unpack_from(">Q", image, 16)[0] == 1
+    return slot_size, image[8:], meta >> 2
+
+
+def test_t2_logged_row_whose_id_lives_in_another_slot_is_refused_and_reported(tmp_path: Path) -> None:
+    # SPEC T2, D6: a CRC-valid unapplied record writes row 1 (stored in slot 0) into free
+    # slot 5.  The replay wrote it and the queue's open then refused the shard (two slots
+    # share a row id) while check said OK.  Now the replay refuses before writing anything.
+    db = tmp_path / "db"
+    slot_size, body, _ = _queue_db(db)
+    offset = _log_rows(db, [["F", "pings", 0, 5, 1, 1, body]])
+    r = check(db)
+    assert not r.ok and any(f"offset {offset}" in f and "row id 1" in f for f in r.findings), str(r)
+    before = _snapshot(tmp_path)
+    with pytest.raises(CorruptionError, match=f"offset {offset}.*row id 1"):
+        Db.open(db, clock=FakeClock())
+    assert _snapshot(tmp_path) == before
+
+
+def test_t2_two_logged_slots_with_one_new_row_id_are_refused_and_reported(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    _, body, _ = _queue_db(db)
+    row = bytearray(body)
+    row[8:16] = (9).to_bytes(8, "big")  # an id no slot holds yet, written into two free slots
+    offset = _log_rows(db, [["F", "pings", 0, 5, 1, 1, bytes(row)], ["F", "pings", 0, 6, 1, 1, bytes(row)]])
+    r = check(db)
+    assert not r.ok and any(f"offset {offset}" in f and "row id 9" in f for f in r.findings), str(r)
+    with pytest.raises(CorruptionError, match="row id 9"):
+        Db.open(db, clock=FakeClock())
+
+
+def test_t2_logged_rows_that_move_nothing_still_replay(tmp_path: Path) -> None:
+    # What a legitimate log does: rewrite a row in place with a newer version, free a
+    # slot and reuse it for a new id, and carry writes that are already applied (an
+    # equal or older version, skipped).  None of it is a conflict.
+    db = tmp_path / "db"
+    _, body, version = _queue_db(db)
+    leased = bytearray(body)
+    newer = version + 1
+    _log_rows(db, [["F", "pings", 0, 0, version, 1, body],  # already applied: skipped
+                   ["F", "pings", 0, 0, newer, 2, b""],  # row 1 acked: slot 0 freed
+                   ["F", "pings", 0, 5, 1, 1, bytes(leased)]])  # row 1 in slot 5 once slot 0 is free
+    assert check(db).ok, str(check(db))
+    with Db.open(db, clock=FakeClock()) as d:
+        assert d.open_queue(Pings, SMALL).stats().ready == 3
+    assert check(db).ok
+
+
+def test_t2_an_old_logged_write_of_a_rewritten_slot_is_skipped_not_a_conflict(tmp_path: Path) -> None:
+    # The slot on disk is newer than the logged write (a later commit rewrote it): the
+    # replay skips the write, so the row id it names in that slot is no conflict.
+    db = tmp_path / "db"
+    _, body, version = _queue_db(db)
+    other = bytearray(body)
+    other[8:16] = (2).to_bytes(8, "big")  # row 2 lives in slot 1
+    _log_rows(db, [["F", "pings", 0, 0, (version - 1) or RING_OLD, 1, bytes(other)]])
+    assert check(db).ok, str(check(db))
+    with Db.open(db, clock=FakeClock()) as d:
+        assert d.open_queue(Pings, SMALL).stats().ready == 3
+
+
+RING_OLD = (1 << 30) - 1  # one step behind version 1 on the 30-bit ring
