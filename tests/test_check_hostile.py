@@ -237,3 +237,38 @@ def test_t2_an_old_logged_write_of_a_rewritten_slot_is_skipped_not_a_conflict(tm
 
 
 RING_OLD = (1 << 30) - 1  # one step behind version 1 on the 30-bit ring
+
+
+# ------------------------------------------------------------------ the log's synced mark
+
+
+@pytest.mark.parametrize("mark", [33, 4096, 2**32 + 1, 2**64 - 1])
+def test_s7_d6_log_synced_mark_past_the_end_of_its_log_is_a_finding(tmp_path: Path, mark: int) -> None:
+    # SPEC S7, D6: open refuses a log whose synced mark lies past the end of the file it
+    # names (a completed sync covered bytes that are gone); check said OK.
+    from armdb import _syncmark, txlog
+
+    db = tmp_path / "db"
+    _queue_db(db)
+    log = sorted((db / "txlog").glob("*.log"))[-1]
+    raw = log.read_bytes()
+    assert mark > len(raw)
+    cell = _syncmark._cell(raw[: txlog.FILE_HEADER_SIZE], mark, 7)
+    (db / "txlog" / _syncmark.MARK_NAME).write_bytes(cell + cell)
+    with pytest.raises(CorruptionError):
+        Db.open(db, clock=FakeClock())
+    assert_check_reports(db, "synced mark")
+
+
+def test_s7_d6_log_synced_mark_within_its_log_is_no_finding(tmp_path: Path) -> None:
+    from armdb import _syncmark, txlog
+
+    db = tmp_path / "db"
+    _queue_db(db)
+    log = sorted((db / "txlog").glob("*.log"))[-1]
+    raw = log.read_bytes()
+    cell = _syncmark._cell(raw[: txlog.FILE_HEADER_SIZE], len(raw), 7)
+    (db / "txlog" / _syncmark.MARK_NAME).write_bytes(cell + cell)
+    assert check(db).ok, str(check(db))
+    with Db.open(db, clock=FakeClock()):
+        pass
