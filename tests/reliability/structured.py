@@ -1192,9 +1192,12 @@ class BitcaskRecord(Crafter):
         rec = encode_bitcask_record(gw, kf, vf, magic=magic, klen=klen, vlen=vlen, pad=pad)
         b = bytearray(raw[: r.off] + rec + raw[r.off + r.size :])
         _reseal_bitcask_crc(b, r.off)
+        out = {rel: bytes(b)}
+        out.update(_shift_marks(info, rel, r.off, len(b) - len(raw)))
         if field == "tail":
             b += _bitcask_tail(len(b), value, enc)
-        return {rel: bytes(b)}
+            out[rel] = bytes(b)
+        return out
 
 
 def _parse_hint(raw: bytes) -> tuple[list[tuple[int, int, int, int, bytes, int]], int]:
@@ -1578,6 +1581,25 @@ class SyncedMark(Crafter):
         body = struct.pack("<QI", mark, gen & 0xFFFFFFFF)
         b[16 * cell : 16 * cell + 16] = body + _U32.pack(_crc(body + _digest8(head)))
         return {rel: bytes(b)}
+
+
+def _shift_marks(info: GoldenInfo, rel: str, off: int, delta: int) -> dict[str, bytes]:
+    """Re-seal the synced mark of ``rel`` after a record at ``off`` changed size by
+    ``delta``: a mark past the record moves with the records it covered (else a shorter
+    record would be refused as "the file ends below its synced mark", not judged)."""
+    mrel = os.path.join(os.path.dirname(rel), "synced.mark")
+    if not delta or mrel not in info.files:
+        return {}
+    raw = bytearray(_read(info.root, mrel))
+    digest = _digest8(_read(info.root, rel)[:32])
+    changed = False
+    for c in range(len(raw) // 16):
+        mark, gen, crc = struct.unpack_from("<QII", raw, 16 * c)
+        if crc == _crc(raw[16 * c : 16 * c + 12] + digest) and mark > off:
+            body = struct.pack("<QI", max(0, mark + delta), gen)
+            raw[16 * c : 16 * c + 16] = body + _U32.pack(_crc(body + digest))
+            changed = True
+    return {mrel: bytes(raw)} if changed else {}
 
 
 def _digest8(header: bytes) -> bytes:
