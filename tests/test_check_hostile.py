@@ -272,3 +272,24 @@ def test_s7_d6_log_synced_mark_within_its_log_is_no_finding(tmp_path: Path) -> N
     assert check(db).ok, str(check(db))
     with Db.open(db, clock=FakeClock()):
         pass
+
+
+def test_s7_d6_bitcask_synced_mark_past_the_end_of_its_data_file_is_a_finding(tmp_path: Path) -> None:
+    # SPEC S7, D6: a Bitcask shard whose active data file is shorter than its synced
+    # mark is refused by open (synced records are missing); check said OK.
+    from armdb import _syncmark
+
+    db = tmp_path / "db"
+    with Db.open(db, clock=FakeClock()) as d:
+        m = d.open_map("docs")
+        for i in range(5):
+            m.put(f"k{i}", i)
+    sdir = db / "collections" / "docs" / "shard-000"
+    data = sorted(sdir.glob("*.data"))[-1]
+    raw = data.read_bytes()
+    assert check(db).ok
+    cell = _syncmark._cell(raw[:32], len(raw) + 8, 7)
+    (sdir / _syncmark.MARK_NAME).write_bytes(cell + cell)
+    with pytest.raises(CorruptionError), Db.open(db, clock=FakeClock()) as d:
+        dict(d.open_map("docs").items())
+    assert_check_reports(db, "synced mark")
