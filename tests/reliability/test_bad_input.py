@@ -320,6 +320,31 @@ def tamper_record(w: World) -> None:
     f.write_bytes(bytes(raw))
 
 
+def foreign_dir(w: World) -> Path:
+    """A non-empty directory beside the world's database that holds no database."""
+    d = w.path.parent / "foreign"
+    d.mkdir(exist_ok=True)
+    (d / "notes.txt").write_text("not a database\n")
+    return d
+
+
+def open_with_clock(w: World, clock: Callable[[], Any]) -> armdb.Db:
+    return armdb.Db.open(w.path.parent / "clocked", clock=clock)
+
+
+def symlinked_lock_dir(w: World) -> Path:
+    """A closed database beside the world's whose LOCK is a symlink to a victim file."""
+    d = w.path.parent / "linked"
+    with armdb.Db.open(d):
+        pass
+    (d / "LOCK").unlink()
+    victim = w.path.parent / "victim"
+    victim.write_text("precious")
+    (d / "LOCK").symlink_to(victim)
+    w.extra["victim"] = victim
+    return d
+
+
 def second_db(w: World) -> armdb.Db:
     other = armdb.Db.open(w.path.parent / "other-db")  # outside the directory being hashed
     w.extra.setdefault("dbs", []).append(other)
@@ -639,6 +664,19 @@ ROWS: list[R] = [
     R("d2_db_stats_after_close", lambda w: w.db.stats(), DbClosed, r"open the database again", prep=closed),
     R("d4_sweep_after_close", lambda w: w.db.sweep_expired_now(), DbClosed, r"open the database again", prep=closed),
     R("d2_commit_after_close", lambda w: w.extra["tx"].commit(), DbClosed, r"open the database again", prep=tx_then_close),
+    # -- hardening (issue 14): values that would not read back, paths, clocks, locks, bounds --------
+    R("q9_push_tuple_dict_key", lambda w: w.aq.push({"a": {(1, 2): "x"}}), PayloadTypeError, r"dict keys must be .* payload\['a'\] has the key \(1, 2\)"),
+    R("d3_put_tuple_dict_key", lambda w: w.m.put("bad", {(1, 2): "x"}), PayloadTypeError, r"dict keys must be .* map value has the key \(1, 2\)"),
+    R("d9_open_empty_path", lambda w: armdb.Db.open(""), ConfigError, r"the database path is empty"),
+    R("d9_open_foreign_directory", lambda w: armdb.Db.open(foreign_dir(w)), ConfigError, r"is not empty .* holds no armdb database"),
+    R("d7_clock_microseconds", lambda w: open_with_clock(w, lambda: 1_700_000_000_000_000), ConfigError, r"the clock returned 1700000000000000 \(int\)"),
+    R("d7_clock_negative", lambda w: open_with_clock(w, lambda: -5), ConfigError, r"the clock returned -5 \(int\)"),
+    R("d7_clock_none", lambda w: open_with_clock(w, lambda: None), ConfigError, r"the clock returned None"),
+    R("d7_clock_str", lambda w: open_with_clock(w, lambda: "now"), ConfigError, r"the clock returned 'now' \(str\)"),
+    R("d7_clock_float", lambda w: open_with_clock(w, lambda: 1.7e12), ConfigError, r"the clock returned 1700000000000.0 \(float\)"),
+    R("d1_lock_is_a_symlink", lambda w: armdb.Db.open(symlinked_lock_dir(w)), ConfigError, r"LOCK is a symbolic link.*remove"),
+    R("s5_shard_count_over_max", lambda w: FixedConfig.balanced().shard_count(257).build(), ConfigError, r"shard_count must be at most 256"),
+    R("s9_shard_count_over_max", lambda w: Config.balanced().shard_count(257).build(), ConfigError, r"shard_count must be at most 256"),
 ]
 
 #: Error classes no bad *input* can cause (raised by storage faults and interrupted commits);
