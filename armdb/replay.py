@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Self
 from . import _fs
 from ._core import fixed as _k
 from .config import QUEUE_GROW_STEP, Config, FixedConfig
-from .errors import ConfigError, CorruptionError, EncryptionKeyRequired
-from .fixed import DELETED, FILE_NAME, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
+from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError
+from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -225,104 +225,103 @@ _SCAN_SLOTS = 16384
 def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -> list[tuple[str, str]]:
     """The row ids the replay of ``writes`` would leave twice in one shard, read-only.
 
-    Simulates what :meth:`Replayer.apply` does to the shard's ``fixed.data`` (the redo
-    record healing a torn slot at open, then each logged slot written where it is torn
-    or its logged version is NEWER on the 30-bit ring), and compares the row ids of the
-    occupied slots it writes with those of every other occupied slot of the shard.  A
-    queue row lives in one slot for its whole life (updates rewrite it in place), so a
-    legitimate log never leaves a row id in two slots; the queue's open refuses a shard
-    that holds one twice.  Returns ``(where, what)`` per conflict (``where``: the log
-    record of the write), empty when there is none.
+    Simulates what the replay does to the shard's ``fixed.data``: the shard's open (the
+    redo record healing a torn slot, never-written slots below the high-water mark
+    becoming deleted ones), then each logged slot written where it is torn or its logged
+    version is NEWER on the 30-bit ring (:meth:`Replayer.apply`).  The row ids of the
+    occupied slots it writes are compared with those of every other occupied slot of the
+    shard.  A queue row lives in one slot for its whole life (updates rewrite it in
+    place), so a legitimate log never leaves a row id in two slots; the queue's open
+    refuses a shard that holds one twice.  Returns ``(where, what)`` per conflict
+    (``where``: the log record of the write), empty when there is none.
     """
-    from .fixed import REDO_NAME, judge_redo_header
+    import numpy as np
+
+    from .fixed import REDO_NAME, judge_redo_header, read_hwm
 
     fs = _fs.FS
-    fd = fs.open(data_path, os.O_RDONLY) if fs.exists(data_path) else -1
-    try:
-        n = max(0, (fs.size(fd) - HEADER_PAGE) // slot_size) if fd >= 0 else 0
-
-        def read_slots(lo: int, hi: int) -> tuple[Any, Any, Any]:
-            import numpy as np
-
-            raw = fs.pread(fd, (hi - lo) * slot_size, HEADER_PAGE + lo * slot_size).ljust((hi - lo) * slot_size, b"\0")
-            slots = np.frombuffer(raw, dtype=np.uint8).reshape(hi - lo, slot_size).copy()
-            versions = np.zeros(hi - lo, dtype=np.uint32)
-            status = np.zeros(hi - lo, dtype=np.uint8)
-            _k.validate(slots, versions, status)
-            return slots, versions, status
-
-        # The slot a redo record heals when the shard is opened for the replay.
-        healed: tuple[int, int, int, bytes] | None = None  # slot, version, status, image
-        redo_path = os.path.join(os.path.dirname(data_path), REDO_NAME)
-        if n and fs.exists(redo_path):
-            import numpy as np
-
-            redo = fs.read_file(redo_path)
-            try:
-                valid = judge_redo_header(redo, redo_path, slot_size)
-            except Exception:  # noqa: BLE001 - a refused redo file refuses the open by itself
-                valid = False
-            rec = _k.redo_record(np.frombuffer(redo, dtype=np.uint8), slot_size) if valid else None
-            if rec is not None and rec[0] < n:
-                slot, image = rec
-                one, versions, status = read_slots(slot, slot + 1)
-                if status[0] == TORN:
-                    st = _k.restore_slot(one, versions, 0, image)
-                    if st >= 0:
-                        healed = (slot, int(versions[0]), st, bytes(one[0, 8:]))
-
-        # Each logged slot's state as the replay leaves it: (version, status, body, where).
-        state: dict[int, tuple[int, int, bytes | None, str | None]] = {}
-        for w in writes:
-            if w.slot not in state:
-                if healed is not None and healed[0] == w.slot:
-                    state[w.slot] = (healed[1], healed[2], healed[3], None)
-                elif w.slot < n:
-                    _, versions, status = read_slots(w.slot, w.slot + 1)
-                    state[w.slot] = (int(versions[0]), int(status[0]), None, None)
-                else:
-                    state[w.slot] = (0, 0, None, None)  # grown by the replay: never written
-            version, status, _, where = state[w.slot]
-            if status == TORN or _k.compare(w.version, version) == _k.NEWER:
-                state[w.slot] = (w.version, w.status, w.body, w.where)
-        written: dict[int, tuple[int, str]] = {}  # row id -> (slot, where) of a written occupied slot
-        out: list[tuple[str, str]] = []
-        rewritten = {slot for slot, st in state.items() if st[3] is not None}
-        for slot, (_, status, body, where) in sorted(state.items()):
-            if where is None or status != OCCUPIED or body is None:
-                continue
-            seq = int.from_bytes(body[8:16], "big")  # a queue row (queue.ROW_DTYPE): due, then seq, big-endian
-            if seq in written:
-                out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
-                                   f"{written[seq][0]}"))
-            else:
-                written[seq] = (slot, where)
-        if not written:
-            return out
-        import numpy as np
-
-        ids = np.fromiter(written, dtype=np.uint64, count=len(written))
-        for lo in range(0, n, _SCAN_SLOTS):
-            hi = min(n, lo + _SCAN_SLOTS)
-            slots, _, status = read_slots(lo, hi)
-            if healed is not None and lo <= healed[0] < hi:
-                status[healed[0] - lo] = healed[2]
-                slots[healed[0] - lo, 8:] = np.frombuffer(healed[3], dtype=np.uint8)
-            occ = np.flatnonzero(status == OCCUPIED)
-            if occ.size == 0:
-                continue
-            seq = slots[occ, 16:24].copy().view(">u8").reshape(-1).astype(np.uint64)
-            for i in np.flatnonzero(np.isin(seq, ids)).tolist():
-                slot = lo + int(occ[i])
-                if slot in rewritten:
-                    continue  # the replay rewrites it: its stored row does not stand
-                other, where = written[int(seq[i])]
-                out.append((where, f"writes row id {int(seq[i])} into slot {other}, but slot {slot} of the shard "
-                                   f"holds that row and the log does not rewrite it"))
-        return out
-    finally:
-        if fd >= 0:
+    n = 0
+    page = b""
+    status = np.zeros(0, dtype=np.uint8)
+    versions = np.zeros(0, dtype=np.uint32)
+    seqs = np.zeros(0, dtype=np.uint64)  # the row id of each slot (meaningful where OCCUPIED)
+    if fs.exists(data_path):
+        fd = fs.open(data_path, os.O_RDONLY)
+        try:
+            n = max(0, (fs.size(fd) - HEADER_PAGE) // slot_size)
+            page = fs.pread(fd, HEADER_PAGE, 0)
+            status = np.zeros(n, dtype=np.uint8)
+            versions = np.zeros(n, dtype=np.uint32)
+            seqs = np.zeros(n, dtype=np.uint64)
+            for lo in range(0, n, _SCAN_SLOTS):  # bounded memory: a chunk of slots at a time
+                hi = min(n, lo + _SCAN_SLOTS)
+                raw = fs.pread(fd, (hi - lo) * slot_size, HEADER_PAGE + lo * slot_size)
+                chunk = np.frombuffer(raw.ljust((hi - lo) * slot_size, b"\0"), dtype=np.uint8)
+                chunk = chunk.reshape(hi - lo, slot_size).copy()
+                _k.validate(chunk, versions[lo:hi], status[lo:hi])
+                seqs[lo:hi] = chunk[:, 16:24].copy().view(">u8").reshape(-1)  # slot header, due, seq
+        finally:
             fs.close(fd)
+
+    # The shard's open: the redo record heals a torn slot (FixedShard._apply_redo) ...
+    redo_page = b""
+    redo_path = os.path.join(os.path.dirname(data_path), REDO_NAME)
+    if fs.exists(redo_path):
+        redo = fs.read_file(redo_path)
+        try:
+            valid = judge_redo_header(redo, redo_path, slot_size)
+        except FormatError:
+            valid = False  # the shard's open refuses it by itself
+        if valid:
+            redo_page = redo[: _k.REDO_OFFSET]
+            rec = _k.redo_record(np.frombuffer(redo, dtype=np.uint8), slot_size)
+            if rec is not None and rec[0] < n and status[rec[0]] == TORN:
+                slot, image = rec
+                one = np.zeros((1, slot_size), dtype=np.uint8)
+                v = np.zeros(1, dtype=np.uint32)
+                st = _k.restore_slot(one, v, 0, image)
+                if st >= 0:
+                    status[slot], versions[slot] = st, v[0]
+                    seqs[slot] = int.from_bytes(bytes(one[0, 16:24]), "big")
+    # ... and never-written slots below the high-water mark become deleted (fill_holes).
+    _, mark = read_hwm(page, redo_page)
+    used = np.flatnonzero(status != FREE)
+    top = min(n, max(mark, int(used[-1]) + 1 if used.shape[0] else 0))
+    holes = np.flatnonzero(status[:top] == FREE)
+    status[holes] = DELETED
+    versions[holes] = _k.ring_next(0)
+
+    # The replay: each logged slot's state as it leaves it, (version, status, body, where).
+    state: dict[int, tuple[int, int, bytes | None, str | None]] = {}
+    for w in writes:
+        if w.slot not in state:
+            state[w.slot] = (int(versions[w.slot]), int(status[w.slot]), None, None) if w.slot < n else (0, FREE, None, None)
+        version, st, _, _ = state[w.slot]
+        if st == TORN or _k.compare(w.version, version) == _k.NEWER:
+            state[w.slot] = (w.version, w.status, w.body, w.where)
+    written: dict[int, tuple[int, str]] = {}  # row id -> (slot, where) of a written occupied slot
+    out: list[tuple[str, str]] = []
+    for slot, (_, st, body, where) in sorted(state.items()):
+        if where is None or st != OCCUPIED or body is None:
+            continue
+        seq = int.from_bytes(body[8:16], "big")  # a queue row (queue.ROW_DTYPE): due, then seq, big-endian
+        if seq in written:
+            out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
+                               f"{written[seq][0]}"))
+        else:
+            written[seq] = (slot, where)
+    if not written or n == 0:
+        return out
+    rewritten = np.array(sorted(slot for slot, st in state.items() if st[3] is not None and slot < n), dtype=np.int64)
+    kept = status == OCCUPIED
+    kept[rewritten] = False  # the replay rewrites them: their stored rows do not stand
+    ids = np.fromiter(written, dtype=np.uint64, count=len(written))
+    for slot in np.flatnonzero(kept & np.isin(seqs, ids)).tolist():
+        seq = int(seqs[slot])
+        other, where = written[seq]
+        out.append((where, f"writes row id {seq} into slot {other}, but slot {slot} of the shard holds that row "
+                           f"and the log does not rewrite it"))
+    return out
 
 
 def log_conflicts(txlog_dir: str) -> list[str]:
