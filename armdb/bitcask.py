@@ -808,8 +808,11 @@ def _judge_bad(f: _DataFile, bad: int, encrypted: bool, mark: int) -> int:
             f"(armdb.check lists every bad record). {SALVAGE_HINT}"
         )
     after = _valid_after(f.fd, f.size, bad, encrypted, first=False)
+    base, window = 0, b""  # read in chunks: a crafted file can hold millions of records
     for off in after.tolist():
-        if _U64.unpack(_fs.FS.pread(f.fd, 8, off))[0] & SYNCED_BEFORE:
+        if not base <= off <= base + len(window) - 8:
+            base, window = off, _fs.FS.pread(f.fd, min(_READ_CHUNK, f.size - off), off)
+        if _U64.unpack_from(window, off - base)[0] & SYNCED_BEFORE:
             raise CorruptionError(
                 f"{f.path}: corrupt record at offset {bad}, followed by a valid record at offset {off} "
                 f"that was appended after a sync had covered it: this is damage, not a torn write; "
