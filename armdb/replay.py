@@ -244,7 +244,11 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
     page = b""
     status = np.zeros(0, dtype=np.uint8)
     versions = np.zeros(0, dtype=np.uint32)
-    seqs = np.zeros(0, dtype=np.uint64)  # the row id of each slot (meaningful where OCCUPIED)
+    # The row ids the log writes into occupied slots (a superset of those it leaves), and
+    # every stored slot that holds one of them: slot -> row id.
+    logged = {int.from_bytes(w.body[8:16], "big") for w in writes if w.status == OCCUPIED}
+    logged_ids = np.array(sorted(logged), dtype=np.uint64)
+    holders: dict[int, int] = {}
     if fs.exists(data_path):
         fd = fs.open(data_path, os.O_RDONLY)
         try:
@@ -252,14 +256,15 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
             page = fs.pread(fd, HEADER_PAGE, 0)
             status = np.zeros(n, dtype=np.uint8)
             versions = np.zeros(n, dtype=np.uint32)
-            seqs = np.zeros(n, dtype=np.uint64)
             for lo in range(0, n, _SCAN_SLOTS):  # bounded memory: a chunk of slots at a time
                 hi = min(n, lo + _SCAN_SLOTS)
                 raw = fs.pread(fd, (hi - lo) * slot_size, HEADER_PAGE + lo * slot_size)
                 chunk = np.frombuffer(raw.ljust((hi - lo) * slot_size, b"\0"), dtype=np.uint8)
                 chunk = chunk.reshape(hi - lo, slot_size).copy()
                 _k.validate(chunk, versions[lo:hi], status[lo:hi])
-                seqs[lo:hi] = chunk[:, 16:24].copy().view(">u8").reshape(-1)  # slot header, due, seq
+                ids = chunk[:, 16:24].copy().view(">u8").reshape(-1).astype(np.uint64)  # slot header, due, seq
+                for i in np.flatnonzero((status[lo:hi] == OCCUPIED) & np.isin(ids, logged_ids)).tolist():
+                    holders[lo + i] = int(ids[i])
         finally:
             fs.close(fd)
 
@@ -282,7 +287,10 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
                 st = _k.restore_slot(one, v, 0, image)
                 if st >= 0:
                     status[slot], versions[slot] = st, v[0]
-                    seqs[slot] = int.from_bytes(bytes(one[0, 16:24]), "big")
+                    holders.pop(slot, None)
+                    healed_id = int.from_bytes(bytes(one[0, 16:24]), "big")
+                    if st == OCCUPIED and healed_id in logged:
+                        holders[slot] = healed_id
     # ... and never-written slots below the high-water mark become deleted (fill_holes).
     _, mark = read_hwm(page, redo_page)
     used = np.flatnonzero(status != FREE)
@@ -310,14 +318,9 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
                                f"{written[seq][0]}"))
         else:
             written[seq] = (slot, where)
-    if not written or n == 0:
-        return out
-    rewritten = np.array(sorted(slot for slot, st in state.items() if st[3] is not None and slot < n), dtype=np.int64)
-    kept = status == OCCUPIED
-    kept[rewritten] = False  # the replay rewrites them: their stored rows do not stand
-    ids = np.fromiter(written, dtype=np.uint64, count=len(written))
-    for slot in np.flatnonzero(kept & np.isin(seqs, ids)).tolist():
-        seq = int(seqs[slot])
+    for slot, seq in sorted(holders.items()):
+        if seq not in written or state.get(slot, (0, 0, None, None))[3] is not None:
+            continue  # not a row id the replay leaves, or a slot it rewrites (its stored row does not stand)
         other, where = written[seq]
         out.append((where, f"writes row id {seq} into slot {other}, but slot {slot} of the shard holds that row "
                            f"and the log does not rewrite it"))
