@@ -222,7 +222,7 @@ class LoggedSlot:
 _SCAN_SLOTS = 16384
 
 
-def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -> list[tuple[str, str]]:
+def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], limit: int = 5) -> list[tuple[str, str]]:
     """The row ids the replay of ``writes`` would leave twice in one shard, read-only.
 
     Simulates what the replay does to the shard's ``fixed.data``: the shard's open (the
@@ -232,8 +232,8 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
     occupied slots it writes are compared with those of every other occupied slot of the
     shard.  A queue row lives in one slot for its whole life (updates rewrite it in
     place), so a legitimate log never leaves a row id in two slots; the queue's open
-    refuses a shard that holds one twice.  Returns ``(where, what)`` per conflict
-    (``where``: the log record of the write), empty when there is none.
+    refuses a shard that holds one twice.  Returns ``(where, what)`` for at most ``limit``
+    conflicts (``where``: the log record of the write), empty when there is none.
     """
     import numpy as np
 
@@ -319,12 +319,14 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot]) -
         else:
             written[seq] = (slot, where)
     for slot, seq in sorted(holders.items()):
+        if len(out) >= limit:
+            break
         if seq not in written or state.get(slot, (0, 0, None, None))[3] is not None:
             continue  # not a row id the replay leaves, or a slot it rewrites (its stored row does not stand)
         other, where = written[seq]
         out.append((where, f"writes row id {seq} into slot {other}, but slot {slot} of the shard holds that row "
                            f"and the log does not rewrite it"))
-    return out
+    return out[:limit]
 
 
 def log_conflicts(txlog_dir: str) -> list[str]:
