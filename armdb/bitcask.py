@@ -2659,11 +2659,9 @@ def _check_shard(
             if scan.bad is not None:
                 valid = _ValidIndex(fd, size, scan.bad, encrypted)  # one pass for every bad record
                 nxt = valid.next_after(scan.bad)
-                if nxt is None and fid == active:
-                    findings.append(
-                        f"{path}: torn tail of {size - scan.bad} bytes at offset {scan.bad} "
-                        f"(truncated on next open)"
-                    )
+                cut = _tail_cut(sdir, fid, path, fd, size, head, scan.bad, encrypted) if fid == active else None
+                if cut is not None:
+                    findings.append(cut)
                 else:
                     findings.append(f"{path}: corrupt record at offset {scan.bad}")
                     while nxt is not None:
@@ -2687,6 +2685,26 @@ def _check_shard(
     for fid, hpath in hints.items():
         if fid not in data:
             findings.append(f"{hpath}: hint file without its data file")
+
+
+def _tail_cut(
+    sdir: str, fid: int, path: str, fd: int, size: int, head: _Header, bad: int, encrypted: bool
+) -> str | None:
+    """The finding for a bad record in the active data file that open would cut (a torn
+    tail, or an unsynced tail a power cut reordered), or None where open refuses it as
+    damage: :func:`_judge_bad` decides, as at open."""
+    f = _DataFile(fid, path, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
+    try:
+        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if f.version >= MARKED_DATA_VERSION else 0
+        if mark > size:
+            return None
+        dropped = _judge_bad(f, bad, encrypted, mark)
+    except CorruptionError:
+        return None
+    if dropped:
+        return (f"{path}: unsynced tail of {size - bad} bytes at offset {bad}, {dropped} intact record(s) after "
+                f"a damaged one that no sync covered (cut on next open)")
+    return f"{path}: torn tail of {size - bad} bytes at offset {bad} (truncated on next open)"
 
 
 def _check_decode(

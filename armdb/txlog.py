@@ -800,6 +800,21 @@ class TxLog:
         }
 
 
+def _tail_finding(raw: bytes, path: str, bad: int, directory: str) -> str:
+    """What open would do with the bad record at ``bad``, in check's words: cut a torn or
+    unsynced tail, or refuse damage (:func:`_judge_bad` decides, as at open)."""
+    version = _file_header_fields(raw, path)[1]  # the caller checked the header
+    try:
+        mark = _syncmark.read_mark(directory, raw[:FILE_HEADER_SIZE])[0] if version >= MARKED_VERSION else 0
+        dropped = _judge_bad(raw, path, bad, version, mark)
+    except CorruptionError as e:
+        return str(e)
+    if dropped:
+        return (f"{path}: unsynced tail of {len(raw) - bad} bytes at offset {bad}, {dropped} intact record(s) "
+                f"after a damaged one that no sync covered (cut on next open)")
+    return f"{path}: torn tail of {len(raw) - bad} bytes at offset {bad} (cut on next open)"
+
+
 def check_dir(path: str) -> list[str]:
     """Read-only check of ``<db>/txlog`` for ``armdb.check``.
 
@@ -842,7 +857,7 @@ def check_dir(path: str) -> list[str]:
             continue
         recs, _, bad = _records_at(raw, FILE_HEADER_SIZE)
         if bad is not None:
-            findings.append(f"{p}: damaged record at offset {bad}")
+            findings.append(_tail_finding(raw, p, bad, path))
         for offset, txid, flags, body in recs:
             rec = _Logged(txid, flags, body, p, offset)
             try:

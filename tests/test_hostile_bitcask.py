@@ -487,7 +487,8 @@ def test_d6_check_of_many_bad_records_each_hiding_a_long_candidate_stays_linear(
         out += b"\xff" * 8  # not a record: the scan stops here
         c = len(out)
         out += struct.pack("<QIIHH", 3, 0, size - c - 20, RECORD_MAGIC, 0) + b"\0" * 4
-        out += bitcask_record(regions + 1, b"k%03d" % (regions % 1000), b"v" * 8, RECORD_MAGIC)
+        # flagged synced-before: the bad bytes before it are damage, not an unsynced tail
+        out += bitcask_record((regions + 1) | bitcask.SYNCED_BEFORE, b"k%03d" % (regions % 1000), b"v" * 8, RECORD_MAGIC)
         regions += 1
     out += b"\0" * (size - len(out))
     (shard(coll) / "00000001.data").write_bytes(bytes(out))

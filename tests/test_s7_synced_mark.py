@@ -60,6 +60,9 @@ def test_s7_log_bad_record_before_unflagged_records_is_cut_with_a_warning(tmp_pa
     assert [bool(f & txlog.FLAG_SYNCED_BEFORE) for _o, f in recs] == [True, True, False, False]
     _flip(log, _body(recs[2][0]))  # an unsynced record; only an unflagged one follows
     size = log.stat().st_size
+    # check, before the open, says what open will do: cut the tail, not refuse it
+    assert any(f"unsynced tail of {size - recs[2][0]} bytes at offset {recs[2][0]}, 1 intact record" in f
+               for f in armdb.check(snap).findings), armdb.check(snap)
     with caplog.at_level(logging.WARNING, logger="armdb"), Db.open(snap) as db:
         m = db.open_map("m", MAP_CFG)
         assert db.txlog.stats()["unsynced_records_dropped"] == 1
@@ -73,6 +76,7 @@ def test_s7_log_bad_record_before_a_flagged_record_is_refused(tmp_path):
     assert recs[1][1] & txlog.FLAG_SYNCED_BEFORE
     _syncmark.drop(str(snap / "txlog"))  # the flag alone proves it
     _flip(log, _body(recs[0][0]))
+    assert any(f"offset {recs[0][0]} is damaged" in f for f in armdb.check(snap).findings)
     with pytest.raises(CorruptionError, match=rf"offset {recs[0][0]} is damaged.*offset {recs[1][0]}"):
         Db.open(snap)
 
@@ -174,6 +178,8 @@ def test_s7_map_bad_record_before_unflagged_records_is_cut_with_a_warning(tmp_pa
     assert _flagged(recs) == [True] + [False] * 5  # only the first follows a sync (creation)
     _flip(data, _in_record(recs[3][0]))
     size = data.stat().st_size
+    assert any(f"unsynced tail of {size - recs[3][0]} bytes at offset {recs[3][0]}, 2 intact record" in f
+               for f in armdb.check(snap).findings), armdb.check(snap)
     with caplog.at_level(logging.WARNING, logger="armdb"), Db.open(snap) as db:
         m = db.open_map("m", MAP_CFG)
         assert [m.get(i) for i in range(6)] == ["value 0", "value 1", "value 2", None, None, None]
@@ -191,6 +197,7 @@ def test_s7_map_bad_record_before_a_flagged_record_is_refused(tmp_path):
     assert _flagged(recs) == [True] * 4  # each put was synced before the next
     _syncmark.drop(str(data.parent))  # the flag alone proves it
     _flip(data, _in_record(recs[1][0]))
+    assert f"{data}: corrupt record at offset {recs[1][0]}" in armdb.check(snap).findings
     with Db.open(snap) as db, pytest.raises(CorruptionError, match=rf"offset {recs[1][0]}, followed by a valid record at offset {recs[2][0]} that was appended after a sync"):
         db.open_map("m", SYNCED_CFG)
 
