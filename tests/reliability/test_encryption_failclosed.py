@@ -84,9 +84,13 @@ def logcfg(key: bytes | None = LOG_KEY) -> TxConfig | None:
 
 
 def files(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` (the LOCK file's pid excepted) by relative path."""
+    """Every file under ``root`` by relative path, except the LOCK file's pid and the synced
+    marks (``synced.mark``: sync bookkeeping that a background sync or the Db's own close
+    moves forward, whatever a refused call did)."""
     return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "LOCK"
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in ("LOCK", "synced.mark")
     }
 
 
