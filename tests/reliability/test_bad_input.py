@@ -33,11 +33,12 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 import armdb
-from armdb import Config, FixedConfig, LeaseToken, QueueConfig, TxConfig, _fs, errors
+from armdb import Config, FixedConfig, LeaseToken, QueueConfig, TxConfig, _fs, bitcask, errors, txlog
 from armdb.errors import (
     ConfigError,
     CorruptionError,
@@ -319,6 +320,41 @@ def tamper_record(w: World) -> None:
     raw = bytearray(f.read_bytes())
     raw[32 + 20] ^= 0xFF
     f.write_bytes(bytes(raw))
+
+
+def log_rows(w: World, rows: list[Any]) -> None:
+    """Append one CRC-valid log record holding ``rows`` to the newest log file."""
+    log = sorted((w.path / "txlog").glob("*.log"))[-1]
+    with open(log, "ab") as out:
+        out.write(txlog.encode_record(10**6, msgpack.packb(rows, use_bin_type=True), 0))
+
+
+def rewrite_spare_meta(w: World, **changes: Any) -> None:
+    """Rewrite the closed spare queue's meta file (a valid CRC) with ``changes``."""
+    from armdb.queue import META_MAGIC, META_VERSION, _decode_meta
+
+    path = w.path / "collections" / "spare" / "queue.meta"
+    meta = {**_decode_meta(path.read_bytes(), str(path)), **changes}
+    packed = msgpack.packb(meta, use_bin_type=True)
+    raw = META_MAGIC + struct.pack("<II", META_VERSION, len(packed)) + packed
+    path.write_bytes(raw + struct.pack("<I", zlib.crc32(raw)))
+
+
+def _plainmap_active(w: World) -> Path:
+    return sorted((w.path / "collections" / "plainmap" / "shard-000").glob("*.data"))[-1]
+
+
+def forge_marker(w: World) -> None:
+    """A compaction marker naming the shard's active file (a real one never does)."""
+    active = _plainmap_active(w)
+    (active.parent / bitcask.PENDING_NAME).write_bytes(bitcask._encode_pending([int(active.stem)]))
+
+
+def append_plainmap_record(w: World, gsn_word: int) -> None:
+    from armdb._core.fixed import bitcask_record
+
+    with open(_plainmap_active(w), "ab") as out:
+        out.write(bitcask_record(gsn_word, b"\x01k9", msgpack.packb("v"), bitcask.RECORD_MAGIC))
 
 
 def foreign_dir(w: World) -> Path:
@@ -678,6 +714,23 @@ ROWS: list[R] = [
     R("d1_lock_is_a_symlink", lambda w: armdb.Db.open(symlinked_lock_dir(w)), ConfigError, r"LOCK is a symbolic link.*remove"),
     R("s5_shard_count_over_max", lambda w: FixedConfig.balanced().shard_count(257).build(), ConfigError, r"shard_count must be at most 256"),
     R("s9_shard_count_over_max", lambda w: Config.balanced().shard_count(257).build(), ConfigError, r"shard_count must be at most 256"),
+    # -- hostile files (issue 14): CRC-valid content armdb never writes ------------------------------
+    R("t2_log_row_names_a_path_outside", lambda w: armdb.Db.open(w.path), CorruptionError, r"not a valid collection name",
+      prep=close_and(lambda w: log_rows(w, [["F", "../../x", 0, 0, 5, 1, b""]])), check=False),
+    R("t2_log_row_names_an_absolute_path", lambda w: armdb.Db.open(w.path), CorruptionError, r"not a valid collection name",
+      prep=close_and(lambda w: log_rows(w, [["F", "/abs/path", 0, 0, 5, 1, b""]])), check=False),
+    R("t2_log_slot_far_past_the_file", lambda w: armdb.Db.open(w.path), CorruptionError, r"slot 2147483648",
+      prep=close_and(lambda w: log_rows(w, [["F", "pings", 0, 2**31, 5, 1, b""]])), check=False),
+    R("t2_log_row_shard_out_of_range", lambda w: armdb.Db.open(w.path), CorruptionError, r"names shard 7",
+      prep=close_and(lambda w: log_rows(w, [["F", "pings", 7, 0, 5, 1, b""]])), check=False),
+    R("d5_queue_meta_shard_count_zero", lambda w: w.db.open_queue(SpareQ, cfg()), FormatError, r"shard",
+      prep=lambda w: rewrite_spare_meta(w, shard_count=0), check=False),
+    R("d5_queue_meta_shard_count_2000", lambda w: w.db.open_queue(SpareQ, cfg()), FormatError, r"shard",
+      prep=lambda w: rewrite_spare_meta(w, shard_count=2000), check=False),
+    R("s8_compaction_marker_names_the_active_file", lambda w: w.db.open_map("plainmap"), CorruptionError, r"compaction",
+      prep=forge_marker, check=False),
+    R("t5_map_record_gsn_at_the_top", lambda w: w.db.open_map("plainmap"), CorruptionError, r"gsn",
+      prep=lambda w: append_plainmap_record(w, (1 << 60) - 1), check=False),
 ]
 
 #: Error classes no bad *input* can cause (raised by storage faults and interrupted commits);
