@@ -6,7 +6,9 @@ torn tail (no valid record after it: cut, open goes on) or damage (a valid recor
 it: ``CorruptionError``).  Checking each candidate on its own CRC'd the whole rest of the
 file per candidate, quadratic in the file size (a 1 MiB log took seconds); the search is
 now one pass.  ``torn``: no valid record, open cuts the tail.  ``damaged``: one valid
-record at the very end, open refuses.
+record at the very end, which the search must reach; the record carries no synced-before
+flag and no synced mark covers the file, so open cuts it as an unsynced tail (a flagged
+record there would make open refuse the file as damage, after the same one pass).
 """
 
 from __future__ import annotations
