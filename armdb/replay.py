@@ -420,7 +420,6 @@ class Replayer:
         self.deferred: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
         self._geometry: dict[str, FixedGeometry] = {}
         self._writes: dict[tuple[str, int], list[LoggedSlot]] = {}  # (queue, shard) -> its logged slot writes
-        self._images_checked = False
 
     def __enter__(self) -> Self:
         return self
@@ -485,8 +484,8 @@ class Replayer:
 
     def check_images(self) -> None:
         """Refuse, before anything is written, logged slot writes that would leave a row id
-        in two slots of a shard (:func:`replay_conflicts`); runs once, at the first apply."""
-        self._images_checked = True
+        in two slots of a shard (:func:`replay_conflicts`); called once every row passed
+        :meth:`check`, before the first :meth:`apply`."""
         for (name, shard), writes in self._writes.items():
             g = self.geometry(name)
             data = os.path.join(self.db.collection_dir(name), f"shard-{shard:03d}", FILE_NAME)
@@ -495,9 +494,7 @@ class Replayer:
 
     def apply(self, row: list[Any]) -> None:
         """Apply one row that :meth:`check` accepted (every row is checked before the first
-        is applied)."""
-        if not self._images_checked:
-            self.check_images()
+        is applied, and then :meth:`check_images`)."""
         kind = row[0]
         if kind == "F":
             _, name, shard, slot, version, status, body = row

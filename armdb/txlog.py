@@ -542,6 +542,7 @@ class TxLog:
             for rec, rows in zip(records, decoded, strict=True):
                 for row in rows:
                     rp.check(row, rec.where)
+            rp.check_images()  # and what the slot writes would leave, taken together
             for i, rows in enumerate(decoded):
                 if i == len(decoded) // 2:
                     _fail.point("recovery.mid_replay")
