@@ -106,6 +106,7 @@ HEADER_DTYPE = np.dtype(
 )
 ROW_DTYPE = np.dtype([("due", ">u8"), ("seq", ">u8"), ("header", HEADER_DTYPE)])
 FLAG_DEAD_EXPLICIT = 1
+FLAG_POISONED = 2  # with FLAG_DEAD_EXPLICIT: dead-lettered by a lease because its body cannot be decoded
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -527,8 +528,12 @@ def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *
     rule("were delivered (LEASED or DEAD) but count 0 attempts", "report", attempts.min() == 0,
          lambda: (leased | dead_state) & (attempts == 0))
     flags = hdr["flags"]
-    rule("hold flags armdb never sets (bit 0, dead-lettered explicitly, is the only flag, on DEAD rows)",
-         "report", bool(flags.any()), lambda: (flags > FLAG_DEAD_EXPLICIT) | ((flags != 0) & ~dead_state))
+    known = FLAG_DEAD_EXPLICIT | FLAG_POISONED
+    rule("hold flags armdb never sets (bit 0, dead-lettered explicitly, and bit 1, its body could not be "
+         "decoded, on DEAD rows only)",
+         "report", bool(flags.any()),
+         lambda: ((flags & ~np.uint8(known)) != 0) | ((flags != 0) & ~dead_state)
+         | ((flags & FLAG_POISONED) != 0) & ((flags & FLAG_DEAD_EXPLICIT) == 0))
     pid = hdr["payload_id"]
     if var:
         rule("point at a payload id other than their row id", "report", not np.array_equal(pid, seq),

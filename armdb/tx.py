@@ -51,7 +51,7 @@ from .errors import (
 )
 from .fixed import DELETED, OCCUPIED
 from .maps import Map, decode_value, encode_key, encode_value
-from .queue import DEAD_BIT, FLAG_DEAD_EXPLICIT, LeaseToken, Queue, State, _pack_row
+from .queue import DEAD_BIT, FLAG_DEAD_EXPLICIT, FLAG_POISONED, LeaseToken, Queue, State, _pack_row
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -589,7 +589,7 @@ class Tx:
         extra = b"" if q._payload is not None else q._payload_bytes(sh, slot)
         if s.dead or attempts >= q.config.max_attempts:
             if s.dead:
-                flags |= FLAG_DEAD_EXPLICIT
+                flags |= FLAG_DEAD_EXPLICIT | (FLAG_POISONED if s.poisoned else 0)
             dkey = DEAD_BIT | now
             row = _pack_row(dkey, token.seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra)
 

@@ -23,6 +23,7 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, QueueConfig, State, TxConfig
+from armdb.queue import FLAG_DEAD_EXPLICIT, FLAG_POISONED
 from armdb.errors import CorruptionError, PayloadTypeError
 from armdb.streams import SchemaRegistry
 
@@ -162,6 +163,9 @@ def _reopen_clean(path: Path, spec: armdb.QueueSpec, cfg: QueueConfig, clock: Fa
         assert q.len() == 0 and q.dead_len() == 1
         assert q.snapshot()["id"].tolist() == [bad]
         assert q.stats().poisoned == 0  # a counter since this open
+        # the reason is recorded on the row: dead-lettered because its body could not be read
+        flags = [q._header(sh, int(slot))[1] for sh in q._shards for slot in sh.fixed.occupied_slots()]
+        assert flags == [FLAG_DEAD_EXPLICIT | FLAG_POISONED]
     assert armdb.check(path).ok
 
 
