@@ -69,6 +69,7 @@ import numpy as np
 
 from . import _fail, _fs, _syncmark
 from ._core.fixed import bitcask_record, hint_append
+from ._crcshift import crc_shift
 from ._crypto import OVERHEAD, Sealer
 from .config import Config
 from .errors import (
@@ -624,51 +625,9 @@ class _Scan:
 #     crc32(M[c+12 : e], h) == Z(e) ^ shift(h ^ Z(c+12), e - c - 12)
 # where shift(v, L) is what L zero bytes do to the CRC register (v times x**(8L) modulo
 # the polynomial).  shift is computed with numpy for a chunk's candidates at once, from
-# one table per power of two of L (the register map of 2**k zero bytes, by byte).
+# one table per power of two of L (armdb._crcshift, shared with the log's search).
 
-_CRC_POLY = 0xEDB88320  # CRC-32 (zlib), bit-reflected
-_SHIFT_BITS = 48  # candidate lengths below 2**48 bytes
 _SEARCH_CHUNK = 1 << 20
-_shift_tables: np.ndarray | None = None
-
-
-def _apply_crc_map(table: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return table[0][v & 0xFF] ^ table[1][(v >> 8) & 0xFF] ^ table[2][(v >> 16) & 0xFF] ^ table[3][v >> 24]
-
-
-def _crc_shift_tables() -> np.ndarray:
-    """``[k, byte position, byte value]``: the CRC register map of ``2**k`` zero bytes."""
-    global _shift_tables
-    if _shift_tables is None:
-        one = []
-        for i in range(256):
-            c = i
-            for _ in range(8):
-                c = (c >> 1) ^ _CRC_POLY if c & 1 else c >> 1
-            one.append(c)
-        # The image of each register bit after one zero byte: s -> (s >> 8) ^ T[s & 0xFF].
-        cols = np.array([((1 << i) >> 8) ^ one[(1 << i) & 0xFF] for i in range(32)], dtype=np.uint32)
-        tables = np.zeros((_SHIFT_BITS, 4, 256), dtype=np.uint32)
-        for k in range(_SHIFT_BITS):
-            for b in range(4):
-                row = tables[k, b]
-                for j in range(8):  # the values with bit j as their top bit: those below, plus bit j
-                    row[1 << j : 2 << j] = row[: 1 << j] ^ cols[8 * b + j]
-            cols = _apply_crc_map(tables[k], cols)  # 2**(k+1) zero bytes: the map twice
-        _shift_tables = tables
-    return _shift_tables
-
-
-def _crc_shift(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``values`` (uint32 CRC registers) after ``lengths`` zero bytes each."""
-    tables = _crc_shift_tables()
-    out = values.astype(np.uint32)
-    top = int(lengths.max()).bit_length() if lengths.size else 0
-    for k in range(min(top, _SHIFT_BITS)):
-        sel = np.flatnonzero((lengths >> k) & 1)
-        if sel.size:
-            out[sel] = _apply_crc_map(tables[k], out[sel])
-    return out
 
 
 def _next_valid(fd: int, size: int, after: int, encrypted: bool) -> int | None:
@@ -746,7 +705,7 @@ def _valid_after(fd: int, size: int, after: int, encrypted: bool, *, first: bool
             if starts:
                 st = np.array(starts, dtype=np.int64)
                 en = np.array(ends, dtype=np.int64)
-                want = _crc_shift(np.array(regs, dtype=np.uint32), en - st - 12) ^ np.array(crcs, dtype=np.uint32)
+                want = crc_shift(np.array(regs, dtype=np.uint32), en - st - 12) ^ np.array(crcs, dtype=np.uint32)
                 chunk_of = (en - base - 1) // _SEARCH_CHUNK
                 for kb in np.unique(chunk_of).tolist():
                     sel = chunk_of == kb

@@ -54,6 +54,7 @@ import numpy as np
 from . import _fail, _fs, _syncmark
 from ._core import fixed as _k
 from ._core.groupsync import GroupSync
+from ._crcshift import crc_shift
 from ._crypto import Sealer
 from ._pack import packb
 from .errors import (
@@ -282,7 +283,7 @@ def valid_offsets_after(raw: bytes, pos: int) -> np.ndarray:
     running CRC ``C(x)`` of ``raw[:x]`` (one pass over the file, taken only at the
     candidates' body starts and ends) it is ``T_L(crc(head) ^ C(a)) ^ C(e)``, where
     ``T_L`` is the CRC register's linear map for ``L = e - a`` zero bytes, applied in
-    ``log2(L)`` table steps (``_shift_zeros``).  The verdict is the one checking each
+    ``log2(L)`` table steps (``armdb._crcshift.crc_shift``).  The verdict is the one checking each
     candidate with :func:`_parse_one` gives (tests/test_hostile_log.py compares them).
     """
     none = np.zeros(0, dtype=np.int64)
@@ -318,45 +319,8 @@ def valid_offsets_after(raw: bytes, pos: int) -> np.ndarray:
         prev = x
     c_start, c_end = prefix[where[: starts.size]], prefix[where[starts.size :]]
     heads = np.fromiter((zlib.crc32(view[p : p + _REC_HEAD.size]) for p in offsets.tolist()), np.uint32, offsets.size)
-    crcs = _shift_zeros(heads ^ c_start, blen) ^ c_end
+    crcs = crc_shift(heads ^ c_start, blen) ^ c_end
     return offsets[crcs == stored]
-
-
-_SHIFT_TABLES: list[np.ndarray] = []
-
-
-def _shift_tables() -> list[np.ndarray]:
-    """For k = 0..30: the CRC-32 register's map for ``2**k`` zero bytes as four 256-entry
-    tables (one per byte of the register; the map is linear over GF(2))."""
-    if _SHIFT_TABLES:
-        return _SHIFT_TABLES
-    mask = 0xFFFFFFFF
-    cols = np.array([~zlib.crc32(b"\0", ~(1 << j) & mask) & mask for j in range(32)], dtype=np.uint32)
-    b = np.arange(256, dtype=np.uint32)
-    tables: list[np.ndarray] = []
-    for _k in range(MAX_BODY.bit_length()):
-        tab = np.zeros((4, 256), dtype=np.uint32)
-        for i in range(4):
-            for bit in range(8):
-                tab[i] ^= np.where((b >> bit) & 1 == 1, cols[8 * i + bit], np.uint32(0))
-        tables.append(tab)
-        cols = _apply(tab, cols)  # the map for twice as many zero bytes: this one applied twice
-    _SHIFT_TABLES[:] = tables
-    return _SHIFT_TABLES
-
-
-def _apply(tab: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return tab[0][v & 0xFF] ^ tab[1][(v >> 8) & 0xFF] ^ tab[2][(v >> 16) & 0xFF] ^ tab[3][v >> 24]
-
-
-def _shift_zeros(v: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``v[i]`` run through ``lengths[i]`` zero bytes of the CRC-32 register, for every i."""
-    v = v.astype(np.uint32, copy=True)
-    for k, tab in enumerate(_shift_tables()):
-        sel = np.flatnonzero((lengths >> k) & 1)
-        if sel.size:
-            v[sel] = _apply(tab, v[sel])
-    return v
 
 
 class TxLog:
