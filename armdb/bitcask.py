@@ -2568,9 +2568,11 @@ def _check_shard(
             findings.append(f"{path}: leftover temporary file (removed on next open)")
     want = FLAG_ENCRYPTED if encrypted else 0
     heads: dict[int, _Header] = {}
+    raws: dict[int, bytes] = {}  # each data file's header: the identity its synced mark is bound to
     all_heads: dict[int, _Header | None] = {}  # with None for a zero header, as open sees them
     for fid, path in sorted(data.items()):
         raw = _read_file_header(path)
+        raws[fid] = raw
         try:
             head = _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
         except (FormatError, CorruptionError) as e:
@@ -2611,6 +2613,13 @@ def _check_shard(
         fd = fs.open(path, os.O_RDONLY)
         try:
             size = fs.size(fd)
+            mark = _syncmark.read_mark(sdir, raws[fid])[0] if head.version >= MARKED_DATA_VERSION else 0
+            if mark > size:  # open refuses the shard: synced records are gone
+                findings.append(
+                    f"{path}: the data file ends at offset {size}, below offset {mark}, which its synced mark "
+                    f"({_syncmark.MARK_NAME}) says a completed sync covered: synced records are missing, and "
+                    f"open refuses the shard"
+                )
             records: dict[int, Scanned] = {}
             scan = _Scan(fd, size, encrypted)
             for rec in scan:
@@ -2618,7 +2627,7 @@ def _check_shard(
             if scan.bad is not None:
                 valid = _ValidIndex(fd, size, scan.bad, encrypted)  # one pass for every bad record
                 nxt = valid.next_after(scan.bad)
-                cut = _tail_cut(sdir, fid, path, fd, size, head, scan.bad, encrypted) if fid == active else None
+                cut = _tail_cut(fid, path, fd, size, head, scan.bad, encrypted, mark) if fid == active else None
                 if cut is not None:
                     findings.append(cut)
                 else:
@@ -2647,16 +2656,15 @@ def _check_shard(
 
 
 def _tail_cut(
-    sdir: str, fid: int, path: str, fd: int, size: int, head: _Header, bad: int, encrypted: bool
+    fid: int, path: str, fd: int, size: int, head: _Header, bad: int, encrypted: bool, mark: int
 ) -> str | None:
     """The finding for a bad record in the active data file that open would cut (a torn
     tail, or an unsynced tail a power cut reordered), or None where open refuses it as
-    damage: :func:`_judge_bad` decides, as at open."""
+    damage: :func:`_judge_bad` decides, as at open, from the file's synced ``mark``."""
+    if mark > size:
+        return None
     f = _DataFile(fid, path, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
     try:
-        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if f.version >= MARKED_DATA_VERSION else 0
-        if mark > size:
-            return None
         dropped = _judge_bad(f, bad, encrypted, mark)
     except CorruptionError:
         return None

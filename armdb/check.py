@@ -286,46 +286,6 @@ class _Checker:
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)
-        try:
-            self.check_bitcask_marks(d)
-        except OSError as e:
-            self.add(f"{self.rel(d)}: cannot read a synced mark or data file header ({e})")
-
-    def check_bitcask_marks(self, d: str) -> None:
-        """A shard's synced mark must not lie past the end of the data file it names: open
-        refuses a shard whose active file is shorter than its mark (synced records are gone)."""
-        import zlib
-
-        from . import _syncmark
-        from .bitcask import DATA_MAGIC, FILE_HEAD, FILE_HEADER_SIZE, MARKED_DATA_VERSION
-
-        fs = self.fs
-        for sname in sorted(fs.listdir(d)):
-            sdir = os.path.join(d, sname)
-            if not sname.startswith("shard-") or not fs.isdir(sdir):
-                continue
-            if not fs.exists(os.path.join(sdir, _syncmark.MARK_NAME)):
-                continue
-            for fname in sorted(n for n in fs.listdir(sdir) if n.endswith(".data")):
-                path = os.path.join(sdir, fname)
-                fd = fs.open(path, os.O_RDONLY)
-                try:
-                    size = fs.size(fd)
-                    head = fs.pread(fd, FILE_HEADER_SIZE, 0)
-                finally:
-                    fs.close(fd)
-                if len(head) < FILE_HEADER_SIZE or head[:8] != DATA_MAGIC:
-                    continue  # reported by bitcask.check_dir
-                version = FILE_HEAD.unpack_from(head)[1]
-                if version < MARKED_DATA_VERSION or FILE_HEAD.unpack_from(head)[-1] != zlib.crc32(head[:28]):
-                    continue
-                mark = _syncmark.read_mark(sdir, head)[0]
-                if mark > size:
-                    self.add(
-                        f"{self.rel(path)}: the data file ends at offset {size}, below offset {mark}, which its "
-                        f"synced mark ({_syncmark.MARK_NAME}) says a completed sync covered: synced records are "
-                        f"missing, and open refuses the shard"
-                    )
 
     # -- queues -------------------------------------------------------------------------------
     def check_queue(self, d: str, name: str) -> dict[str, Any] | None:
