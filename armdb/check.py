@@ -226,7 +226,6 @@ class _Checker:
             self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)
-        self.check_log_marks(d)
         # What the replay would leave in each queue shard: a logged slot write must not
         # put a row id in a second slot (the queue's open refuses such a shard).
         from .replay import log_conflicts
@@ -235,30 +234,6 @@ class _Checker:
             self.findings.extend(log_conflicts(d))
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: judging the logged slot writes failed with {type(e).__name__}: {e}")
-
-    def check_log_marks(self, d: str) -> None:
-        """The log's synced mark must not lie past the end of the log file it names: open
-        refuses such a log (a completed sync covered bytes that are gone)."""
-        from . import _syncmark, txlog
-
-        for name in sorted(n for n in self.fs.listdir(d) if txlog._NAME_RE.match(n)):
-            path = os.path.join(d, name)
-            raw = self.read(path)
-            if raw is None:
-                continue
-            try:
-                _number, version = txlog._file_header_fields(raw, path)
-            except FormatError:
-                continue  # reported by txlog.check_dir
-            if version < txlog.MARKED_VERSION:
-                continue
-            mark = _syncmark.read_mark(d, raw[: txlog.FILE_HEADER_SIZE])[0]
-            if mark > len(raw):
-                self.add(
-                    f"{self.rel(path)}: the log file ends at offset {len(raw)}, below offset {mark}, which its "
-                    f"synced mark ({_syncmark.MARK_NAME}) says a completed sync covered: synced records are "
-                    f"missing, and open refuses the log"
-                )
 
     # -- Bitcask collections ---------------------------------------------------------------
     def check_bitcask(self, d: str) -> None:

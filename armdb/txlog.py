@@ -765,12 +765,10 @@ class TxLog:
         }
 
 
-def _tail_finding(raw: bytes, path: str, bad: int, directory: str) -> str:
+def _tail_finding(raw: bytes, path: str, bad: int, version: int, mark: int) -> str:
     """What open would do with the bad record at ``bad``, in check's words: cut a torn or
     unsynced tail, or refuse damage (:func:`_judge_bad` decides, as at open)."""
-    version = _file_header_fields(raw, path)[1]  # the caller checked the header
     try:
-        mark = _syncmark.read_mark(directory, raw[:FILE_HEADER_SIZE])[0] if version >= MARKED_VERSION else 0
         dropped = _judge_bad(raw, path, bad, version, mark)
     except CorruptionError as e:
         return str(e)
@@ -816,13 +814,20 @@ def check_dir(path: str) -> list[str]:
         p = os.path.join(path, name)
         raw = fs.read_file(p)
         try:
-            _check_file_header(raw, p)
+            _number, version = _file_header_fields(raw, p)
         except FormatError as e:
             findings.append(str(e))
             continue
+        mark = _syncmark.read_mark(path, raw[:FILE_HEADER_SIZE])[0] if version >= MARKED_VERSION else 0
+        if mark > len(raw):  # open refuses the log: synced records are gone
+            findings.append(
+                f"{p}: the log file ends at offset {len(raw)}, below offset {mark}, which its synced mark "
+                f"({_syncmark.MARK_NAME}) says a completed sync covered: synced records are missing, and "
+                f"open refuses the log"
+            )
         recs, _, bad = _records_at(raw, FILE_HEADER_SIZE)
         if bad is not None:
-            findings.append(_tail_finding(raw, p, bad, path))
+            findings.append(_tail_finding(raw, p, bad, version, mark))
         for offset, txid, flags, body in recs:
             rec = _Logged(txid, flags, body, p, offset)
             try:
