@@ -38,6 +38,7 @@ from .bitcask import (
     _DATA_RE,
     DATA_MAGIC,
     FILE_HEADER_SIZE,
+    MARKED_DATA_VERSION,
     META_NAME,
     PENDING_NAME,
     _appenders,
@@ -61,6 +62,7 @@ from .errors import CorruptionError, FormatError
 from .txlog import _NAME_RE, _file_header_fields, _valid_record_after, parse_records
 from .txlog import DIR as TXLOG_DIR
 from .txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
+from .txlog import MARKED_VERSION as LOG_MARKED_VERSION
 from .txlog import _judge_bad as _judge_log_bad
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
@@ -176,7 +178,7 @@ def _log_cuts(directory: str) -> list[Cut]:
         _n, bad = _log_run(raw, LOG_HEADER_SIZE)
         if bad is None:
             continue
-        mark = _syncmark.read_mark(d, raw[:LOG_HEADER_SIZE])[0] if version >= 3 else 0
+        mark = _syncmark.read_mark(d, raw[:LOG_HEADER_SIZE])[0] if version >= LOG_MARKED_VERSION else 0
         try:
             _judge_log_bad(raw, p, bad, version, mark)
             continue  # a torn or unsynced tail: open cuts it itself
@@ -235,7 +237,7 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
         if bad is None:
             return None
         f = _DataFile(appenders[-1], p, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
-        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if head.version >= 2 else 0
+        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if head.version >= MARKED_DATA_VERSION else 0
         try:
             _judge_bad(f, bad, encrypted, mark)
             return None  # a torn or unsynced tail: open cuts it itself
