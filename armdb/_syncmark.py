@@ -1,17 +1,28 @@
 """The synced mark of an appendable file (a Bitcask active data file, a log file).
 
-The mark is the offset up to which a completed ``fdatasync`` covered the file.  It
-lives in a small side file next to it (``synced.mark``: one per Bitcask shard, one
-for the log) as two 16-byte cells written alternately::
+The mark is the offset up to which a completed ``fdatasync`` covered the file (SPEC S7).
+It is kept as two 16-byte cells, written alternately::
 
     u64 mark | u32 generation | u32 crc32 (over mark, generation, BLAKE2b-64 of the identity)
 
-The identity is the appendable file's 32-byte header, so a cell left by an earlier
-file of the shard (or log) fails its CRC for the current one and is ignored, as a
-cell torn by a power cut is.  Open takes the valid cell with the highest generation.
-A cell is written only after the sync it names completed, so a mark never claims more
-than was synced; it reaches the disk with a later sync of the side file (at close),
-or not at all, which only makes open less sure (mark 0: the records' flags decide).
+The identity is the file's 32-byte header, so a cell left by another file (an earlier
+file of the shard or log, a copy) fails its CRC for this one and is ignored, as a cell
+torn by a power cut is.  Open takes the valid cell with the highest generation.
+
+Where the cells live:
+
+- In the current formats (log format 4, Bitcask data format 3) they are the file's own
+  *mark area*, the 32 bytes right after its header (:data:`AREA_OFFSET`); records start
+  after it.  A cell is written (a page-cache write) only after the sync it names
+  completed, so a mark never claims more than was synced, and the file's next
+  ``fdatasync`` carries the cell to the disk with the records, at no extra sync.  A
+  clean close syncs once more after writing the file's end into a cell.
+- Log format 3 and data format 2 kept them in a side file ``synced.mark`` next to the
+  file, synced only at a clean close.  Those files are still read (:func:`read_side`);
+  nothing appends to them any more (open starts a new file of the current format).
+
+A mark lost or stale only makes open less sure (mark 0: the records' synced-before
+flags decide); it never makes open cut what a completed sync covered.
 """
 
 from __future__ import annotations
@@ -23,12 +34,17 @@ import zlib
 
 from . import _fs
 
-MARK_NAME = "synced.mark"
+MARK_NAME = "synced.mark"  # the side file of the older formats
 CELL = struct.Struct("<QII")  # mark, generation, crc32
 CELL_SIZE = CELL.size  # 16
+IDENTITY_SIZE = 32  # the file header a cell is bound to
+AREA_OFFSET = IDENTITY_SIZE  # the mark area follows the header
+AREA_SIZE = 2 * CELL_SIZE  # 32: records of a marked file start at AREA_OFFSET + AREA_SIZE
+_GEN_WRAP = 0xFFFFFFFF
 
 
-def _cell(identity: bytes, mark: int, generation: int) -> bytes:
+def cell(identity: bytes, mark: int, generation: int) -> bytes:
+    """One cell naming ``mark`` for the file whose header is ``identity``."""
     body = struct.pack("<QI", mark, generation)
     return body + struct.pack("<I", _crc(body, identity))
 
@@ -45,17 +61,24 @@ def parse_cells(raw: bytes, identity: bytes) -> tuple[int, int]:
     ``identity``; ``(0, 0)`` when neither cell is valid (no mark known)."""
     best = (0, 0)
     for i in (0, 1):
-        cell = raw[i * CELL_SIZE : (i + 1) * CELL_SIZE]
-        if len(cell) < CELL_SIZE:
+        c = raw[i * CELL_SIZE : (i + 1) * CELL_SIZE]
+        if len(c) < CELL_SIZE:
             continue
-        mark, generation, crc = CELL.unpack(cell)
-        if crc == _crc(cell[:12], identity) and generation > best[1]:
+        mark, generation, crc = CELL.unpack(c)
+        if crc == _crc(c[:12], identity) and generation > best[1]:
             best = (mark, generation)
     return best
 
 
-def read_mark(directory: str, identity: bytes) -> tuple[int, int]:
-    """The mark stored in ``directory`` for the file whose header is ``identity``."""
+def read_area(raw: bytes) -> tuple[int, int]:
+    """``(mark, generation)`` from the mark area of a file whose first bytes are ``raw``
+    (the current formats); ``(0, 0)`` if the file is too short to hold one."""
+    return parse_cells(raw[AREA_OFFSET : AREA_OFFSET + AREA_SIZE], raw[:IDENTITY_SIZE])
+
+
+def read_side(directory: str, identity: bytes) -> tuple[int, int]:
+    """The mark stored in ``directory``'s side file for the file whose header is
+    ``identity`` (log format 3, data format 2)."""
     fs = _fs.FS
     path = os.path.join(directory, MARK_NAME)
     if not fs.exists(path):
@@ -67,65 +90,45 @@ def read_mark(directory: str, identity: bytes) -> tuple[int, int]:
     return parse_cells(raw, identity)
 
 
-def highest_generation(directory: str) -> int:
-    """The highest generation in either cell, valid or not for any identity (the next
-    cell written must be above it, whichever file it names)."""
-    fs = _fs.FS
-    path = os.path.join(directory, MARK_NAME)
-    if not fs.exists(path):
-        return 0
-    raw = fs.read_file(path)
-    gens = [CELL.unpack_from(raw, i * CELL_SIZE)[1] for i in (0, 1) if len(raw) >= (i + 1) * CELL_SIZE]
-    return max(gens, default=0)
-
-
-def drop(directory: str) -> None:
-    """Remove the mark of ``directory`` (salvage cut its file below it)."""
+def drop_side(directory: str) -> None:
+    """Remove ``directory``'s side file, if any (it names no file that is appended to
+    any more, or salvage cut its file below it)."""
     path = os.path.join(directory, MARK_NAME)
     if _fs.FS.exists(path):
         _fs.FS.unlink(path)
 
 
-class MarkWriter:
-    """Writes the mark cells of one directory's appendable file (caller serialises)."""
+def clear_area(fd: int) -> None:
+    """Zero the mark area of an open file of a current format (salvage cut the file
+    below its mark: open then judges by the records' flags alone)."""
+    _fs.FS.pwrite(fd, bytes(AREA_SIZE), AREA_OFFSET)
 
-    def __init__(self, directory: str, identity: bytes, mark: int) -> None:
-        self.path = os.path.join(directory, MARK_NAME)
+
+class MarkWriter:
+    """Writes the mark cells into the mark area of one appendable file (the caller
+    serialises calls and owns the descriptor)."""
+
+    def __init__(self, fd: int, identity: bytes, mark: int, generation: int = 0) -> None:
+        self.fd = fd
         self.identity = identity
         self.mark = mark  # the highest mark written (or read at open)
-        self.generation = highest_generation(directory)
-        self._fd = -1
+        self.generation = generation  # that of the valid cell with the highest one (0: none)
 
-    def rebind(self, identity: bytes, mark: int) -> None:
-        """The appendable file changed (rotation, a reset header): later cells name it."""
-        self.identity = identity
-        self.mark = mark
+    def rebind(self, fd: int, identity: bytes, mark: int, generation: int = 0) -> None:
+        """The appendable file changed (rotation, a reset header): later cells go to it."""
+        self.fd, self.identity, self.mark, self.generation = fd, identity, mark, generation
 
     def write(self, mark: int, *, force: bool = False) -> None:
         """Record that a completed sync covered the file up to ``mark`` (a page-cache
-        write; durable with :meth:`sync`).  Only a mark above the last one is written,
-        unless ``force`` (a clean close, which names the file's end whatever it is)."""
+        write; durable with the file's next sync).  Only a mark above the last one is
+        written, unless ``force`` (a clean close, which names the file's end whatever it
+        is).  The cell goes to the slot that does not hold the newest valid cell, so a
+        write torn by a power cut leaves that one readable."""
         if mark <= self.mark and not force:
             return
-        fs = _fs.FS
-        if self._fd < 0:
-            if fs.exists(self.path):
-                self._fd = fs.open(self.path, os.O_RDWR)
-            else:
-                # Created whole and durably, its folder entry included (SPEC D3): a
-                # durable write that synced its file must not leave an entry pending.
-                self._fd = fs.create_file(self.path, bytes(2 * CELL_SIZE))
         # u32, wrapping from 2**32 - 1 to 1: for the one write after a wrap the older
         # cell wins, whose mark is smaller, which only makes open less sure.
-        self.generation = self.generation % 0xFFFFFFFF + 1
-        fs.pwrite(self._fd, _cell(self.identity, mark, self.generation), (self.generation % 2) * CELL_SIZE)
+        generation = self.generation % _GEN_WRAP + 1
+        _fs.FS.pwrite(self.fd, cell(self.identity, mark, generation), AREA_OFFSET + (generation % 2) * CELL_SIZE)
+        self.generation = generation
         self.mark = mark
-
-    def sync(self) -> None:
-        if self._fd >= 0:
-            _fs.FS.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            _fs.FS.close(fd)

@@ -93,10 +93,14 @@ log = logging.getLogger("armdb")
 
 FORMAT_VERSION = 1  # meta, compaction marker and hint files
 # Data files: version 2 adds the synced-before flag (gsn word bit 62) and the shard's
-# synced mark (armdb._syncmark); version 1 files are still read, under the older rule.
-DATA_VERSION = 2
-DATA_READ_VERSIONS = (1, 2)
+# synced mark (then in a side file ``synced.mark``); version 3 keeps the mark in the
+# file's own mark area after its header, so each sync of the file makes the mark of the
+# previous one durable (armdb._syncmark), and its records start at DATA_START.  Version
+# 1 files are still read, under the older rule.
+DATA_VERSION = 3
+DATA_READ_VERSIONS = (1, 2, 3)
 MARKED_DATA_VERSION = 2
+AREA_MARK_DATA_VERSION = 3
 META_NAME = "collection.meta"
 PENDING_NAME = "compaction.pending"
 
@@ -111,6 +115,7 @@ META_HEAD = struct.Struct("<8sHHI16sH")
 # magic, version, flags, file_id, base_gsn, nonce, crc32(first 28 bytes)
 FILE_HEAD = struct.Struct("<8sHHIQII")
 FILE_HEADER_SIZE = FILE_HEAD.size  # 32
+DATA_START = FILE_HEADER_SIZE + _syncmark.AREA_SIZE  # 64: records of a data file of version 3 on
 # gsn_word, crc32, value_len, record magic, key_len
 REC_HEAD = struct.Struct("<QIIHH")
 REC_HEAD_SIZE = REC_HEAD.size  # 20
@@ -186,6 +191,16 @@ def _read_file_header(path: str) -> bytes:
         fs.close(fd)
 
 
+def _records_start_of(path: str) -> int:
+    """Where the records of the data file at ``path`` start, by its header's version (a
+    header that does not parse: right after the header, the earliest any version has)."""
+    try:
+        head = _parse_header(_read_file_header(path), path, DATA_MAGIC, "Bitcask data")
+    except (FormatError, CorruptionError):
+        head = None
+    return FILE_HEADER_SIZE if head is None else data_start(head.version)
+
+
 def _appenders(headers: dict[int, _Header | None], pending: set[int]) -> list[int]:
     """The data files a shard appended to, oldest first: the last is the active one.
 
@@ -204,6 +219,13 @@ def _file_header(fid: int, flags: int, base_gsn: int, nonce: int, version: int =
     return head + _U32.pack(zlib.crc32(head))
 
 
+def _new_file_head(fid: int, flags: int, base_gsn: int, nonce: int) -> bytes:
+    """What a new data file starts with: its header, then an empty mark area (a compaction
+    output is never appended to, so its area stays empty: its records are all synced
+    before it is published)."""
+    return _file_header(fid, flags, base_gsn, nonce) + bytes(_syncmark.AREA_SIZE)
+
+
 def _hint_header(fid: int, flags: int, nonce: int, identity: int) -> bytes:
     head = FILE_HEAD.pack(HINT_MAGIC, FORMAT_VERSION, flags, fid, identity, nonce, 0)[:-4]
     return head + _U32.pack(zlib.crc32(head))
@@ -214,6 +236,21 @@ def _hint_identity(data: _DataFile) -> int:
     file's header CRC (over its file id, flags, base gsn and nonce), with bit 32 set so
     that 0 still means a hint written before hints carried it."""
     return (1 << 32) | _U32.unpack_from(_data_header(data), 28)[0]
+
+
+def data_start(version: int) -> int:
+    """Where the records of a data file of format ``version`` start."""
+    return DATA_START if version >= AREA_MARK_DATA_VERSION else FILE_HEADER_SIZE
+
+
+def _synced_mark(f: _DataFile, sdir: str) -> tuple[int, int]:
+    """``(mark, generation)``: the synced mark of data file ``f`` (0: none known) from
+    its mark area (version 3), from the shard's side file (version 2), none before."""
+    if f.version >= AREA_MARK_DATA_VERSION:
+        return _syncmark.read_area(_fs.FS.pread(f.fd, DATA_START, 0))
+    if f.version >= MARKED_DATA_VERSION:
+        return _syncmark.read_side(sdir, _data_header(f))
+    return (0, 0)
 
 
 def _data_header(data: _DataFile) -> bytes:
@@ -398,6 +435,11 @@ class _DataFile:
     def compacted(self) -> bool:
         return bool(self.flags & FLAG_COMPACTED)
 
+    @property
+    def start(self) -> int:
+        """Where its records start."""
+        return data_start(self.version)
+
 
 class _HintBuilder:
     """Accumulates the hint entries of one data file and writes ``NNNNNNNN.hint``.
@@ -508,7 +550,7 @@ class _Shard:
     compact_due: bool = False  # rotated under a caller's lock: compact at the next chance
     closed: bool = False  # close closed this shard's descriptors (set under ``lock``)
     synced: int = 0  # the active file's offset that a completed sync covered
-    marks: _syncmark.MarkWriter | None = None  # writes that offset (data format 2)
+    marks: _syncmark.MarkWriter | None = None  # writes that offset into the active file's mark area
 
 
 # -- reading records ------------------------------------------------------------------------
@@ -559,7 +601,7 @@ class _Scan:
     this loop runs once per record at every open, so it avoids helper calls.
     """
 
-    def __init__(self, fd: int, size: int, encrypted: bool, start: int = FILE_HEADER_SIZE) -> None:
+    def __init__(self, fd: int, size: int, encrypted: bool, start: int) -> None:
         self.fd = fd
         self.size = size
         self.encrypted = encrypted
@@ -816,7 +858,7 @@ def _iter_hint(
         return None
     # One pass over the entries first: they must be records that tile the data file.
     pos = 0
-    off = FILE_HEADER_SIZE
+    off = data.start
     n = 0
     unpack = HINT_ENTRY.unpack_from
     esize = HINT_ENTRY.size
@@ -966,6 +1008,7 @@ class _ShardPlan:
     truncate_to: int | None = None
     torn: int = 0
     mark: int = 0  # the active file's synced mark
+    mark_generation: int = 0  # the generation of the cell it was read from
     unsynced: int = 0  # intact records in the cut tail (reordered, unsynced write-back)
     hints_to_write: dict[int, tuple[bytearray, int]] = field(default_factory=dict)
     active_hint: tuple[bytearray, int] = (bytearray(), 0)
@@ -1132,7 +1175,7 @@ class BitcaskStore:
                 # Leftovers of an interrupted creation (the meta file is written last).
                 for name in fs.listdir(sdir):
                     path = os.path.join(sdir, name)
-                    if _DATA_RE.match(name) and fs.file_size(path) > FILE_HEADER_SIZE:
+                    if _DATA_RE.match(name) and fs.file_size(path) > _records_start_of(path):
                         raise CorruptionError(
                             f"{os.path.join(directory, META_NAME)} is missing but {path} holds records; "
                             f"restore the meta file from a backup"
@@ -1141,7 +1184,7 @@ class BitcaskStore:
                     fs.unlink(os.path.join(sdir, name))
             fs.makedirs(sdir)
             path = os.path.join(sdir, _data_name(1))
-            fs.close(fs.create_file(path, _file_header(1, flags, 0, _new_nonce())))
+            fs.close(fs.create_file(path, _new_file_head(1, flags, 0, _new_nonce())))
         # Synced even without enable_fsync: creation is rare, and a meta file whose
         # rename reached the disk before its bytes would make the collection unopenable.
         fs.fsync_dir(directory)
@@ -1290,7 +1333,7 @@ class BitcaskStore:
                             f.path,
                         )
             if entries is None:
-                scan = _Scan(f.fd, f.size, self._encrypted)
+                scan = _Scan(f.fd, f.size, self._encrypted, f.start)
                 buf = bytearray()
                 count = ing.add_all(f, scan, buf)
                 if scan.bad is not None:
@@ -1302,7 +1345,7 @@ class BitcaskStore:
             else:
                 ing.add_all(f, entries, None)
             # Records tile a data file, so its record bytes are its size less the header.
-            f.total = f.size - FILE_HEADER_SIZE
+            f.total = f.size - f.start
         plan.index, plan.tombs, dead = ing.finish()
         for fid, f in plan.files.items():
             f.dead = dead.get(fid, 0)
@@ -1320,19 +1363,18 @@ class BitcaskStore:
             plan.truncate_to = 0
             f.total = 0
             return
-        scan = _Scan(f.fd, f.size, self._encrypted)
+        scan = _Scan(f.fd, f.size, self._encrypted, f.start)
         buf = bytearray()
         count = ing.add_all(f, scan, buf)
         plan.active_hint = (buf, count)
-        f.total = scan.end - FILE_HEADER_SIZE
-        if f.version >= MARKED_DATA_VERSION:
-            plan.mark = _syncmark.read_mark(plan.sdir, _data_header(f))[0]
-            if plan.mark > f.size:
-                raise CorruptionError(
-                    f"{f.path}: the data file ends at offset {f.size}, below offset {plan.mark}, which a "
-                    f"completed sync covered: synced records are missing. Restore the file from a backup. "
-                    f"{SALVAGE_HINT}"
-                )
+        f.total = scan.end - f.start
+        plan.mark, plan.mark_generation = _synced_mark(f, plan.sdir)
+        if plan.mark > f.size:
+            raise CorruptionError(
+                f"{f.path}: the data file ends at offset {f.size}, below offset {plan.mark}, which a "
+                f"completed sync covered: synced records are missing. Restore the file from a backup. "
+                f"{SALVAGE_HINT}"
+            )
         if scan.bad is not None:
             plan.unsynced = _judge_bad(f, scan.bad, self._encrypted, plan.mark)
             plan.truncate_to = scan.end
@@ -1379,8 +1421,8 @@ class BitcaskStore:
                 active.base_gsn = plan.highest
                 active.flags = flags
                 active.version = DATA_VERSION
-                fs.pwrite(active.fd, _file_header(active.fid, flags, plan.highest, active.nonce), 0)
-                active.size = FILE_HEADER_SIZE
+                fs.pwrite(active.fd, _new_file_head(active.fid, flags, plan.highest, active.nonce), 0)
+                active.size = DATA_START
             else:
                 active.size = plan.truncate_to
             if sync:
@@ -1432,9 +1474,16 @@ class BitcaskStore:
         # A data file's header is synced when the file is created (a reset header only if
         # open synced it).
         synced_now = created or (sync and plan.truncate_to is not None)
-        header = FILE_HEADER_SIZE if sync or not plan.reset_active else 0
+        header = active.start if sync or not plan.reset_active else 0
         sh.synced = active.size if synced_now else min(max(plan.mark, header), active.size)
-        sh.marks = _syncmark.MarkWriter(sdir, _data_header(active), sh.synced)
+        if active.version >= AREA_MARK_DATA_VERSION:
+            generation = 0 if plan.reset_active else plan.mark_generation
+            sh.marks = _syncmark.MarkWriter(active.fd, _data_header(active), sh.synced, generation)
+        else:
+            # An active file of an older format has no mark area: it is synced and
+            # sealed, and appends go to a new file of the current format.
+            sh.dirty = True
+            self._rotate(sh)
         return sh
 
     def _new_data_file(self, sdir: str, fid: int, flags: int, base_gsn: int, *, tmp: bool) -> _DataFile:
@@ -1448,13 +1497,13 @@ class BitcaskStore:
         fs = _fs.FS
         path = os.path.join(sdir, _data_name(fid))
         nonce = _new_nonce()
-        header = _file_header(fid, flags, base_gsn, nonce)
+        header = _new_file_head(fid, flags, base_gsn, nonce)
         if not tmp:
             try:
                 fd = fs.create_file(path, header)
             except _fs.SyncFailed as e:
                 raise self._sync_failed(e, path) from e
-            return _DataFile(fid, path, fd, FILE_HEADER_SIZE, flags, nonce, base_gsn)
+            return _DataFile(fid, path, fd, DATA_START, flags, nonce, base_gsn)
         open_path = path + ".tmp"
         fd = fs.open(open_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
@@ -1466,7 +1515,7 @@ class BitcaskStore:
             except OSError:
                 pass
             raise
-        return _DataFile(fid, path, fd, FILE_HEADER_SIZE, flags, nonce, base_gsn)
+        return _DataFile(fid, path, fd, DATA_START, flags, nonce, base_gsn)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -1635,19 +1684,18 @@ class BitcaskStore:
         sharpens open's verdict, so a failure to write it is logged, not raised."""
         act = sh.active
         sh.synced = act.size
-        if act.version >= MARKED_DATA_VERSION and sh.marks is not None:
+        if sh.marks is not None:
             try:
                 sh.marks.write(act.size)
             except OSError as e:
-                log.warning("%s: could not write the synced mark (%s); open will rely on record flags", sh.marks.path, e)
-                sh.marks.close()
+                log.warning("%s: could not write the synced mark (%s); open will rely on record flags", act.path, e)
                 sh.marks = None
 
     def _seal_mark(self, sh: _Shard) -> None:
-        """At a clean close: sync the active file, mark its end, sync the mark, so that any
+        """At a clean close: sync the active file, mark its end, sync it again, so that any
         bad byte found later in it is below the mark and refused as damage."""
         act = sh.active
-        if act.version < MARKED_DATA_VERSION or sh.marks is None:
+        if sh.marks is None:
             return
         try:
             if sh.dirty or sh.synced != act.size:
@@ -1655,9 +1703,9 @@ class BitcaskStore:
                 sh.dirty = False
             sh.synced = act.size
             sh.marks.write(act.size, force=True)
-            sh.marks.sync()
+            _fs.FS.fdatasync(act.fd)
         except OSError as e:
-            log.warning("%s: could not seal the synced mark at close (%s)", sh.marks.path, e)
+            log.warning("%s: could not seal the synced mark at close (%s)", act.path, e)
 
     def _rotate(self, sh: _Shard) -> None:
         """Seal the active file and start a new one (under ``sh.lock``)."""
@@ -1675,7 +1723,9 @@ class BitcaskStore:
         sh.active = new
         sh.synced = new.size  # created durably, header and all
         if sh.marks is not None:
-            sh.marks.rebind(_data_header(new), new.size)
+            sh.marks.rebind(new.fd, _data_header(new), new.size)
+        else:  # a failed mark write stopped marks in the old file; the new one starts afresh
+            sh.marks = _syncmark.MarkWriter(new.fd, _data_header(new), new.size)
         _fail.point("bitcask.after_rotate")
         hint, sh.hint = sh.hint, _HintBuilder(sh.sdir, new)
         try:
@@ -2206,7 +2256,7 @@ class BitcaskStore:
         if entries is not None:
             yield from entries
             return
-        scan = _Scan(f.fd, f.size, self._encrypted)
+        scan = _Scan(f.fd, f.size, self._encrypted, f.start)
         yield from scan
         if scan.bad is not None:
             raise CorruptionError(
@@ -2236,7 +2286,7 @@ class BitcaskStore:
         dropped: list[tuple[bytes, int, int]] = []
         dead_keys: set[bytes] = set()
         pending = bytearray()
-        pending_at = new_off = FILE_HEADER_SIZE
+        pending_at = new_off = DATA_START  # a new file: of the current format
         try:
             for f in inputs:
                 records = self._file_records(sh.sdir, f)
@@ -2277,7 +2327,7 @@ class BitcaskStore:
                 if pending:
                     fs.pwrite(out.fd, bytes(pending), pending_at)
                 out.size = new_off
-                out.total = new_off - FILE_HEADER_SIZE
+                out.total = new_off - out.start
                 if sync:
                     self._fsync(fs.fdatasync, out.fd, out.path + ".tmp")
                 _fail.point("compaction.after_new_file")
@@ -2448,8 +2498,7 @@ class BitcaskStore:
                         err = err or e
                 if self._poisoned is None and err is None:
                     self._seal_mark(sh)
-                if sh.marks is not None:
-                    sh.marks.close()
+                sh.marks = None
                 sh.hint.abort()
                 for f in sh.files.values():
                     try:
@@ -2568,11 +2617,9 @@ def _check_shard(
             findings.append(f"{path}: leftover temporary file (removed on next open)")
     want = FLAG_ENCRYPTED if encrypted else 0
     heads: dict[int, _Header] = {}
-    raws: dict[int, bytes] = {}  # each data file's header: the identity its synced mark is bound to
     all_heads: dict[int, _Header | None] = {}  # with None for a zero header, as open sees them
     for fid, path in sorted(data.items()):
         raw = _read_file_header(path)
-        raws[fid] = raw
         try:
             head = _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
         except (FormatError, CorruptionError) as e:
@@ -2613,15 +2660,15 @@ def _check_shard(
         fd = fs.open(path, os.O_RDONLY)
         try:
             size = fs.size(fd)
-            mark = _syncmark.read_mark(sdir, raws[fid])[0] if head.version >= MARKED_DATA_VERSION else 0
+            dummy = _DataFile(fid, path, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
+            mark = _synced_mark(dummy, sdir)[0]
             if mark > size:  # open refuses the shard: synced records are gone
                 findings.append(
                     f"{path}: the data file ends at offset {size}, below offset {mark}, which its synced mark "
-                    f"({_syncmark.MARK_NAME}) says a completed sync covered: synced records are missing, and "
-                    f"open refuses the shard"
+                    f"says a completed sync covered: synced records are missing, and open refuses the shard"
                 )
             records: dict[int, Scanned] = {}
-            scan = _Scan(fd, size, encrypted)
+            scan = _Scan(fd, size, encrypted, dummy.start)
             for rec in scan:
                 records[rec[0]] = rec
             if scan.bad is not None:
@@ -2641,7 +2688,7 @@ def _check_shard(
                             break
                         findings.append(f"{path}: corrupt record at offset {more.bad}")
                         nxt = valid.next_after(more.bad)
-            dummy = _DataFile(fid, path, -1, size, head.flags, head.nonce, head.base_gsn)
+            dummy.fd = -1
             if decode is not None:
                 _check_decode(path, fd, records, decode, findings)
         finally:

@@ -337,7 +337,7 @@ def log_conflicts(txlog_dir: str) -> list[str]:
     them); with any sealed record in the log nothing is judged (a keyless check cannot
     read what it writes)."""
     from . import seqmap
-    from .txlog import _NAME_RE, FILE_HEADER_SIZE, FLAG_SEALED, _check_file_header, _records_at, _rows
+    from .txlog import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
 
     fs = _fs.FS
     db_dir = os.path.dirname(txlog_dir)
@@ -360,10 +360,10 @@ def log_conflicts(txlog_dir: str) -> list[str]:
         path = os.path.join(txlog_dir, name)
         raw = fs.read_file(path)
         try:
-            _check_file_header(raw, path)
+            _number, version = _file_header_fields(raw, path)
         except Exception:  # noqa: BLE001 - reported by txlog.check_dir
             continue
-        recs, _, _ = _records_at(raw, FILE_HEADER_SIZE)
+        recs, _, _ = _records_at(raw, records_start(version))
         for offset, _txid, flags, body in recs:
             if flags & FLAG_SEALED:
                 return []

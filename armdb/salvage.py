@@ -36,14 +36,12 @@ from dataclasses import dataclass, field
 from . import _fs, _syncmark
 from .bitcask import (
     _DATA_RE,
+    AREA_MARK_DATA_VERSION,
     DATA_MAGIC,
-    FILE_HEADER_SIZE,
-    MARKED_DATA_VERSION,
     META_NAME,
     PENDING_NAME,
     _appenders,
     _check_pending,
-    _data_header,
     _data_name,
     _DataFile,
     _decode_meta,
@@ -55,14 +53,22 @@ from .bitcask import (
     _read_file_header,
     _Scan,
     _shard_dir,
+    _synced_mark,
     _ValidIndex,
+    data_start,
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
-from .txlog import _NAME_RE, _file_header_fields, _valid_record_after, parse_records
+from .txlog import (
+    _NAME_RE,
+    AREA_MARK_VERSION,
+    _file_header_fields,
+    _valid_record_after,
+    parse_records,
+    records_start,
+    synced_mark,
+)
 from .txlog import DIR as TXLOG_DIR
-from .txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
-from .txlog import MARKED_VERSION as LOG_MARKED_VERSION
 from .txlog import _judge_bad as _judge_log_bad
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
@@ -175,10 +181,10 @@ def _log_cuts(directory: str) -> list[Cut]:
             _number, version = _file_header_fields(raw, p)
         except FormatError:
             continue  # open ignores a torn header without records, and refuses any other: not S7
-        _n, bad = _log_run(raw, LOG_HEADER_SIZE)
+        _n, bad = _log_run(raw, records_start(version))
         if bad is None:
             continue
-        mark = _syncmark.read_mark(d, raw[:LOG_HEADER_SIZE])[0] if version >= LOG_MARKED_VERSION else 0
+        mark = synced_mark(raw, version, d)
         try:
             _judge_log_bad(raw, p, bad, version, mark)
             continue  # a torn or unsynced tail: open cuts it itself
@@ -233,11 +239,11 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
     fd = fs.open(p, os.O_RDONLY)
     try:
         size = fs.size(fd)
-        _n, bad = _data_run(fd, size, encrypted, FILE_HEADER_SIZE)
+        _n, bad = _data_run(fd, size, encrypted, data_start(head.version))
         if bad is None:
             return None
         f = _DataFile(appenders[-1], p, fd, size, head.flags, head.nonce, head.base_gsn, version=head.version)
-        mark = _syncmark.read_mark(sdir, _data_header(f))[0] if head.version >= MARKED_DATA_VERSION else 0
+        mark = _synced_mark(f, sdir)[0]
         try:
             _judge_bad(f, bad, encrypted, mark)
             return None  # a torn or unsynced tail: open cuts it itself
@@ -282,6 +288,17 @@ def _read_header(path: str) -> _Header | None:
         return None
 
 
+def _has_mark_area(directory: str, rel: str, fd: int) -> bool:
+    """Whether the file ``rel`` (a log file or a data file, open as ``fd``) keeps its synced
+    mark in its own mark area."""
+    raw = _fs.FS.pread(fd, 32, 0)
+    path = os.path.join(directory, rel)
+    if rel.split(os.sep)[0] == TXLOG_DIR:
+        return _file_header_fields(raw, path)[1] >= AREA_MARK_VERSION
+    head = _parse_header(raw, path, DATA_MAGIC, "Bitcask data")
+    return head is not None and head.version >= AREA_MARK_DATA_VERSION
+
+
 def _cut(directory: str, c: Cut) -> Cut:
     """Keep the bytes after ``c.offset`` in ``salvaged/``, durably, then cut the file there."""
     fs = _fs.FS
@@ -293,11 +310,13 @@ def _cut(directory: str, c: Cut) -> Cut:
     try:
         tail = fs.pread(fd, c.dropped_bytes, c.offset)
         fs.write_file_atomic(kept, tail)  # before the cut: a crash in between loses nothing
+        # The file's synced mark may lie past the cut: open would take the cut for lost
+        # synced bytes.  Without a mark, open judges by the records' flags.
+        if _has_mark_area(directory, c.path, fd):
+            _syncmark.clear_area(fd)
         fs.ftruncate(fd, c.offset)
         fs.fsync(fd)
     finally:
         fs.close(fd)
-    # The synced mark of the file's folder may lie past the cut: open would take the
-    # cut for lost synced bytes.  Without a mark, open judges by the records' flags.
-    _syncmark.drop(os.path.dirname(path))
+    _syncmark.drop_side(os.path.dirname(path))  # (older formats kept the mark beside the file)
     return Cut(c.path, c.offset, c.next_valid, c.dropped_bytes, c.dropped_records, _rel(directory, kept))

@@ -1,7 +1,9 @@
 """The transaction log: one CRC-protected record per commit, appended before it is applied (SPEC T2-T5).
 
 Files: ``<db>/txlog/NNNNNNNN.log``.  A file starts with a 32-byte header
-(``b"ARMTXLG1"``, format version, file number, CRC); records follow, each
+(``b"ARMTXLG1"``, format version, file number, CRC) and the 32-byte mark area that
+holds its synced mark (armdb._syncmark); records follow from offset 64
+(:data:`RECORDS_START`; from offset 32 in files of format 3 and older), each
 8-byte aligned::
 
     u32 magic 0x314E5854 ("TXN1") | u32 flags (bit 0: body sealed) | u64 txid
@@ -77,15 +79,19 @@ DIR = "txlog"
 FILE_MAGIC = b"ARMTXLG1"
 # Version 2 binds sealed bodies to the database (their AAD holds the database id from
 # db.meta); version 1 files (AAD: the txid alone) are still read, and replayed as such.
-# Version 3 adds the synced-before record flag and the synced mark (``txlog/synced.mark``,
-# armdb._syncmark): open cuts a bad record that neither proves was synced.  Versions 1
-# and 2 keep the older rule (any bad record with a valid one after it is refused).
-FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# Version 3 adds the synced-before record flag and the synced mark (then in a side file
+# ``txlog/synced.mark``): open cuts a bad record that neither proves was synced.  Version
+# 4 keeps the mark in the file's own mark area, so each sync of the file makes the mark
+# of the previous one durable (armdb._syncmark).  Versions 1 and 2 keep the older rule
+# (any bad record with a valid one after it is refused).
+FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 MARKED_VERSION = 3
+AREA_MARK_VERSION = 4
 _AAD_PREFIX = b"armdb.txlog\x00"
 _FILE_HEAD = struct.Struct("<8sIIQ")  # magic, version, flags, file number; then crc32, pad to 32
 FILE_HEADER_SIZE = 32
+RECORDS_START = FILE_HEADER_SIZE + _syncmark.AREA_SIZE  # 64, in files of AREA_MARK_VERSION on
 REC_MAGIC = 0x314E5854
 _REC_HEAD = struct.Struct("<IIQI")  # magic, flags, txid, body_len; then crc32
 REC_HEAD_SIZE = _REC_HEAD.size + 4  # 24
@@ -101,6 +107,21 @@ def _file_header(number: int) -> bytes:
     head = _FILE_HEAD.pack(FILE_MAGIC, FORMAT_VERSION, 0, number)
     head += struct.pack("<I", zlib.crc32(head))
     return head + bytes(FILE_HEADER_SIZE - len(head))
+
+
+def records_start(version: int) -> int:
+    """Where the records of a log file of format ``version`` start."""
+    return RECORDS_START if version >= AREA_MARK_VERSION else FILE_HEADER_SIZE
+
+
+def synced_mark(raw: bytes, version: int, directory: str) -> int:
+    """The synced mark of the log file whose bytes are ``raw`` (0: none known): from its
+    mark area (format 4), from the log's side file (format 3), none before."""
+    if version >= AREA_MARK_VERSION:
+        return _syncmark.read_area(raw)[0]
+    if version >= MARKED_VERSION:
+        return _syncmark.read_side(directory, raw[:FILE_HEADER_SIZE])[0]
+    return 0
 
 
 def _check_file_header(raw: bytes, path: str) -> int:
@@ -392,16 +413,14 @@ class TxLog:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
-            recs, _end, bad = _records_at(raw, FILE_HEADER_SIZE)
-            mark = 0
-            if version >= MARKED_VERSION:
-                mark = _syncmark.read_mark(self.dir, raw[:FILE_HEADER_SIZE])[0]
-                if mark > len(raw):
-                    raise CorruptionError(
-                        f"{path}: the log file ends at offset {len(raw)}, below offset {mark}, which a completed "
-                        f"sync covered: synced records are missing. Restore the database from a backup. "
-                        f"{SALVAGE_HINT}"
-                    )
+            recs, _end, bad = _records_at(raw, records_start(version))
+            mark = synced_mark(raw, version, self.dir)
+            if mark > len(raw):
+                raise CorruptionError(
+                    f"{path}: the log file ends at offset {len(raw)}, below offset {mark}, which a completed "
+                    f"sync covered: synced records are missing. Restore the database from a backup. "
+                    f"{SALVAGE_HINT}"
+                )
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
@@ -434,6 +453,8 @@ class TxLog:
             self._retained, old = old, []
         self._start_file(files[-1][0] + 1 if files else 1)
         self._unlink(old)
+        if not self._retained:  # no file of format 3 is left to read it
+            _syncmark.drop_side(self.dir)
         if records:
             self._next_txid = max(r.txid for r in records) + 1
 
@@ -522,30 +543,32 @@ class TxLog:
         fs = _fs.FS
         path = os.path.join(self.dir, f"{number:08d}.log")
         head = _file_header(number)
-        fd = fs.create_file(path, head)
-        if self._fd >= 0:
-            fs.close(self._fd)
-        self._fd, self._path, self._number = fd, path, number
-        self._end = FILE_HEADER_SIZE
-        self._group.reset(fd, FILE_HEADER_SIZE)
+        fd = fs.create_file(path, head + bytes(_syncmark.AREA_SIZE))  # durably, header and empty mark area
+        # Under _mark_lock: a sync that just finished may be writing its mark into the
+        # old file (_note_synced), which must not find its descriptor closed or reused.
         with self._mark_lock:
+            if self._fd >= 0:
+                fs.close(self._fd)
+            self._fd, self._path, self._number = fd, path, number
+            self._end = RECORDS_START
+            self._group.reset(fd, RECORDS_START)
             if self._marks is None:
-                self._marks = _syncmark.MarkWriter(self.dir, head, FILE_HEADER_SIZE)
+                self._marks = _syncmark.MarkWriter(fd, head, RECORDS_START)
             else:
-                self._marks.rebind(head, FILE_HEADER_SIZE)
+                self._marks.rebind(fd, head, RECORDS_START)
 
     def _note_synced(self) -> None:
-        """Record in the synced mark what the last completed sync covered.  The mark
-        only sharpens open's verdict, so a failure to write it is logged, not raised."""
+        """Record in the synced mark what the last completed sync covered (the file's
+        next sync makes it durable).  The mark only sharpens open's verdict, so a failure
+        to write it is logged, not raised, and later syncs no longer write one."""
         with self._mark_lock:
             marks = self._marks
-            if marks is None:
+            if marks is None or self._fd < 0:
                 return
             try:
                 marks.write(self._group.synced)
             except OSError as e:
-                log.warning("%s: could not write the log's synced mark (%s); open will rely on record flags", marks.path, e)
-                marks.close()
+                log.warning("%s: could not write the log's synced mark (%s); open will rely on record flags", self._path, e)
                 self._marks = None
 
     def _unlink(self, old: list[str]) -> None:
@@ -679,9 +702,9 @@ class TxLog:
                     self._idle_waiting -= 1
                 if self.pending or self.poisoned is not None or self._fd < 0:  # (_fd: closed)
                     return
-                if self._end == FILE_HEADER_SIZE and not self._retained:
+                if self._end == RECORDS_START and not self._retained:
                     return
-                if self._end > FILE_HEADER_SIZE:
+                if self._end > RECORDS_START:
                     current = self._path
                     self._start_file(self._number + 1)
                     self._retained.append(current)
@@ -712,21 +735,21 @@ class TxLog:
         its stores are closed).  A checkpoint racing it then does nothing, and an append
         raises ``DbClosed``: neither uses the closed descriptor nor starts a new file."""
         with self._ckpt_lock, self._lock:
+            if self._fd >= 0 and self.poisoned is None:
+                self._seal_mark()
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        """Close the log file (caller holds ``_lock``); under ``_mark_lock``, so that no
+        mark is being written into it meanwhile (:meth:`_start_file`)."""
+        with self._mark_lock:
             if self._fd >= 0:
-                if self.poisoned is None:
-                    self._seal_mark()
                 _fs.FS.close(self._fd)
                 self._fd = -1
-            self._close_marks()
-
-    def _close_marks(self) -> None:
-        with self._mark_lock:
-            if self._marks is not None:
-                self._marks.close()
-                self._marks = None
+            self._marks = None
 
     def _seal_mark(self) -> None:
-        """At a clean close: sync the file, mark its end, sync the mark, so that any bad
+        """At a clean close: sync the file, mark its end, sync again, so that any bad
         byte found later in this file is below the mark and refused as damage."""
         fs = _fs.FS
         with self._mark_lock:
@@ -736,9 +759,9 @@ class TxLog:
             try:
                 fs.fdatasync(self._fd)
                 marks.write(self._end, force=True)
-                marks.sync()
+                fs.fdatasync(self._fd)
             except OSError as e:
-                log.warning("%s: could not seal the log's synced mark at close (%s)", marks.path, e)
+                log.warning("%s: could not seal the log's synced mark at close (%s)", self._path, e)
 
     def close(self) -> None:
         if self._fd < 0:
@@ -750,9 +773,7 @@ class TxLog:
                     self._seal_mark()
         finally:
             with self._lock:
-                _fs.FS.close(self._fd)
-                self._fd = -1
-            self._close_marks()
+                self._close_fd()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -818,14 +839,13 @@ def check_dir(path: str) -> list[str]:
         except FormatError as e:
             findings.append(str(e))
             continue
-        mark = _syncmark.read_mark(path, raw[:FILE_HEADER_SIZE])[0] if version >= MARKED_VERSION else 0
+        mark = synced_mark(raw, version, path)
         if mark > len(raw):  # open refuses the log: synced records are gone
             findings.append(
                 f"{p}: the log file ends at offset {len(raw)}, below offset {mark}, which its synced mark "
-                f"({_syncmark.MARK_NAME}) says a completed sync covered: synced records are missing, and "
-                f"open refuses the log"
+                f"says a completed sync covered: synced records are missing, and open refuses the log"
             )
-        recs, _, bad = _records_at(raw, FILE_HEADER_SIZE)
+        recs, _, bad = _records_at(raw, records_start(version))
         if bad is not None:
             findings.append(_tail_finding(raw, p, bad, version, mark))
         for offset, txid, flags, body in recs:

@@ -19,11 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from armdb import _fail, _fs
+from armdb import _fail, _fs, _syncmark
 from armdb._core.fixed import bitcask_record, hint_append
-from armdb.bitcask import FILE_HEADER_SIZE, HINT_ENTRY, RECORD_MAGIC, BitcaskStore, check_dir
+from armdb.bitcask import DATA_START, HINT_ENTRY, RECORD_MAGIC, BitcaskStore, check_dir
 from armdb.config import Config
 from armdb.errors import ConfigError, CorruptionError, FormatError, PayloadTypeError, StorageError
+
+from . import marks
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = 64 * 1024  # the smallest max_file_size the builder accepts
@@ -62,7 +64,7 @@ def record_offsets(path: Path) -> list[tuple[int, int]]:
     """(offset, size) of each record, parsed independently of the engine (docs/format_bitcask.md)."""
     raw = path.read_bytes()
     out = []
-    pos = FILE_HEADER_SIZE
+    pos = DATA_START
     while pos + 20 <= len(raw):
         _, _, vlen, magic, klen = struct.unpack_from("<QIIHH", raw, pos)
         if magic != 0xB17C:
@@ -152,15 +154,20 @@ def test_s6_record_layout_is_byte_exact(tmp_path: Path) -> None:
     (f,) = data_files(tmp_path / "c")
     raw = f.read_bytes()
     magic, version, flags, fid, base, _nonce, crc = struct.unpack_from("<8sHHIQII", raw)
-    assert (magic, version, flags, fid, base) == (b"ARMDBBCD", 2, 0, 1, 0)
+    assert (magic, version, flags, fid, base) == (b"ARMDBBCD", 3, 0, 1, 0)
     assert crc == zlib.crc32(raw[:28])
-    rec = raw[32:64]
+    # The mark area (SPEC S7): two 16-byte cells; the clean close sealed the file's end
+    # into one of them, bound to the header by its CRC.
+    cells = [struct.unpack_from("<QII", raw, 32 + 16 * i) for i in (0, 1)]
+    assert max(cells, key=lambda c: c[1])[0] == len(raw)
+    assert _syncmark.read_area(raw) == max((c[0], c[1]) for c in cells if c[1])
+    rec = raw[64:96]
     g, rcrc, vlen, rmagic, klen = struct.unpack_from("<QIIHH", rec)
     # Bit 62: synced before (the file was created durably, nothing came before it; S7).
     assert (g, vlen, rmagic, klen) == (gsn | (1 << 62), 5, 0xB17C, 3)
     assert rec[20:28] == b"keyvalue" and rec[28:32] == bytes(4)  # padded to 8
     assert rcrc == zlib.crc32(rec[12:28], zlib.crc32(rec[:8]))
-    tomb = raw[64:]
+    tomb = raw[96:]
     g2, _, vlen2, _, klen2 = struct.unpack_from("<QIIHH", tomb)
     assert g2 == (1 << 63) | (gsn + 1) and vlen2 == 0 and klen2 == 3 and len(tomb) == 24
 
@@ -229,7 +236,7 @@ def _make_tail_store(path: Path, *, clean_close: bool = False) -> list[tuple[byt
         for k, v in pairs:
             st.put(k, v)
     if not clean_close:
-        (path / "shard-000" / "synced.mark").unlink()
+        marks.clear(marks.active_data_file(path / "shard-000"))
     return pairs
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from armdb._crypto import OVERHEAD, Sealer
-from armdb.bitcask import FILE_HEADER_SIZE, BitcaskStore, check_dir
+from armdb.bitcask import DATA_START, BitcaskStore, check_dir
 from armdb.config import Config
 from armdb.errors import ConfigError, CorruptionError, EncryptionKeyRequired, WrongKey
 from armdb.maps import Map
@@ -58,7 +58,7 @@ def records(path: Path) -> list[tuple[int, int, int, int]]:
     """(offset, key_len, value_len, size) of each record in a data file."""
     raw = path.read_bytes()
     out = []
-    pos = FILE_HEADER_SIZE
+    pos = DATA_START
     while pos + 20 <= len(raw):
         _, _, vlen, magic, klen = struct.unpack_from("<QIIHH", raw, pos)
         if magic != 0xB17C:

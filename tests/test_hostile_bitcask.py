@@ -18,6 +18,7 @@ import pytest
 from armdb import _fs, bitcask
 from armdb._core.fixed import bitcask_record
 from armdb.bitcask import (
+    DATA_START,
     FILE_HEADER_SIZE,
     RECORD_MAGIC,
     BitcaskStore,
@@ -87,8 +88,8 @@ def test_s7_torn_or_damage_search_is_linear_on_a_crafted_active_file(tmp_path: P
     finally:
         store.close()
     assert elapsed < 3.0, f"open of a 1 MiB crafted active file took {elapsed:.2f} s"
-    # No valid record follows the first bad one: it was a torn tail, cut at offset 32.
-    assert (shard(coll) / "00000001.data").stat().st_size == FILE_HEADER_SIZE
+    # No valid record follows the first bad one: it was a torn tail, cut where records start.
+    assert (shard(coll) / "00000001.data").stat().st_size == DATA_START
 
 
 def test_s7_linear_search_still_finds_a_valid_record_among_crafted_candidates(tmp_path: Path) -> None:

@@ -371,7 +371,7 @@ def crafted_log(size: int, *, valid_at_end: bool = False) -> bytes:
     tail = txlog.encode_record(3, b"tail", txlog.FLAG_SYNCED_BEFORE) if valid_at_end else b""
     end = size - len(tail)
     end -= end % 8
-    for p in range(txlog.FILE_HEADER_SIZE, end - txlog.REC_HEAD_SIZE, 24):
+    for p in range(txlog.RECORDS_START, end - txlog.REC_HEAD_SIZE, 24):
         struct.pack_into("<IIQI", raw, p, txlog.REC_MAGIC, 0, 1, size - p - txlog.REC_HEAD_SIZE)
     raw[end : end + len(tail)] = tail
     return bytes(raw[:size])
@@ -394,7 +394,7 @@ def _reference_valid_record_after(raw: bytes, pos: int) -> int | None:
         p = raw.find(magic, p)
         if p < 0:
             return None
-        if (p - txlog.FILE_HEADER_SIZE) % 8 == 0 and txlog._parse_one(raw, p) is not None:
+        if (p - txlog.RECORDS_START) % 8 == 0 and txlog._parse_one(raw, p) is not None:
             return p
         p += 1
 
@@ -411,7 +411,7 @@ def test_s7_torn_tail_search_on_a_crafted_1mib_log_is_linear(
     monkeypatch.setattr(txlog, "zlib", counter)
     t0 = time.monotonic()
     if valid_at_end:
-        with pytest.raises(CorruptionError, match="offset 32"):
+        with pytest.raises(CorruptionError, match=f"offset {txlog.RECORDS_START} "):
             armdb.Db.open(db)
     else:
         armdb.Db.open(db).close()
@@ -440,7 +440,7 @@ def test_s7_linear_search_gives_the_verdicts_of_the_per_candidate_search() -> No
             want = _reference_valid_record_after(data, pos)
             hits += want is not None
             assert txlog._valid_record_after(data, pos) == want
-            first = pos + 8 + (-(pos + 8 - txlog.FILE_HEADER_SIZE) % 8)
+            first = pos + 8 + (-(pos + 8 - txlog.RECORDS_START) % 8)
             every = [p for p in range(first, len(data), 8) if txlog._parse_one(data, p) is not None]
             assert txlog.valid_offsets_after(data, pos).tolist() == every
     assert hits > 100
@@ -480,7 +480,7 @@ def _sealed_commit_records(path: Path) -> bytes:
     with armdb.Db.open(path, tx_config=tx) as d:
         m = d.open_map("docs")
         d.tx().put(m, "stolen", "from A").commit()
-        return log_file(path).read_bytes()[txlog.FILE_HEADER_SIZE :]
+        return log_file(path).read_bytes()[txlog.RECORDS_START :]
 
 
 def test_t4_sealed_record_of_another_database_does_not_replay(tmp_path: Path) -> None:
@@ -492,7 +492,7 @@ def test_t4_sealed_record_of_another_database_does_not_replay(tmp_path: Path) ->
         f.write(records)
     refuse(b, tmp_path, tx=TxConfig(log_encryption_key=LOGKEY), match="another database|damaged")
     with open(log_file(b), "r+b") as f:
-        f.truncate(txlog.FILE_HEADER_SIZE)
+        f.truncate(txlog.RECORDS_START)
     with armdb.Db.open(b, tx_config=TxConfig(log_encryption_key=LOGKEY)) as d:
         assert "stolen" not in d.open_map("docs")
 
@@ -551,13 +551,13 @@ def test_d5_version_1_database_and_sealed_log_still_open_and_are_upgraded(tmp_pa
         assert d.open_map("docs").get("old") == "sealed v1"
     meta = check_meta((db / META_FILE).read_bytes(), "db.meta")
     assert len(meta.db_id) == 16 and meta.log_key_check
-    assert struct.unpack_from("<I", log_file(db).read_bytes(), 8)[0] == txlog.FORMAT_VERSION == 3
+    assert struct.unpack_from("<I", log_file(db).read_bytes(), 8)[0] == txlog.FORMAT_VERSION == 4
     with pytest.raises(WrongKey, match="log key"):
         armdb.Db.open(db, tx_config=TxConfig(log_encryption_key=OTHER_LOGKEY))
     assert armdb.check(db).ok
 
 
-@pytest.mark.parametrize("version", [0, 4, 99])
+@pytest.mark.parametrize("version", [0, 5, 99])
 def test_d5_log_file_of_an_unknown_version_is_a_format_error(tmp_path: Path, version: int) -> None:
     db = tmp_path / "db"
     make_db(db)

@@ -210,10 +210,10 @@ def test_q9_q12_dataclass_that_now_rejects_a_stored_value_is_dead_lettered_alone
 
 def _records(raw: bytes) -> list[tuple[int, int, int]]:
     """(offset, key field length, value field length) of each record of a Bitcask data file."""
-    from armdb.bitcask import FILE_HEADER_SIZE
+    from armdb.bitcask import DATA_START
 
     out = []
-    pos = FILE_HEADER_SIZE
+    pos = DATA_START
     while pos + 20 <= len(raw):
         _, _, vlen, magic, klen = struct.unpack_from("<QIIHH", raw, pos)
         if magic != 0xB17C:

@@ -19,11 +19,13 @@ import pytest
 
 import armdb
 from armdb import Config, Db
-from armdb.bitcask import _Scan
+from armdb.bitcask import DATA_START, _Scan
 from armdb.cli import main
 from armdb.errors import CorruptionError, DbLocked, FormatError
-from armdb.txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
+from armdb.txlog import RECORDS_START as LOG_HEADER_SIZE
 from armdb.txlog import _parse_one
+
+from . import marks
 
 MAP_CFG = Config.balanced().shard_count(1).enable_fsync(False).build()
 
@@ -35,7 +37,7 @@ def _map_file(db_path: Path) -> Path:
 def _record_offsets(path: Path) -> list[int]:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return [rec[0] for rec in _Scan(fd, os.fstat(fd).st_size, False)]
+        return [rec[0] for rec in _Scan(fd, os.fstat(fd).st_size, False, DATA_START)]
     finally:
         os.close(fd)
 
@@ -104,7 +106,7 @@ def test_s7_salvage_leaves_a_torn_tail_to_open(tmp_path: Path) -> None:
     # sync leaves it; a clean close would mark it synced): a torn tail, which open cuts
     # by itself (S7).
     path, _hole_at, _tail = _map_with_hole(tmp_path, n=5, hole=4)
-    (_map_file(path).parent / "synced.mark").unlink()
+    marks.clear(_map_file(path))
     assert armdb.salvage(path).cuts == []
     with Db.open(path) as db:
         m = db.open_map("m", MAP_CFG)

@@ -428,7 +428,7 @@ def test_t2_corrupt_record_before_valid_one_raises(db_path):
     assert r.returncode == 86
     (log_file,) = sorted((db_path / "txlog").glob("*.log"))
     raw = bytearray(log_file.read_bytes())
-    head = armdb.txlog.FILE_HEADER_SIZE
+    head = armdb.txlog.RECORDS_START
     raw[head + 30] ^= 0xFF  # inside the first record's body
     log_file.write_bytes(bytes(raw))
     with pytest.raises(armdb.CorruptionError, match="offset"):
@@ -449,7 +449,7 @@ def test_s7_unsynced_corrupt_record_before_valid_one_is_cut(db_path):
     assert r.returncode == 86
     (log_file,) = sorted((db_path / "txlog").glob("*.log"))
     raw = bytearray(log_file.read_bytes())
-    head = armdb.txlog.FILE_HEADER_SIZE
+    head = armdb.txlog.RECORDS_START
     second = head + armdb.txlog.REC_HEAD_SIZE + struct.unpack_from("<I", raw, head + 16)[0]
     second += -(second - head) % 8
     raw[second + 30] ^= 0xFF  # inside the second record's body; the first was flagged

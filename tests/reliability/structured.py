@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import random
 import struct
 import zlib
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "pending": ("magic", "version", "reserved", "count", "fid"),
     "seqmap": ("magic", "version", "length", "body", "value", "name", "extra"),
     "lock_file": ("entry", "content"),
-    "synced_mark": ("mark", "generation", "binding", "size"),
+    "synced_mark": ("mark", "generation", "binding", "area"),
 }
 
 # Kinds whose content must never change what an open serves: a hint is a cache, and a
@@ -268,7 +269,7 @@ class BcRecord:
 
 def parse_bitcask(raw: bytes) -> list[BcRecord]:
     out = []
-    pos = bitcask.FILE_HEADER_SIZE
+    pos = bitcask.DATA_START
     while pos + bitcask.REC_HEAD_SIZE <= len(raw):
         gw, _crc_, vlen, magic, klen = bitcask.REC_HEAD.unpack_from(raw, pos)
         if magic != bitcask.RECORD_MAGIC:
@@ -355,7 +356,7 @@ def golden_info(name: str, root: str, queues: dict[str, bool], maps: list[str]) 
     log_version = struct.unpack_from("<I", raw, 8)[0]
     parts = _db_meta_parts(_read(root, "db.meta"))
     db_id = parts[3] if parts is not None else b""
-    recs = txlog.parse_records(raw, txlog.FILE_HEADER_SIZE)[0]
+    recs = txlog.parse_records(raw, txlog.RECORDS_START)[0]
     template: list[tuple[int, int, list[Any]]] = []
     for txid, flags, body in recs:
         plain = _LOG_SEALER.open(body, _log_aad(log_version, db_id, txid)) if flags & txlog.FLAG_SEALED else body
@@ -455,13 +456,13 @@ def _encode_log_record(txid: int, flags: int, body: bytes, *, magic: int = txlog
 
 def _log_file(info: GoldenInfo, header: bytes | None, records: list[bytes]) -> bytes:
     raw = _read(info.root, info.log_rel)
-    head = raw[: txlog.FILE_HEADER_SIZE] if header is None else header
+    head = raw[: txlog.RECORDS_START] if header is None else header
     return head + b"".join(records)
 
 
 def _seal_log_crcs(buf: bytearray) -> None:
     """Recompute the CRC of every record in a log file (stated lengths, clipped)."""
-    pos = txlog.FILE_HEADER_SIZE
+    pos = txlog.RECORDS_START
     while pos + txlog.REC_HEAD_SIZE <= len(buf):
         _m, _f, _t, bl = struct.unpack_from("<IIQI", buf, pos)
         end = min(len(buf), pos + 24 + bl)
@@ -1192,8 +1193,8 @@ class BitcaskRecord(Crafter):
         rec = encode_bitcask_record(gw, kf, vf, magic=magic, klen=klen, vlen=vlen, pad=pad)
         b = bytearray(raw[: r.off] + rec + raw[r.off + r.size :])
         _reseal_bitcask_crc(b, r.off)
+        _shift_marks(b, r.off, len(b) - len(raw))
         out = {rel: bytes(b)}
-        out.update(_shift_marks(info, rel, r.off, len(b) - len(raw)))
         if field == "tail":
             b += _bitcask_tail(len(b), value, enc)
             out[rel] = bytes(b)
@@ -1376,7 +1377,7 @@ class LogHeader(Crafter):
             number = value
         head = struct.pack("<8sIIQ", magic, version, flags, number)
         head = head + _U32.pack(_crc(head))
-        head += bytes(txlog.FILE_HEADER_SIZE - len(head))
+        head += bytes(txlog.RECORDS_START - len(head))
         return {target: _log_file(info, head, _template_records(info))}
 
 
@@ -1526,51 +1527,52 @@ class LockFile(Crafter):
 
 
 class SyncedMark(Crafter):
-    """``synced.mark`` (a shard's or the log's): two 16-byte cells ``u64 mark | u32
-    generation | u32 CRC-32 of the 12 bytes and the BLAKE2b-64 digest of the appendable
-    file's header``.  The crafted cell is made the newest (unless its generation is the
-    field) and bound to the file the golden's cells are bound to."""
+    """The synced mark area of a log file (format 4) or a Bitcask data file (format 3):
+    bytes 32-63, two 16-byte cells ``u64 mark | u32 generation | u32 CRC-32 of the 12
+    bytes and the BLAKE2b-64 digest of the file's 32-byte header``.  The crafted cell is
+    made the newest (unless its generation is the field) and bound to its own file's
+    header (unless the binding is the field)."""
 
     kind = "synced_mark"
 
     def targets(self, info: GoldenInfo) -> list[str]:
-        return [f"{f}#{c}" for f in info.files if os.path.basename(f) == "synced.mark" for c in (0, 1)]
+        return [
+            f"{f}#{c}"
+            for f in info.files
+            if f.endswith((".log", ".data")) and _has_mark_area(f, _read(info.root, f))
+            for c in (0, 1)
+        ]
 
     def _ctx(self, info: GoldenInfo, target: str) -> tuple[str, bytes, int, bytes, list[str]]:
         rel, cell = _split(target)
         raw = _read(info.root, rel)
         d = os.path.dirname(rel)
-        appendable = sorted(f for f in info.files if os.path.dirname(f) == d and f.endswith((".log", ".data")))
-        heads = {f: _read(info.root, f)[:32] for f in appendable}
-        bound = None
-        for c in range(len(raw) // 16):
-            for f, h in heads.items():
-                if _U32.unpack_from(raw, 16 * c + 12)[0] == _crc(raw[16 * c : 16 * c + 12] + _digest8(h)):
-                    bound = f
-        if bound is None:  # no valid cell: the newest log file, or the shard's active data file
-            logs = [f for f in appendable if f.endswith(".log")]
-            bound = logs[-1] if logs else next((f for f in reversed(appendable) if _is_active(info, f)), appendable[-1])
-        return rel, raw.ljust(32, b"\0"), cell, heads[bound], [f for f in appendable if f != bound]
+        others = sorted(f for f in info.files if os.path.dirname(f) == d and f.endswith((".log", ".data")) and f != rel)
+        return rel, raw, cell, raw[:32], others
 
     def values(self, info: GoldenInfo, target: str, field: str) -> list[tuple[str, Any]]:
         rel, raw, cell, _head, others = self._ctx(info, target)
-        mark, gen, _c = struct.unpack_from("<QII", raw, 16 * cell)
+        mark, gen, _c = struct.unpack_from("<QII", raw, _MARK_AREA + 16 * cell)
         if field == "mark":
-            bound_size = max(mark, 32)
-            return int_values(64, (mark - 1, mark + 1, mark + 8, bound_size + 4096))
+            return int_values(64, (mark - 1, mark + 1, mark + 8, len(raw) - 1, len(raw) + 4096))
         if field == "generation":
             return int_values(32, (gen - 1, gen + 1))
         if field == "binding":
             return [*[(f"other:{os.path.basename(o)}", o) for o in others[:2]], ("zero_header", None)]
-        return [("empty", 0), ("8", 8), ("16", 16), ("31", 31), ("48", 48), ("4096", 4096)]
+        # the whole area: zero (no mark), all ones, garbage, the two cells swapped
+        area = raw[_MARK_AREA : _MARK_AREA + 32]
+        return [("zero", bytes(32)), ("ones", b"\xff" * 32), ("garbage", random.Random(5).randbytes(32)),
+                ("swapped", area[16:] + area[:16])]
 
     def apply(self, info: GoldenInfo, target: str, field: str, value: Any) -> dict[str, bytes]:
         rel, raw, cell, head, _others = self._ctx(info, target)
         b = bytearray(raw)
-        if field == "size":
-            return {rel: bytes(b[:value]).ljust(value, b"\0")}
-        mark, gen, _c = struct.unpack_from("<QII", b, 16 * cell)
-        other_gen = struct.unpack_from("<QII", b, 16 * (1 - cell))[1]
+        if field == "area":
+            b[_MARK_AREA : _MARK_AREA + 32] = value
+            return {rel: bytes(b)}
+        at = _MARK_AREA + 16 * cell
+        mark, gen, _c = struct.unpack_from("<QII", b, at)
+        other_gen = struct.unpack_from("<QII", b, _MARK_AREA + 16 * (1 - cell))[1]
         gen = max(gen, other_gen) + 1
         if field == "mark":
             mark = value
@@ -1579,27 +1581,34 @@ class SyncedMark(Crafter):
         else:
             head = bytes(32) if value is None else _read(info.root, value)[:32]
         body = struct.pack("<QI", mark, gen & 0xFFFFFFFF)
-        b[16 * cell : 16 * cell + 16] = body + _U32.pack(_crc(body + _digest8(head)))
+        b[at : at + 16] = body + _U32.pack(_crc(body + _digest8(head)))
         return {rel: bytes(b)}
 
 
-def _shift_marks(info: GoldenInfo, rel: str, off: int, delta: int) -> dict[str, bytes]:
-    """Re-seal the synced mark of ``rel`` after a record at ``off`` changed size by
+_MARK_AREA = 32  # where a marked file's mark area starts (armdb._syncmark.AREA_OFFSET)
+
+
+def _has_mark_area(rel: str, raw: bytes) -> bool:
+    if len(raw) < _MARK_AREA + 32:
+        return False
+    if rel.endswith(".log"):
+        return raw[:8] == txlog.FILE_MAGIC and struct.unpack_from("<I", raw, 8)[0] >= txlog.AREA_MARK_VERSION
+    return raw[:8] == bitcask.DATA_MAGIC and struct.unpack_from("<H", raw, 8)[0] >= bitcask.AREA_MARK_DATA_VERSION
+
+
+def _shift_marks(b: bytearray, off: int, delta: int) -> None:
+    """Re-seal the synced mark of the file ``b`` after a record at ``off`` changed size by
     ``delta``: a mark past the record moves with the records it covered (else a shorter
     record would be refused as "the file ends below its synced mark", not judged)."""
-    mrel = os.path.join(os.path.dirname(rel), "synced.mark")
-    if not delta or mrel not in info.files:
-        return {}
-    raw = bytearray(_read(info.root, mrel))
-    digest = _digest8(_read(info.root, rel)[:32])
-    changed = False
-    for c in range(len(raw) // 16):
-        mark, gen, crc = struct.unpack_from("<QII", raw, 16 * c)
-        if crc == _crc(raw[16 * c : 16 * c + 12] + digest) and mark > off:
+    if not delta or not _has_mark_area(".data", bytes(b[:64])):
+        return
+    digest = _digest8(bytes(b[:32]))
+    for c in range(2):
+        at = _MARK_AREA + 16 * c
+        mark, gen, crc = struct.unpack_from("<QII", b, at)
+        if crc == _crc(bytes(b[at : at + 12]) + digest) and mark > off:
             body = struct.pack("<QI", max(0, mark + delta), gen)
-            raw[16 * c : 16 * c + 16] = body + _U32.pack(_crc(body + digest))
-            changed = True
-    return {mrel: bytes(raw)} if changed else {}
+            b[at : at + 16] = body + _U32.pack(_crc(body + digest))
 
 
 def _digest8(header: bytes) -> bytes:

@@ -36,12 +36,13 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, QueueConfig, TxConfig, _crypto, _fs
-from armdb.bitcask import FILE_HEADER_SIZE
+from armdb.bitcask import DATA_START
 from armdb.errors import ConfigError, CorruptionError, EncryptionKeyRequired, WrongKey
 from armdb.streams import SchemaRegistry
-from armdb.txlog import FILE_HEADER_SIZE as LOG_HEADER_SIZE
+from armdb.txlog import RECORDS_START as LOG_HEADER_SIZE
 from armdb.txlog import FLAG_SEALED, parse_records
 
+from .. import marks
 from ..conftest import FakeClock, child_env, run_child
 from .journal import report_line
 from .test_model import TrackingFS, abandon
@@ -84,13 +85,13 @@ def logcfg(key: bytes | None = LOG_KEY) -> TxConfig | None:
 
 
 def files(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` by relative path, except the LOCK file's pid and the synced
-    marks (``synced.mark``: sync bookkeeping that a background sync or the Db's own close
-    moves forward, whatever a refused call did)."""
+    """Every file under ``root`` by relative path, except the LOCK file's pid, with the synced
+    marks (each log and data file's mark area) zeroed: sync bookkeeping that a background
+    sync or the Db's own close moves forward, whatever a refused call did."""
     return {
-        str(p.relative_to(root)): p.read_bytes()
+        str(p.relative_to(root)): marks.without_area(p.name, p.read_bytes())
         for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name not in ("LOCK", "synced.mark")
+        if p.is_file() and p.name != "LOCK"
     }
 
 
@@ -129,7 +130,7 @@ def data_records(path: Path) -> list[tuple[int, int, int]]:
     """(offset, key field length, value field length) of each record of a Bitcask data file."""
     raw = path.read_bytes()
     out = []
-    pos = FILE_HEADER_SIZE
+    pos = DATA_START
     while pos + 20 <= len(raw):
         _, _, vlen, magic, klen = struct.unpack_from("<QIIHH", raw, pos)
         if magic != 0xB17C:

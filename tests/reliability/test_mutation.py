@@ -162,7 +162,7 @@ def build_golden(name: str, root: str) -> Golden:
         for f in os.listdir(os.path.join(before, "txlog")):
             p = os.path.join(before, "txlog", f)
             with open(p, "r+b") as fh:
-                fh.truncate(txlog.FILE_HEADER_SIZE)
+                fh.truncate(txlog.RECORDS_START)
         alt.append(_state_of(world, before))
     truth = _state_of(world, path, copy=True)
     payloads = {_encode_payload(world, p) for p in s.pushed.values()}
@@ -264,14 +264,14 @@ def _boundaries(rel: str, data: bytes) -> list[int]:
     offs: list[int] = []
     try:
         if rel.endswith(".data") and "shard-" in rel and not rel.endswith("fixed.data"):
-            pos = bitcask.FILE_HEADER_SIZE
+            pos = bitcask.DATA_START
             while pos + bitcask.REC_HEAD_SIZE <= len(data):
                 _g, _c, vlen, _m, klen = bitcask.REC_HEAD.unpack_from(data, pos)
                 offs += [pos - 1, pos, pos + 1, pos + 12, pos + 18]
                 pos += bitcask._pad8(bitcask.REC_HEAD_SIZE + klen + vlen)
         elif rel.endswith(".log"):
-            recs, _end, _bad = txlog.parse_records(data, txlog.FILE_HEADER_SIZE)
-            pos = txlog.FILE_HEADER_SIZE
+            recs, _end, _bad = txlog.parse_records(data, txlog.RECORDS_START)
+            pos = txlog.RECORDS_START
             for _txid, _fl, body in recs:
                 offs += [pos - 1, pos, pos + 1, pos + 20]
                 pos += txlog.REC_HEAD_SIZE + len(body)
@@ -556,16 +556,16 @@ class Checker:
         if truth is None:
             with open(os.path.join(self.g.path, m.rel), "rb") as f:
                 orig = f.read()
-            truth = txlog.parse_records(orig, txlog.FILE_HEADER_SIZE)[0]
+            truth = txlog.parse_records(orig, txlog.RECORDS_START)[0]
             self._log_truth[m.rel] = truth
         raw = m.data
         last = self._is_last_log(m.rel)
         try:
-            if len(raw) < txlog.FILE_HEADER_SIZE and last:
+            if len(raw) < txlog.RECORDS_START and last:
                 recs: list[Any] = []
             else:
                 txlog._check_file_header(raw, m.rel)
-                recs, _end, bad = txlog.parse_records(raw, txlog.FILE_HEADER_SIZE)
+                recs, _end, bad = txlog.parse_records(raw, txlog.RECORDS_START)
                 if bad is not None and (txlog._valid_record_after(raw, bad) is not None or not last):
                     raise CorruptionError("damaged log record with valid records after it")
             for _txid, flags, body in recs:
@@ -858,7 +858,7 @@ def test_q15_row_without_body_is_caught_at_open(scratch: str) -> None:
     s.close()
     data = os.path.join(d, "collections", "vq.payload", "shard-000", "00000001.data")
     with open(data, "r+b") as f:
-        f.truncate(bitcask.FILE_HEADER_SIZE)  # cut at a record boundary: a valid, empty file
+        f.truncate(bitcask.DATA_START)  # cut at a record boundary: a valid, empty file
     pre = armdb.check(d)
     try:
         s = Session(VAR, d).open()

@@ -987,9 +987,7 @@ def test_q15_power_loss_never_leaves_a_header_without_its_body(tmp_path: Any) ->
     q = db.open_queue(spec, _qcfg(durable=False))
     db.shutdown()
     data = os.path.join(d, "collections", "vq.payload", "shard-000", "00000001.data")
-    body_before = _read(data)
-    mark = os.path.join(os.path.dirname(data), "synced.mark")
-    mark_before = _read(mark)
+    body_before = _read(data)  # its mark area included
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     q = db.open_queue(spec, _qcfg(durable=False))
     quiesce(db)
@@ -1000,7 +998,6 @@ def test_q15_power_loss_never_leaves_a_header_without_its_body(tmp_path: Any) ->
     # synced mark that the clean shutdown wrote after syncing it: the state is the one a
     # power cut before that shutdown leaves).
     _write(data, body_before)
-    _write(mark, mark_before)
     _write(os.path.join(d, "collections", "vq", "shard-000", "fixed.data"), fixed)
     db = armdb.Db.open(d, clock=lambda: _CLOCK_MS)
     try:

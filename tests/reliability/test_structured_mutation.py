@@ -5,7 +5,7 @@ decodes every record and file kind armdb writes (``structured.FIELDS``: the log 
 header and its records down to each field of each logged row, the ``fixed.data``
 header page, its slots and high-water mark, ``fixed.redo``, Bitcask data file headers
 and records, hint file headers, entries and trailers, ``collection.meta``,
-``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``, ``synced.mark``, and
+``queue.meta``, ``db.meta``, ``compaction.pending``, ``seqmap``, the synced mark area, and
 ``LOCK`` as a link, a folder or a fifo), sets one field to a
 boundary or hostile value and re-seals the file: every CRC is recomputed and sealed
 fields are sealed again with the test's keys, so only armdb's judgement of the
@@ -858,7 +858,7 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     S._SEALER.open(r.value_field, S._aad(salt, b"V", r.gsn_word))
     # A sealed log record whose row names a slot past the file: it parses, and it opens.
     c, files = crafted("log_record", "F.slot", "var_encrypted", str(2**31 - 1))
-    recs, _end, bad = txlog.parse_records(files[infos["var_encrypted"].log_rel], txlog.FILE_HEADER_SIZE)
+    recs, _end, bad = txlog.parse_records(files[infos["var_encrypted"].log_rel], txlog.RECORDS_START)
     assert bad is None and len(recs) == 1
     txid, flags, body = recs[0]
     info = infos["var_encrypted"]
@@ -908,9 +908,9 @@ def test_d2_crafted_files_pass_their_integrity_checks(scratch: str) -> None:
     c, files = crafted("synced_mark", "mark", "var_queue_rotated", "0x7fff")
     rel, cell = S._split(c.target)
     raw = files[rel]
-    _rel, _raw, _cell, head, _others = S.CRAFTERS["synced_mark"]._ctx(infos["var_queue_rotated"], c.target)
-    assert struct.unpack_from("<QII", raw, 16 * cell)[0] == 0x7FFF
-    assert struct.unpack_from("<I", raw, 16 * cell + 12)[0] == S._crc(raw[16 * cell : 16 * cell + 12] + S._digest8(head))
+    at = 32 + 16 * cell  # the file's own mark area
+    assert struct.unpack_from("<QII", raw, at)[0] == 0x7FFF
+    assert struct.unpack_from("<I", raw, at + 12)[0] == S._crc(raw[at : at + 12] + S._digest8(raw[:32]))
     # The redo record: valid, naming the crafted slot, with the original slot torn.
     c, files = crafted("redo", "rec_slot", "fixed_queue", "0x1")
     redo = next(v for k, v in files.items() if k.endswith("fixed.redo"))
