@@ -1,4 +1,4 @@
-"""Harness (c): an I/O error at call k, for every k (RELIABILITY.md 4(c), SPEC S12, E).
+"""Harness (c): an I/O error at call k, for every k (docs/reliability.md, (c); SPEC S12 and section 6).
 
 For each short workload x {once, persistent} x {EIO, ENOSPC}: a dry run on
 :class:`~tests.reliability.faultfs.FaultFS` counts the K storage calls the workload
