@@ -1,4 +1,4 @@
-"""Builds the Cython kernels in armdb/_core (directives as in CONVENTIONS.md)."""
+"""Builds the Cython kernels in armdb/_core (bounds and wraparound checks only with ARMDB_CYTHON_DEBUG=1)."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""Named failpoints at every durable boundary (SPEC D8, RELIABILITY.md section 3).
+"""Named failpoints at every durable boundary (SPEC D8; harness (a2) in docs/reliability.md).
 
 ``ARMDB_FAILPOINT=name`` makes the process call ``os._exit(86)`` the first time it
 reaches ``point(name)``; ``ARMDB_FAILPOINT=name:n`` lets it pass ``n`` times first.

@@ -1,4 +1,4 @@
-"""The one module that touches the operating system for storage (RELIABILITY.md section 3).
+"""The one module that touches the operating system for storage: the seam where tests install file systems.
 
 Every open, read, write, sync, rename, unlink, truncate, allocation, lock and
 memory map that armdb does goes through the object in ``armdb._fs.FS``.  Callers always spell it

@@ -547,12 +547,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m armdb", description="armdb command line")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a small producer/worker pipeline (SPEC C1)")
+    demo = sub.add_parser("demo", help="run a small producer/worker pipeline")
     demo.add_argument("--dir", help="database directory (default: a fresh temporary directory)")
     demo.add_argument("--jobs", type=int, default=2000, help="number of jobs (default 2000)")
     demo.set_defaults(func=_cmd_demo)
 
-    stats = sub.add_parser("stats", help="print the stats of every queue in a database (SPEC C2)")
+    stats = sub.add_parser("stats", help="print the stats of every queue in a database")
     stats.add_argument("dir", help="database directory")
     stats.set_defaults(func=_cmd_stats)
 
@@ -560,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("dir", help="database directory (a read-only copy is fine)")
     chk.set_defaults(func=_cmd_check)
 
-    bench = sub.add_parser("bench", help="benchmark armdb beside SQLite-based queues (SPEC C3)")
+    bench = sub.add_parser("bench", help="benchmark armdb beside SQLite-based queues")
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")
     bench.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
     bench.add_argument("--only", metavar="SUBSTR", help="run only workloads whose name contains SUBSTR")

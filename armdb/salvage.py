@@ -114,7 +114,7 @@ class SalvageReport:
 
     def __str__(self) -> str:
         if not self.cuts:
-            return "armdb.salvage: nothing to cut (open refuses no file under S7)"
+            return "armdb.salvage: nothing to cut (no file has a bad record that open would refuse)"
         verb = "would cut" if self.dry_run else "cut"
         lines = [f"armdb.salvage: {verb} {len(self.cuts)} file(s)"]
         for c in self.cuts:

@@ -34,7 +34,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Print the reliability figures table of this run (RELIABILITY.md section 5)."""
+    """Print the reliability figures table of this run (targets in tests/reliability/figures.py)."""
     from tests.reliability.figures import table
 
     path = str(_REPORT.get("path", ""))
@@ -48,7 +48,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not lines:
         return
     text, ok = table(lines)
-    terminalreporter.write_sep("=", "reliability figures (RELIABILITY.md section 5)")
+    terminalreporter.write_sep("=", "reliability figures (docs/reliability.md)")
     terminalreporter.write_line(text)
     terminalreporter.write_line("every violation count is 0 and every size meets its CI target" if ok
                                 else "SOME ROW FAILS: see the table above")

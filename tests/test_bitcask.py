@@ -61,7 +61,7 @@ def data_files(coll: Path, shard: int = 0) -> list[Path]:
 
 
 def record_offsets(path: Path) -> list[tuple[int, int]]:
-    """(offset, size) of each record, parsed independently of the engine (docs/format_bitcask.md)."""
+    """(offset, size) of each record, parsed independently of the engine (docs/format.md, Data file)."""
     raw = path.read_bytes()
     out = []
     pos = DATA_START

@@ -1,4 +1,4 @@
-"""Encrypted Bitcask collections fail closed and leak no plaintext (SPEC S10, RELIABILITY 4(g))."""
+"""Encrypted Bitcask collections fail closed and leak no plaintext (SPEC S10; docs/reliability.md, (g))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Guards on the OS seam and the failpoint registry (RELIABILITY.md section 3).
+"""Guards on the OS seam (``armdb/_fs.py``) and the failpoint registry (``armdb._fail``, SPEC D8).
 
 ``armdb/_fs.py`` is the only module that may touch the operating system for
 storage, so that fault-injecting and write-recording file systems see every call.

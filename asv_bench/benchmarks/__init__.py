@@ -1,1 +1,1 @@
-"""asv benchmarks for armdb (see asv_bench/asv.conf.json and CONVENTIONS.md, Benchmarks)."""
+"""asv benchmarks for armdb (see asv_bench/asv.conf.json and docs/performance.md, The asv suite)."""

@@ -1,4 +1,4 @@
-"""Reliability harnesses for armdb (docs/reliability.md, shared RELIABILITY.md sections 2-5).
+"""Reliability harnesses for armdb (docs/reliability.md: failure model, invariants, harnesses, figures).
 
 Shared pieces:
 

@@ -1,4 +1,4 @@
-"""The only place that maps the harness verbs to the armdb API (RELIABILITY section 4 preamble).
+"""The only place that maps the harness verbs to the armdb API (docs/reliability.md, Shared pieces).
 
 Harness verbs: open a database in a *profile* (encryption on/off, durable on/off,
 shard count, file sizes), push a job, lease, ack, nack, run the outbox transaction,

@@ -4,7 +4,7 @@
 children wrote them, then is shown what a reopened database holds (``observe``) and
 what a drain returns (``drained``).  It keeps Jepsen's ``total-queue`` counts
 (attempts, acknowledged, lost, unexpected, duplicated, recovered) plus the checks a
-lease queue needs (RELIABILITY section 2.2):
+lease queue needs (docs/reliability.md, Invariants):
 
 =====================  =====================================================================
 count                  violation of

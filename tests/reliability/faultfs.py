@@ -1,4 +1,4 @@
-"""File systems for the power-loss (b) and I/O-fault (c) harnesses (RELIABILITY.md sections 3, 4(b), 4(c)).
+"""File systems for the power-loss (b) and I/O-fault (c) harnesses (docs/reliability.md).
 
 Everything armdb does to storage goes through ``armdb._fs.FS``; :func:`armdb._fs.use`
 installs one of the classes below for a block.

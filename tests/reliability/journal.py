@@ -7,7 +7,7 @@ ignores a trailing partial line.  Before each call the child writes an *intent*
 (``X?``); after the call returns it writes a *completion* (``X!``, or ``X~`` when the
 call was refused with ``StaleToken``).  An intent without a completion is an
 operation the kill interrupted: its outcome is unknown until the reopened database
-shows it (RELIABILITY section 4(a)).
+shows it (docs/reliability.md, Shared pieces).
 
 Records (fields separated by one space; ``q`` is ``f`` for the fixed queue, ``v`` for
 the var queue)::

@@ -1,5 +1,5 @@
 """Harness (h): bad input raises a specific ``armdb.errors`` class, says what to do,
-and changes nothing stored (RELIABILITY 4(h); SPEC section 6).
+and changes nothing stored (docs/reliability.md, (h); SPEC section 6).
 
 Each row of ``ROWS`` is one bad call: the exception class it must raise (exactly that
 class, not a parent), a regular expression its message must match (the words that

@@ -1,4 +1,4 @@
-"""Harness (g): encryption fails closed and leaks no plaintext (SPEC S10, Q7, T4; RELIABILITY 4(g)).
+"""Harness (g): encryption fails closed and leaks no plaintext (SPEC S10, Q7, T4; docs/reliability.md, (g)).
 
 Every case runs through the public ``Db`` API on a real directory:
 

@@ -1,4 +1,4 @@
-"""Harness (a2): a deterministic crash at every named durable boundary (RELIABILITY 4(a2), SPEC D8).
+"""Harness (a2): a deterministic crash at every named durable boundary (docs/reliability.md, (a2); SPEC D8).
 
 For every workload below, a dry run (a child that counts every ``armdb._fail.point``
 call it passes) tells which registered failpoints the workload reaches and how

@@ -1,4 +1,4 @@
-"""Harness (c): an I/O error at call k, for every k (RELIABILITY.md 4(c), SPEC S12, E).
+"""Harness (c): an I/O error at call k, for every k (docs/reliability.md, (c); SPEC S12 and section 6).
 
 For each short workload x {once, persistent} x {EIO, ENOSPC}: a dry run on
 :class:`~tests.reliability.faultfs.FaultFS` counts the K storage calls the workload
@@ -294,8 +294,8 @@ PROBE_KEY = b"probe-after-enospc"
 
 
 def _retry_probe(wl: Workload, sess: Session, fs: FaultFS, res: RunResult) -> None:
-    """A failed append is undone and the store stays writable (docs/format_bitcask.md,
-    RELIABILITY 4(c) 4), and so does a failed allocation of a growing header file
+    """A failed append is undone and the store stays writable (docs/format.md,
+    Writing, rotation and sync), and so does a failed allocation of a growing header file
     (docs/format.md, Size and growth): once the disk has room again, a write to the
     same collection succeeds.  The probe's row or key is ignored when the state is judged."""
     path = fs.fired[0][2]

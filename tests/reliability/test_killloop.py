@@ -1,4 +1,4 @@
-"""Harness (a): kill -9 loop against a journal of acknowledged operations (RELIABILITY 4(a)).
+"""Harness (a): kill -9 loop against a journal of acknowledged operations (docs/reliability.md, (a)).
 
 Children (``workload.loop``) run producer, consumer and outbox-transaction mixes on a
 fixed and a var queue of one database; the parent SIGKILLs each at a random moment

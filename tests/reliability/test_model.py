@@ -1,6 +1,6 @@
 """Harness (e): a Hypothesis state machine over a queue, beside a pure-Python model.
 
-RELIABILITY.md 4(e).  Rules: push (with a delay), lease (n, timeout override), ack,
+docs/reliability.md, (e).  Rules: push (with a delay), lease (n, timeout override), ack,
 nack (delay / dead), clock advance and clock jump back (a ``FakeClock`` passed as
 ``Db.open(clock=...)``), transactions (``db.tx()`` with pushes, an ack or nack and a
 map put, sometimes refused by ``max_depth`` or a stale token), close/reopen and

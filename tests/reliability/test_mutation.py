@@ -1,4 +1,5 @@
-"""Harness (d): corrupt files at many offsets and require a typed refusal or the truth (RELIABILITY.md 4(d)).
+"""Harness (d): corrupt files at many offsets and require a typed refusal or the truth
+(docs/reliability.md, (d)).
 
 Golden stores are built by the test (``GOLDENS``): a fixed queue, a var queue whose
 payload store rotated (several data files, hint files), an encrypted var queue, a

@@ -1,4 +1,5 @@
-"""Harness (b): simulated power loss that drops, tears and reorders unsynced writes (RELIABILITY.md 4(b)).
+"""Harness (b): simulated power loss that drops, tears and reorders unsynced writes
+(docs/reliability.md, (b)).
 
 Each workload runs once, in process, on :class:`~tests.reliability.faultfs.RecordingFS`;
 its acknowledgements (``begin``/``done`` of every operation) go into the same trace
@@ -556,7 +557,7 @@ def _run_scripted(name: str, budget: int, tmp_path: Any, seed: int, ns_mode: str
 
 @pytest.mark.parametrize("name", sorted(SCRIPTED))
 def test_powerloss_scripted(name: str, tmp_path: Any) -> None:
-    """I1/I2/I3/I4/I8/I9/I10 on every crash state of one scripted workload (RELIABILITY 4(b))."""
+    """I1/I2/I3/I4/I8/I9/I10 on every crash state of one scripted workload (docs/reliability.md, (b))."""
     t = _run_scripted(name, _share(CI_STATES, 0.45, len(SCRIPTED)), tmp_path, seed=zlib.crc32(name.encode()))
     _finish(t, f"power loss, workload {name}")
 

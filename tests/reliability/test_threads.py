@@ -1,4 +1,4 @@
-"""Harness (f): thread stress with lease-window checking (RELIABILITY 4(f), SPEC Q12, Q13, Q28).
+"""Harness (f): thread stress with lease-window checking (docs/reliability.md, (f); SPEC Q12, Q13, Q28).
 
 8 producer and 8 consumer threads share one fixed and one var queue handle (20,000
 jobs each, 40,000 in all) on the real clock, plus a chaos thread reading ``len``,
@@ -313,7 +313,7 @@ def run_seeds(tmp_path: Path, seeds: list[int], jobs: int) -> None:
 @pytest.mark.stress
 @pytest.mark.timeout(600)
 def test_threads_ci(tmp_path: Path) -> None:
-    """Q12/Q13/Q28: 8P x 8C over 40,000 jobs, three seeds (RELIABILITY.md section 5):
+    """Q12/Q13/Q28: 8P x 8C over 40,000 jobs, three seeds (its CI target in tests/reliability/figures.py):
     no overlap, no loss, one ack per job."""
     seed = int(os.environ.get("ARMDB_THREAD_SEED") or int.from_bytes(os.urandom(2), "little"))
     run_seeds(tmp_path, [seed, seed + 1, seed + 2], JOBS)
