@@ -320,7 +320,7 @@ def tamper_record(w: World) -> None:
     a bad record with a valid one after it is corruption, not a torn tail (S7)."""
     f = first_data_file(w, "plainmap")
     raw = bytearray(f.read_bytes())
-    raw[32 + 20] ^= 0xFF
+    raw[bitcask.DATA_START + 20] ^= 0xFF
     f.write_bytes(bytes(raw))
 
 
@@ -518,7 +518,7 @@ ROWS: list[R] = [
       prep=lambda w: (w.path / "collections" / "plainmap" / "collection.meta").write_bytes(b"x" * 64), check=False),
     R("d5_bitcask_data_newer", lambda w: w.db.open_map("plainmap"), FormatError, r"\.data.*(upgrade|not supported)",
       prep=lambda w: newer_bitcask_header(first_data_file(w, "plainmap")), check=False),
-    R("s7_bitcask_record_corrupt", lambda w: w.db.open_map("plainmap"), CorruptionError, r"\.data.*offset 32",
+    R("s7_bitcask_record_corrupt", lambda w: w.db.open_map("plainmap"), CorruptionError, rf"\.data.*offset {bitcask.DATA_START}",
       prep=tamper_record, check=False),
     # -- queue declarations (Q1, D3) ----------------------------------------------------------------------
     R("d3_queue_name_empty", lambda w: armdb.queue("", payload=PING), ConfigError, r"invalid collection name.*use 1-128 characters"),
