@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The package alone (what the demo needs); STAMP adds the test extra on top.
+BASE   := $(VENV)/.installed-base
+SOURCES := pyproject.toml setup.py $(wildcard armdb/_core/*.pyx armdb/_core/*.pxd)
 
 .PHONY: demo test reliability bench lint clean build
 
@@ -10,13 +13,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py $(wildcard armdb/_core/*.pyx armdb/_core/*.pxd)
+$(BASE): $(PY) $(SOURCES)
+	$(PY) -m pip install -q -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 build: $(STAMP)
 
-demo: $(STAMP)
+# Only the package: the demo needs numpy, msgpack and cryptography, not the test and
+# notebook extras (pandas, matplotlib, ipykernel), which made a first `make demo` slow.
+demo: $(BASE)
 	$(PY) -m armdb demo
 
 test: $(STAMP)
