@@ -136,7 +136,7 @@ def check_row(
     collection's :class:`FixedGeometry` (cached by the caller); ``gsn_limit`` is the end
     of the gsn block reserved in the seqmap (every logged gsn was reserved before the
     commit was logged), see :func:`gsn_limit`."""
-    from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
+    from .bitcask.format import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
     from .db import QUEUE_META
 
     fs = _fs.FS

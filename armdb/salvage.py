@@ -34,7 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import _fs, _syncmark
-from .bitcask import (
+from .bitcask.files import (
+    _DataFile,
+    _judge_bad,
+    _next_valid,
+    _read_file_header,
+    _Scan,
+    _synced_mark,
+    _ValidIndex,
+)
+from .bitcask.format import (
     _DATA_RE,
     AREA_MARK_DATA_VERSION,
     DATA_MAGIC,
@@ -43,18 +52,11 @@ from .bitcask import (
     _appenders,
     _check_pending,
     _data_name,
-    _DataFile,
     _decode_meta,
     _decode_pending,
     _Header,
-    _judge_bad,
-    _next_valid,
     _parse_header,
-    _read_file_header,
-    _Scan,
     _shard_dir,
-    _synced_mark,
-    _ValidIndex,
     data_start,
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
