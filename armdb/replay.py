@@ -337,7 +337,7 @@ def log_conflicts(txlog_dir: str) -> list[str]:
     them); with any sealed record in the log nothing is judged (a keyless check cannot
     read what it writes)."""
     from . import seqmap
-    from .txlog import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
+    from .logformat import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
 
     fs = _fs.FS
     db_dir = os.path.dirname(txlog_dir)

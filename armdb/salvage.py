@@ -61,7 +61,7 @@ from .bitcask.format import (
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
-from .txlog import (
+from .logformat import (
     _NAME_RE,
     AREA_MARK_VERSION,
     _file_header_fields,
@@ -70,8 +70,8 @@ from .txlog import (
     records_start,
     synced_mark,
 )
-from .txlog import DIR as TXLOG_DIR
-from .txlog import _judge_bad as _judge_log_bad
+from .logformat import DIR as TXLOG_DIR
+from .logformat import _judge_bad as _judge_log_bad
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
 
