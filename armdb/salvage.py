@@ -218,7 +218,7 @@ def _bitcask_cuts(directory: str) -> list[Cut]:
 
 
 def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
-    """The cut of a shard's active data file, if open would refuse it (``BitcaskStore._load_active``)."""
+    """The cut of a shard's active data file, if open would refuse it (``armdb.bitcask.recovery._load_active``)."""
     fs = _fs.FS
     if not fs.isdir(sdir):
         return None

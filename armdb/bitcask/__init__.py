@@ -33,6 +33,9 @@ The package, formats below runtimes (each module imports only those above it her
 * ``compaction``: compaction, in copy, publish, commit and retire steps;
 * ``store``: :class:`BitcaskStore`, the read/write path;
 * ``check``: :func:`check_dir`, the offline read-only check.
+
+Lock policy: ``armdb.bitcask.shard`` states it; each module's docstring says which
+locks it takes.
 """
 
 from __future__ import annotations

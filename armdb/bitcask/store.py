@@ -37,17 +37,16 @@ from ..errors import (
     StorageError,
 )
 from ..seqmap import MAX_RESERVED
+from . import format as _format
 from .compaction import _auto_compact, _compact_all
 from .files import _DataFile, _HintBuilder, _new_nonce, _storage_error
 from .format import (
-    _U64,
     DATA_START,
     FLAG_ENCRYPTED,
     MARKED_DATA_VERSION,
     MAX_KEY_LEN,
     MAX_VALUE_LEN,
     META_NAME,
-    REC_HEAD,
     REC_HEAD_SIZE,
     RECORD_MAGIC,
     SEQ_MASK,
@@ -67,6 +66,13 @@ from .shard import Entry, _Shard
 log = logging.getLogger("armdb")
 
 _MIN_FILE_SIZE = 4096
+
+# Bound by assignment, not imported: CPython 3.11 compiles a method call on an imported
+# name (``REC_HEAD.unpack_from(data)`` in every read, ``_U64.pack`` in every sealed
+# write) to LOAD_ATTR, which builds a bound method per call, and a call on an assigned
+# name to LOAD_METHOD, which does not.
+REC_HEAD = _format.REC_HEAD
+_U64 = _format._U64
 
 GsnSource = Callable[[], int]
 
@@ -163,8 +169,9 @@ class BitcaskStore:
         try:
             for i in range(meta.shard_count):
                 plans.append(_scan_shard_files(directory, i, self._encrypted))
+            unseal = self._unseal_key if self._sealer is not None else None
             for plan in plans:
-                _load_shard(plan, self._encrypted, self._unseal_key if self._sealer is not None else None, self._gsn_limit)
+                _load_shard(plan, self._encrypted, unseal, self._gsn_limit)
             for plan in plans:
                 self._shards.append(_apply_plan(self, plan))
         except BaseException as exc:
