@@ -37,7 +37,7 @@ from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatE
 from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 
 if TYPE_CHECKING:
-    from .bitcask import BitcaskStore
+    from .bitcask.store import BitcaskStore
     from .db import Db
 
 
