@@ -216,12 +216,12 @@ class _Checker:
         if not self.fs.isdir(d):
             return
         try:
-            from . import txlog
+            from .logformat import check_dir as check_log_dir
         except ImportError as e:
             self.add(f"{self.rel(d)}: cannot check the transaction log (armdb.txlog: {e})")
             return
         try:
-            found = txlog.check_dir(d)
+            found = check_log_dir(d)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
             return

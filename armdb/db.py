@@ -41,7 +41,7 @@ from .errors import ConfigError, DbClosed, DbLocked, FormatError, as_storage_err
 from .seqmap import SeqMap
 
 if TYPE_CHECKING:
-    from .bitcask import BitcaskStore
+    from .bitcask.store import BitcaskStore
     from .maps import Map
     from .queue import Queue, QueueSpec
     from .streams import SchemaRegistry
@@ -520,7 +520,7 @@ class Db:
         Logged rows still owed to this collection (it is encrypted, so replay at
         open had to wait for its key) are applied before it is returned.
         """
-        from .bitcask import BitcaskStore
+        from .bitcask.store import BitcaskStore
 
         # Every gsn on disk is below the block reserved in seqmap (T5): refuse anything else.
         store = BitcaskStore.open(self.collection_dir(name), config, self.gsn, gsn_limit=self.seqmap.reserved("gsn"))

@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 
 from ._pack import check_round_trip, packb
-from .bitcask import BitcaskStore
+from .bitcask.store import BitcaskStore
 from .errors import CorruptionError, PayloadTypeError, StreamSourceRequiresTx
 
 __all__ = ["Map", "decode_key", "decode_value", "encode_key", "encode_value"]

@@ -72,7 +72,7 @@ from .errors import (
 from .fixed import HEADER_PAGE, FixedStore
 
 if TYPE_CHECKING:
-    from .bitcask import BitcaskStore
+    from .bitcask.store import BitcaskStore
     from .db import Db
 
 log = logging.getLogger("armdb")

@@ -37,7 +37,7 @@ from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatE
 from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 
 if TYPE_CHECKING:
-    from .bitcask import BitcaskStore
+    from .bitcask.store import BitcaskStore
     from .db import Db
 
 
@@ -136,7 +136,7 @@ def check_row(
     collection's :class:`FixedGeometry` (cached by the caller); ``gsn_limit`` is the end
     of the gsn block reserved in the seqmap (every logged gsn was reserved before the
     commit was logged), see :func:`gsn_limit`."""
-    from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
+    from .bitcask.format import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
     from .db import QUEUE_META
 
     fs = _fs.FS
@@ -337,7 +337,7 @@ def log_conflicts(txlog_dir: str) -> list[str]:
     them); with any sealed record in the log nothing is judged (a keyless check cannot
     read what it writes)."""
     from . import seqmap
-    from .txlog import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
+    from .logformat import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
 
     fs = _fs.FS
     db_dir = os.path.dirname(txlog_dir)

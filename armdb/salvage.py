@@ -34,7 +34,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import _fs, _syncmark
-from .bitcask import (
+from .bitcask.files import (
+    _DataFile,
+    _judge_bad,
+    _next_valid,
+    _read_file_header,
+    _Scan,
+    _synced_mark,
+    _ValidIndex,
+)
+from .bitcask.format import (
     _DATA_RE,
     AREA_MARK_DATA_VERSION,
     DATA_MAGIC,
@@ -43,23 +52,16 @@ from .bitcask import (
     _appenders,
     _check_pending,
     _data_name,
-    _DataFile,
     _decode_meta,
     _decode_pending,
     _Header,
-    _judge_bad,
-    _next_valid,
     _parse_header,
-    _read_file_header,
-    _Scan,
     _shard_dir,
-    _synced_mark,
-    _ValidIndex,
     data_start,
 )
 from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
-from .txlog import (
+from .logformat import (
     _NAME_RE,
     AREA_MARK_VERSION,
     _file_header_fields,
@@ -68,8 +70,8 @@ from .txlog import (
     records_start,
     synced_mark,
 )
-from .txlog import DIR as TXLOG_DIR
-from .txlog import _judge_bad as _judge_log_bad
+from .logformat import DIR as TXLOG_DIR
+from .logformat import _judge_bad as _judge_log_bad
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
 
@@ -216,7 +218,7 @@ def _bitcask_cuts(directory: str) -> list[Cut]:
 
 
 def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
-    """The cut of a shard's active data file, if open would refuse it (``BitcaskStore._load_active``)."""
+    """The cut of a shard's active data file, if open would refuse it (``armdb.bitcask.recovery._load_active``)."""
     fs = _fs.FS
     if not fs.isdir(sdir):
         return None

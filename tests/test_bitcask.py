@@ -904,7 +904,7 @@ class NoHintFS(_fs.RealFS):
 
 
 def test_s7_hint_write_failure_never_fails_a_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import armdb.bitcask as bc
+    import armdb.bitcask.files as bc
 
     monkeypatch.setattr(bc, "_HINT_SPILL", 512)  # spill hint entries often
     coll = tmp_path / "c"

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import armdb
-from armdb import FixedConfig, QueueConfig, TxConfig, txlog
+from armdb import FixedConfig, QueueConfig, TxConfig
+from armdb import logformat as txlog  # the log's format (and its zlib, counted below)
 from armdb.errors import CorruptionError, FormatError, WrongKey
 
 PING = np.dtype([("doc", "<u8")])
