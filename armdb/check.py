@@ -43,10 +43,10 @@ import numpy as np
 
 from . import _fs
 from ._core import fixed as _k
-from .db import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
 from .errors import FormatError
 from .fixed import FILE_NAME as FIXED_FILE
 from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header, slot_size_for
+from .layout import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
 from .seqmap import FILE_NAME as SEQMAP_FILE
 from .seqmap import decode as decode_seqmap
 

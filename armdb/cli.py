@@ -35,9 +35,10 @@ import numpy as np
 
 from . import _fs
 from .config import QueueConfig
-from .db import COLLECTIONS, META_FILE, QUEUE_META, Db, DirLock
+from .db import Db
 from .errors import ArmdbError, DbLocked
 from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
+from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
 from .salvage import salvage
 

@@ -55,7 +55,6 @@ from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from ._pack import check_round_trip, packb
 from .config import MAX_ATTEMPTS, MAX_SHARD_COUNT, QueueConfig
-from .db import QUEUE_META, validate_name
 from .errors import (
     ConfigError,
     CorruptionError,
@@ -70,6 +69,7 @@ from .errors import (
     as_storage_error,
 )
 from .fixed import HEADER_PAGE, FixedStore
+from .layout import QUEUE_META, validate_name
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore

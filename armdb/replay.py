@@ -35,6 +35,7 @@ from ._core import fixed as _k
 from .config import QUEUE_GROW_STEP, Config, FixedConfig
 from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError
 from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
+from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 # have a legitimate log past this bound; docs/format.md says so.
 REPLAY_GROWTH_SLOTS = 16 * QUEUE_GROW_STEP
 RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring; a written one is never 0
-PAYLOAD_SUFFIX = ".payload"
 
 
 def slot_limit(capacity: int) -> int:
@@ -79,7 +79,6 @@ def fixed_geometry(directory: str) -> FixedGeometry:
     """Read a queue header collection's geometry without opening (or changing) it.
 
     Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.queue._decode_meta``)."""
-    from .db import QUEUE_META
     from .queue import _decode_meta
 
     fs = _fs.FS
@@ -105,8 +104,6 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
     The name must follow the collection naming rule (``armdb.db.validate_name``: queue
     names for slot rows, map or ``<queue>.payload`` names for Bitcask rows), so that no
     path the log gives can leave ``<db>/collections``."""
-    from .db import validate_name
-
     if not isinstance(row, list) or not row or not isinstance(row[0], str):
         raise _bad(where, f"row {_short(row)} is not a list starting with its kind")
     kind = row[0]
@@ -137,7 +134,6 @@ def check_row(
     of the gsn block reserved in the seqmap (every logged gsn was reserved before the
     commit was logged), see :func:`gsn_limit`."""
     from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
-    from .db import QUEUE_META
 
     fs = _fs.FS
     kind, name = row_collection(row, where)
@@ -466,8 +462,6 @@ class Replayer:
 
     def check(self, row: Any, where: str) -> None:
         """Check one row (:func:`check_row`) before any row is applied."""
-        from .db import COLLECTIONS
-
         check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry,
                   gsn_limit(self.db.seqmap.reserved("gsn")))
         if row[0] == "F":
