@@ -47,6 +47,7 @@ from .errors import FormatError
 from .fixed import FILE_NAME as FIXED_FILE
 from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header, slot_size_for
 from .layout import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
+from .mapcodec import decode_key, decode_value
 from .seqmap import FILE_NAME as SEQMAP_FILE
 from .seqmap import decode as decode_seqmap
 
@@ -252,8 +253,6 @@ class _Checker:
         limit = self.reserved.get("gsn") if self.reserved else None
         kwargs: dict[str, Any] = {} if limit is None else {"gsn_limit": limit}
         if not os.path.basename(d).endswith(".payload"):  # a map: its keys and values must decode
-            from .maps import decode_key, decode_value
-
             kwargs["decode"] = lambda k, v: (decode_key(k), decode_value(v))
         try:
             found = check_dir(d, **kwargs)

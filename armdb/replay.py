@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any, Self
 from . import _fs
 from ._core import fixed as _k
 from .config import QUEUE_GROW_STEP, Config, FixedConfig
-from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError
+from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError, PayloadTypeError
 from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
+from .mapcodec import decode_key, decode_value
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -171,9 +172,6 @@ def check_row(
         if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
             raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
         if not name.endswith(PAYLOAD_SUFFIX):  # a map's: its keys and values must read back
-            from .errors import PayloadTypeError
-            from .maps import decode_key, decode_value
-
             try:
                 decode_key(key)
                 if value is not None:

@@ -50,7 +50,8 @@ from .errors import (
     TxFailedAfterLog,
 )
 from .fixed import DELETED, OCCUPIED
-from .maps import Map, decode_value, encode_key, encode_value
+from .mapcodec import decode_value, encode_key, encode_value
+from .maps import Map
 from .queue import DEAD_BIT, FLAG_DEAD_EXPLICIT, FLAG_POISONED, LeaseToken, Queue, State, _pack_row
 from .streams import Change
 
