@@ -48,6 +48,7 @@ from .fixed import FILE_NAME as FIXED_FILE
 from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header, slot_size_for
 from .layout import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
 from .mapcodec import decode_key, decode_value
+from .qrows import HEADER_SIZE, KEY_SIZE, decode_meta, row_problems, rows_of
 from .seqmap import FILE_NAME as SEQMAP_FILE
 from .seqmap import decode as decode_seqmap
 
@@ -263,14 +264,12 @@ class _Checker:
 
     # -- queues -------------------------------------------------------------------------------
     def check_queue(self, d: str, name: str) -> dict[str, Any] | None:
-        from .queue import HEADER_SIZE, KEY_SIZE, ROW_DTYPE, _decode_meta, row_problems
-
         meta_path = os.path.join(d, QUEUE_META)
         raw = self.read(meta_path)
         if raw is None:
             return None
         try:
-            meta = _decode_meta(raw, meta_path)
+            meta = decode_meta(raw, meta_path)
         except FormatError as e:
             self.add(str(e))
             return None
@@ -343,7 +342,7 @@ class _Checker:
             if occ.size == 0:
                 continue
             rows_total += int(occ.size)
-            rows = slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+            rows = rows_of(slots, occ)
             seq = rows["seq"].astype(np.uint64)
             # The rules open applies (queue.row_problems); every broken one is a finding,
             # whether open refuses the shard, repairs the rows or serves them as they are.

@@ -39,7 +39,9 @@ from .db import Db
 from .errors import ArmdbError, DbLocked
 from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
 from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
-from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
+from .qrows import DEAD_BIT, State, decode_meta, rows_of
+from .qspec import queue
+from .queue import Queue, QueueStats
 from .salvage import salvage
 
 __all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
@@ -364,7 +366,7 @@ def inspect_queue(db_path: str, name: str, now_ms: int | None = None) -> QueueFi
     """
     fs = _fs.FS
     qdir = os.path.join(db_path, COLLECTIONS, name)
-    meta = _decode_meta(fs.read_file(os.path.join(qdir, QUEUE_META)), os.path.join(qdir, QUEUE_META))
+    meta = decode_meta(fs.read_file(os.path.join(qdir, QUEUE_META)), os.path.join(qdir, QUEUE_META))
     now = int(time.time_ns() // 1_000_000) if now_ms is None else now_ms
     counts = {"ready": 0, "leased": 0, "expired": 0, "delayed": 0, "dead": 0, "torn": 0}
     slots = logical = physical = 0
@@ -385,7 +387,7 @@ def inspect_queue(db_path: str, name: str, now_ms: int | None = None) -> QueueFi
         status = _slot_status(table)
         counts["torn"] += int((status == TORN).sum())
         occupied = np.flatnonzero(status == 1)
-        rows = table[occupied, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        rows = rows_of(table, occupied)
         due = rows["due"].astype(np.uint64)
         dead = (due & np.uint64(DEAD_BIT)) != 0
         state = rows["header"]["state"]

@@ -31,37 +31,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
-import inspect
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 import typing
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-import msgpack
 import numpy as np
 
 from . import _fail, _fs
 from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
-from ._pack import check_round_trip, packb
-from .config import MAX_ATTEMPTS, MAX_SHARD_COUNT, QueueConfig
+from .config import QueueConfig
 from .errors import (
     ConfigError,
     CorruptionError,
     DbClosed,
     EncryptionKeyRequired,
     FormatError,
-    PayloadTypeError,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
@@ -69,7 +62,24 @@ from .errors import (
     as_storage_error,
 )
 from .fixed import HEADER_PAGE, FixedStore
-from .layout import QUEUE_META, validate_name
+from .layout import QUEUE_META
+from .qrows import (
+    DEAD_BIT,
+    FLAG_DEAD_EXPLICIT,
+    HEADER_SIZE,
+    KEY_SIZE,
+    MAX_DUE_MS,
+    ROW_DTYPE,
+    State,
+    body_key,
+    encode_meta,
+    pack_row,
+    row_problems,
+    rows_of,
+    to_snapshot,
+)
+from .qrows import decode_meta as _decode_meta
+from .qspec import FixedCodec, QueueSpec, VarCodec, queue
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -79,289 +89,15 @@ log = logging.getLogger("armdb")
 
 T = TypeVar("T")
 
-MAX_FIXED_PAYLOAD = 4096
-MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
-KEY_SIZE = 16
-HEADER_SIZE = 32
-DEAD_BIT = 1 << 63
-MAX_DUE_MS = DEAD_BIT  # live due times stay below the dead key class
-RETRY_LIST_CAP = 1024
-SWEEP_PERIOD = 1.0
-META_MAGIC = b"ARMQUEU1"
-META_VERSION = 1
-
-_KEY = struct.Struct(">QQ")
-# state u8, flags u8, attempts u16, epoch u32, deadline_ms i64, payload_id u64, pushed_ms i64
-_HEADER = struct.Struct("<BBHIqQq")
-HEADER_DTYPE = np.dtype(
-    [
-        ("state", "u1"),
-        ("flags", "u1"),
-        ("attempts", "<u2"),
-        ("epoch", "<u4"),
-        ("deadline", "<i8"),
-        ("payload_id", "<u8"),
-        ("pushed", "<i8"),
-    ]
-)
-ROW_DTYPE = np.dtype([("due", ">u8"), ("seq", ">u8"), ("header", HEADER_DTYPE)])
-FLAG_DEAD_EXPLICIT = 1
-FLAG_POISONED = 2  # with FLAG_DEAD_EXPLICIT: dead-lettered by a lease because its body cannot be decoded
-
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
 # held by a long-lived peer) never matches a handle of the next process (Q13).
 _PROCESS_TAG = int.from_bytes(os.urandom(8), "big")
 _handle_ids = itertools.count(1)
 
-
-class State(enum.IntEnum):
-    """A row's state, as stored in its header and in ``snapshot()['state']``."""
-
-    READY = 0
-    LEASED = 1
-    DEAD = 2
-
-
-# -- declarations (Q1) ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QueueSpec:
-    """A queue declaration made by :func:`queue` at import time."""
-
-    name: str
-    payload: Any
-    var: bool
-    fingerprint: str
-
-    @property
-    def payload_name(self) -> str:
-        return self.name + ".payload"
-
-    @property
-    def dtype(self) -> np.dtype:
-        return typing.cast(np.dtype, self.payload)
-
-
-def _fixed_dtype(payload: Any) -> np.dtype:
-    if isinstance(payload, type) and issubclass(payload, np.generic):
-        payload = np.dtype(payload)
-    if not isinstance(payload, np.dtype):
-        raise ConfigError(
-            f"a fixed queue's payload must be a NumPy dtype (e.g. np.dtype([('doc', '<u8')])), "
-            f"not {payload!r}; for other types declare the queue with var=True"
-        )
-    if payload.hasobject:
-        raise ConfigError("a fixed queue's dtype cannot hold Python objects; use var=True for those")
-    if payload.itemsize > MAX_FIXED_PAYLOAD or payload.itemsize == 0:
-        raise ConfigError(
-            f"a fixed queue's payload is stored inline and must be 1..{MAX_FIXED_PAYLOAD} bytes, "
-            f"got {payload.itemsize}; declare the queue with var=True for larger payloads"
-        )
-    return payload
-
-
-def _var_fingerprint(payload: Any) -> str:
-    if dataclasses.is_dataclass(payload) and isinstance(payload, type):
-        hints = typing.get_type_hints(payload)
-        fields = ",".join(f"{f.name}:{_type_name(hints.get(f.name, f.type))}" for f in dataclasses.fields(payload))
-        return f"var:dataclass({fields})"
-    if payload is typing.Any or payload is object:
-        return "var:any"
-    if isinstance(payload, type) and payload in _MSGPACK_TYPES:
-        return f"var:{payload.__name__}"
-    raise ConfigError(
-        f"a var queue's payload must be a dataclass, bytes, or a msgpack type "
-        f"(int, float, str, bool, list, dict, tuple, or object/typing.Any), not {payload!r}"
-    )
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-_MSGPACK_TYPES = (bytes, str, int, float, bool, list, dict, tuple)
-
-
-def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
-    """Declare a queue (Q1).  Call once per queue, at import time.
-
-    Parameters
-    ----------
-    name : str
-        Collection name, at most 120 characters of ``[a-z0-9_.-]``.
-    payload : numpy.dtype or type
-        For a fixed queue (``var=False``): a NumPy dtype of at most 4096 bytes,
-        stored inline in the header slot.  For a var queue: a dataclass, ``bytes``,
-        or a msgpack-serialisable type, stored in the ``name.payload`` collection.
-    var : bool
-        Store bodies in a separate Bitcask collection.
-
-    Raises
-    ------
-    ConfigError
-        A bad name, a payload that is not a dtype (fixed), or a too-large dtype.
-    """
-    validate_name(name, queue=True)
-    if name.endswith(".payload"):
-        raise ConfigError(f"queue name {name!r} must not end in '.payload' (reserved for its body collection)")
-    if not isinstance(var, bool):
-        raise ConfigError("var must be True or False")
-    if var:
-        return QueueSpec(name, payload, True, _var_fingerprint(payload))
-    dtype = _fixed_dtype(payload)
-    return QueueSpec(name, dtype, False, f"fixed:{dtype.descr!r}:{dtype.itemsize}")
-
-
-# -- payload codecs ----------------------------------------------------------------------
-
-
-_STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
-                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
-
-
-def _struct_for(dt: np.dtype) -> struct.Struct | None:
-    """A struct that packs a tuple exactly as NumPy would, for plain little-endian numeric
-    fields laid out back to back; None for anything else (NumPy does those)."""
-    fields = [dt] if dt.names is None else [dt.fields[n][0] for n in dt.names]  # type: ignore[index]
-    offsets = [0] if dt.names is None else [dt.fields[n][1] for n in dt.names]  # type: ignore[index]
-    codes = []
-    pos = 0
-    for f, off in zip(fields, offsets):
-        if f.subdtype is not None or f.char not in _STRUCT_CODES or off != pos or f.byteorder == ">":
-            return None
-        codes.append(_STRUCT_CODES[f.char])
-        pos += f.itemsize
-    st = struct.Struct("<" + "".join(codes))
-    return st if st.size == dt.itemsize else None
-
-
-class _FixedCodec:
-    def __init__(self, dtype: np.dtype) -> None:
-        self.dtype = dtype
-        self.size = dtype.itemsize
-        self._struct = _struct_for(dtype) if dtype.names is not None else None
-        self._nfields = len(dtype.names) if dtype.names is not None else 0
-
-    def encode(self, value: Any) -> bytes:
-        st = self._struct
-        if st is not None and type(value) is tuple and len(value) == self._nfields:
-            # Fast path for the common case; a value struct cannot take goes to NumPy,
-            # which gives the error message (or accepts what struct is strict about).
-            try:
-                return st.pack(*value)
-            except struct.error:
-                pass
-        dt = self.dtype
-        if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
-            return value.tobytes()
-        if isinstance(value, np.ndarray) and value.shape == () and value.dtype == dt:
-            return value.tobytes()
-        if dt.names is not None:
-            if not isinstance(value, tuple) or len(value) != len(dt.names):
-                raise PayloadTypeError(
-                    f"payload for dtype {dt} must be a record of that dtype or a tuple of "
-                    f"{len(dt.names)} fields, not {type(value).__name__}"
-                )
-        elif not _scalar_fits(value, dt):
-            raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
-        try:
-            return np.array(value, dtype=dt).tobytes()
-        except (ValueError, TypeError, OverflowError) as e:
-            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
-
-
-def _scalar_fits(value: Any, dt: np.dtype) -> bool:
-    if isinstance(value, np.generic):
-        return np.can_cast(value.dtype, dt, casting="same_kind")
-    if isinstance(value, bool):
-        return dt.kind == "b"
-    if isinstance(value, int):
-        return dt.kind in "iuf"
-    if isinstance(value, float):
-        return dt.kind == "f"
-    if isinstance(value, complex):
-        return dt.kind == "c"
-    if isinstance(value, (str, bytes)):
-        return dt.kind in "SU"
-    return False
-
-
-class _VarCodec:
-    def __init__(self, payload: Any) -> None:
-        self.payload = payload
-        self.is_dataclass = dataclasses.is_dataclass(payload)
-        self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
-        self.any = payload is typing.Any or payload is object
-        # A lease rebuilds a dataclass as cls(*fields).  With the generated __init__
-        # taking exactly the fields by position and no __post_init__, that sets the
-        # fields and nothing else, so push only has to know msgpack decodes them;
-        # otherwise (a __post_init__, init=False or keyword-only fields, a hand-written
-        # __init__ of another signature) push rebuilds the value once to be sure.
-        self.rebuild_at_push = self.is_dataclass and not _rebuilds_plainly(payload)
-
-    def encode(self, value: Any) -> bytes:
-        if self.is_dataclass:
-            if type(value) is not self.payload:
-                raise PayloadTypeError(
-                    f"payload must be an instance of {self.payload.__name__}, not {type(value).__name__}"
-                )
-            obj: Any = [getattr(value, f) for f in self.fields]
-        else:
-            if not self.any and not _is_instance(value, self.payload):
-                raise PayloadTypeError(
-                    f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
-                )
-            obj = value
-        try:
-            raw = packb(obj)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
-        if self.rebuild_at_push:
-            check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
-        else:
-            check_round_trip(value, raw, "payload")
-        return raw
-
-    def _rebuild(self, obj: Any) -> Any:
-        """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
-        return self.payload(*obj)
-
-    def _fields_packed(self, value: Any) -> bytes:
-        return packb([getattr(value, f) for f in self.fields])
-
-    def decode(self, raw: bytes) -> Any:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        if self.is_dataclass:
-            return self.payload(*obj)
-        if self.payload is tuple:
-            return tuple(obj)
-        return obj
-
-
-def _rebuilds_plainly(cls: type) -> bool:
-    """Whether ``cls(*field_values)`` can only set the fields (see ``_VarCodec``)."""
-    if hasattr(cls, "__post_init__") or not cls.__dataclass_params__.init:  # type: ignore[attr-defined]
-        return False
-    names = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            return False
-        names.append(f.name)
-    try:
-        params = list(inspect.signature(cls).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return [p.name for p in params] == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
-
-
-def _is_instance(value: Any, tp: type) -> bool:
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, float)
-    return isinstance(value, tp)
+MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
+RETRY_LIST_CAP = 1024
+SWEEP_PERIOD = 1.0
 
 
 # -- leases ----------------------------------------------------------------------------------
@@ -452,151 +188,6 @@ def _fmt(v: Any) -> str:
 _Shard = QueueShard
 
 
-def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: int,
-              deadline: int, payload_id: int, pushed: int, payload: bytes = b"") -> bytes:
-    return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
-
-
-class RowProblem(NamedTuple):
-    """Rows of one shard that armdb never writes (see :func:`row_problems`)."""
-
-    what: str  # completes "N row(s) ..."
-    bad: np.ndarray  # bool mask over the rows given
-    action: str  # "refuse": open raises CorruptionError; "repair": open serves them after a fix in
-    #              memory (WARNING, repaired_on_open); "report": served as they are, armdb.check reports
-
-
-def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *, duplicates: bool = True,
-                 due: np.ndarray | None = None, seq: np.ndarray | None = None) -> list[RowProblem]:
-    """The rules a stored queue row must follow, shared by ``Db.open`` and ``armdb.check``.
-
-    ``rows`` are the occupied slots of shard ``shard_no`` viewed as ``ROW_DTYPE``.  Their
-    CRCs held, so a row that breaks a rule was not torn by a crash: the file was changed
-    outside armdb.  Open refuses a row whose state, key class, id or attempts would make
-    it deliver a job twice, resurrect a dead one or count its retries wrongly; it serves
-    a leased row without a plausible deadline as an expired lease (after a reopen no
-    lease holder can settle it anyway); fields that only inform (the payload id, the
-    deadline of a row that is not leased, attempts of a delivered row) are left to check.
-    An attempt count above the queue's ``max_attempts`` is not a problem: the setting can
-    be lowered between opens, and such a row is dead-lettered when its lease next ends.
-    ``duplicates=False`` leaves out the rule that a row id occurs once in the shard (check
-    looks for ids stored twice across all shards itself); ``due`` and ``seq`` are the
-    key fields as native ``uint64`` when the caller has them already.  Returns the rules
-    that some row breaks, each with the mask of those rows.
-    """
-    if due is None:
-        due = rows["due"].astype(np.uint64)
-    if seq is None:
-        seq = rows["seq"].astype(np.uint64)
-    hdr = rows["header"]
-    state = hdr["state"]
-    deadline = hdr["deadline"]
-    attempts = hdr["attempts"]
-    out: list[RowProblem] = []
-    if seq.size == 0:
-        return out
-
-    # Open runs this on every row of a queue: each rule is first judged with a reduction
-    # (no array allocated), and its mask is built only when some row breaks it.
-    def rule(what: str, action: str, suspect: bool, mask: Callable[[], np.ndarray]) -> None:
-        if suspect:
-            bad = mask()
-            if bad.any():
-                out.append(RowProblem(what, bad, action))
-
-    dead_key = due >= np.uint64(DEAD_BIT)
-    dead_state = state == State.DEAD
-    leased = state == State.LEASED
-    rule("hold an unknown state (not READY, LEASED or DEAD)", "refuse", state.max() > State.DEAD,
-         lambda: state > State.DEAD)
-    if not np.array_equal(dead_key, dead_state):
-        rule("are in the dead key class but not DEAD", "refuse", True, lambda: dead_key & ~dead_state)
-        rule("are DEAD but keyed as live rows", "refuse", True, lambda: ~dead_key & dead_state)
-    rule("have row id 0, which is never handed out", "refuse", seq.min() == 0, lambda: seq == 0)
-    if shard_count > 1:
-        # A power of two takes a bit mask, about 20 times faster than % on uint64.
-        pow2 = shard_count & (shard_count - 1) == 0
-        home = seq & np.uint64(shard_count - 1) if pow2 else seq % np.uint64(shard_count)
-        rule(f"belong to another shard (their row id modulo {shard_count} is not {shard_no})", "refuse",
-             True, lambda: home != np.uint64(shard_no))
-    rule(f"are READY with {MAX_ATTEMPTS} attempts, more than any retry can count", "refuse",
-         attempts.max() == MAX_ATTEMPTS, lambda: (state == State.READY) & (attempts == MAX_ATTEMPTS))
-    low = deadline.min()
-    rule("are LEASED without a lease deadline", "repair", low <= 0, lambda: leased & (deadline == 0))
-    rule("are LEASED with a negative lease deadline", "repair", low < 0, lambda: leased & (deadline < 0))
-    rule("hold a negative lease deadline", "report", low < 0, lambda: ~leased & (deadline < 0))
-    rule("were delivered (LEASED or DEAD) but count 0 attempts", "report", attempts.min() == 0,
-         lambda: (leased | dead_state) & (attempts == 0))
-    flags = hdr["flags"]
-    known = FLAG_DEAD_EXPLICIT | FLAG_POISONED
-    rule("hold flags armdb never sets (bit 0, dead-lettered explicitly, and bit 1, its body could not be "
-         "decoded, on DEAD rows only)",
-         "report", bool(flags.any()),
-         lambda: ((flags & ~np.uint8(known)) != 0) | ((flags != 0) & ~dead_state)
-         | ((flags & FLAG_POISONED) != 0) & ((flags & FLAG_DEAD_EXPLICIT) == 0))
-    pid = hdr["payload_id"]
-    if var:
-        rule("point at a payload id other than their row id", "report", not np.array_equal(pid, seq),
-             lambda: pid != seq)
-    else:
-        rule("hold a payload id, which a fixed queue never sets", "report", bool(pid.any()), lambda: pid != 0)
-    if duplicates and seq.size > 1:
-        ordered = np.sort(seq)
-        again = ordered[1:] == ordered[:-1]
-        rule("share their row id with another row of the shard", "refuse", bool(again.any()),
-             lambda: np.isin(seq, ordered[1:][again]))
-    return out
-
-
-def _encode_meta(spec: QueueSpec, shard_count: int, value_size: int) -> bytes:
-    body = msgpack.packb(
-        {"var": spec.var, "fingerprint": spec.fingerprint, "shard_count": shard_count,
-         "key_size": KEY_SIZE, "value_size": value_size},
-        use_bin_type=True,
-    )
-    raw = META_MAGIC + struct.pack("<II", META_VERSION, len(body)) + body
-    return raw + struct.pack("<I", zlib.crc32(raw))
-
-
-def _decode_meta(raw: bytes, path: str) -> dict[str, Any]:
-    """Decode and check ``queue.meta``.  Everything in it is input: a file whose CRC
-    matches but whose fields armdb would never write (a shard count of 0 or 2000, a
-    string, a missing key) is a ``FormatError`` before anything is allocated for it."""
-    if len(raw) < 20 or raw[:8] != META_MAGIC:
-        raise FormatError(f"{path}: not an armdb queue meta file; point armdb at its own directory")
-    version, n = struct.unpack_from("<II", raw, 8)
-    if version != META_VERSION:
-        raise FormatError(f"{path}: queue meta format {version} is not supported; upgrade armdb")
-    end = 16 + n
-    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
-        raise FormatError(f"{path}: queue meta fails its CRC; restore it from a backup")
-    damaged = f"{path}: queue meta holds values armdb never writes"
-    try:
-        meta = msgpack.unpackb(raw[16:end], raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors are ValueErrors
-        raise FormatError(f"{damaged} (its body does not decode: {e}); restore it from a backup") from None
-    if not isinstance(meta, dict):
-        raise FormatError(f"{damaged} (its body is not a map); restore it from a backup")
-    expected: dict[str, type] = {"var": bool, "fingerprint": str, "shard_count": int, "key_size": int,
-                                 "value_size": int}
-    for key, kind in expected.items():
-        value = meta.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise FormatError(f"{damaged} ({key} = {value!r}); restore it from a backup")
-    if not 1 <= meta["shard_count"] <= MAX_SHARD_COUNT:
-        raise FormatError(
-            f"{damaged} (shard_count = {meta['shard_count']}, not 1 to {MAX_SHARD_COUNT}); restore it from a backup"
-        )
-    if meta["key_size"] != KEY_SIZE:
-        raise FormatError(f"{damaged} (key_size = {meta['key_size']}, not {KEY_SIZE}); restore it from a backup")
-    low, high = (HEADER_SIZE, HEADER_SIZE) if meta["var"] else (HEADER_SIZE + 1, HEADER_SIZE + MAX_FIXED_PAYLOAD)
-    if not low <= meta["value_size"] <= high:
-        raise FormatError(
-            f"{damaged} (value_size = {meta['value_size']}, not {low} to {high}); restore it from a backup"
-        )
-    return meta
-
-
 class Queue(Generic[T]):
     """A handle on an open queue.  Get one with ``db.open_queue(spec, config)``.
 
@@ -612,7 +203,7 @@ class Queue(Generic[T]):
         self.config = config
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._seq_name = "q:" + spec.name  # the seqmap name of its row ids
-        self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
+        self._codec: FixedCodec | VarCodec = VarCodec(spec.payload) if spec.var else FixedCodec(spec.dtype)
         # Looked up once for the hot path (config is frozen, the seqmap lives as long as the Db).
         self._encode = self._codec.encode
         self._next_id = db.seqmap.next
@@ -685,7 +276,7 @@ class Queue(Generic[T]):
                 raise ConfigError(f"{self.name!r} is already a collection of another kind; choose another name")
             shard_count = hcfg.shard_count or 1
             fs.makedirs(hdir)
-            fs.write_file_atomic(meta_path, _encode_meta(self.spec, shard_count, value_size))
+            fs.write_file_atomic(meta_path, encode_meta(self.spec.var, self.spec.fingerprint, shard_count, value_size))
         if self.spec.var:
             # First, so that a missing or wrong key refuses the open before the header
             # store is touched (it may create its redo file or extend to a grow step).
@@ -727,7 +318,7 @@ class Queue(Generic[T]):
         occ = fx.occupied_slots()
         if occ.size == 0:
             return 0
-        rows = fx.slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        rows = rows_of(fx.slots, occ)
         due = rows["due"].astype(np.uint64)
         seq = rows["seq"].astype(np.uint64)
         self._judge_rows(fx, occ, rows, due, seq)
@@ -830,9 +421,7 @@ class Queue(Generic[T]):
     def _payload_bytes(self, sh: _Shard, slot: int) -> bytes:
         return sh.fixed.sf.body(slot, KEY_SIZE + HEADER_SIZE, self._codec.size)  # type: ignore[union-attr]
 
-    @staticmethod
-    def _key_bytes(seq: int) -> bytes:
-        return seq.to_bytes(8, "big")
+    _key_bytes = staticmethod(body_key)  # a var row's body key in <name>.payload
 
     # -- push (Q9, Q15, Q16, Q20) -------------------------------------------------------------
     def push(self, payload: T, *, delay: timedelta | float | None = None) -> int:
@@ -988,7 +577,7 @@ class Queue(Generic[T]):
         if self._payload is None:
             return out
         leases: list[Lease[T]] = []
-        decode = typing.cast(_VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
+        decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         handle = self._handle
         new = tuple.__new__  # the NamedTuples without their Python-level __new__
         poisoned: list[tuple[LeaseToken, Exception]] | None = None
@@ -1097,7 +686,7 @@ class Queue(Generic[T]):
     def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
                             attempts: int, epoch: int, deadline: int, pid: int, pushed: int, extra: bytes) -> None:
         dkey = DEAD_BIT | now
-        sh.fixed.write(slot, _pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
+        sh.fixed.write(slot, pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
         sh.live.remove(due, seq)
         sh.dead.insert(dkey, seq, slot, 0)
         sh.dead_lettered += 1
@@ -1205,7 +794,7 @@ class Queue(Generic[T]):
             else:
                 wait = delay_ms if delay_ms is not None else int(round(self.config.backoff_for(attempts) * 1000))
                 due = now + wait
-                sh.fixed.write(slot, _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline,
+                sh.fixed.write(slot, pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline,
                                                pid, pushed, extra))
                 sh.live.remove(token.due, token.seq)
                 sh.live.insert(due, token.seq, slot, 0)
@@ -1439,39 +1028,14 @@ class Queue(Generic[T]):
             with sh.lock:
                 sh.fixed.check_open()  # DbClosed if a close unmapped the file meanwhile
                 slots = np.concatenate([sh.live.to_arrays()[2], sh.dead.to_arrays()[2]]).astype(np.intp)
-                # Fancy indexing copies the rows out of the map while the lock is held.
-                raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE]
-            parts.append(raw.view(ROW_DTYPE).reshape(-1))
+                # The rows are copied out of the map while the lock is held.
+                parts.append(rows_of(sh.fixed.slots, slots))
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
-        out = np.zeros(rows.shape[0], dtype=SNAPSHOT_DTYPE)
-        hdr = rows["header"]
-        out["id"] = rows["seq"]
-        out["state"] = hdr["state"]
-        out["due"] = (rows["due"].astype(np.uint64) & np.uint64(~DEAD_BIT & 0xFFFFFFFFFFFFFFFF)).astype(
-            np.int64
-        ).astype("datetime64[ms]")
-        out["attempts"] = hdr["attempts"]
-        out["epoch"] = hdr["epoch"]
-        dl = hdr["deadline"].astype("datetime64[ms]")
-        dl[hdr["deadline"] == 0] = np.datetime64("NaT")
-        out["deadline"] = dl
-        return out
+        return to_snapshot(rows)
 
     def __repr__(self) -> str:
         flavour = "var" if self.spec.var else "fixed"
         return f"<armdb.Queue {self.name!r} ({flavour})>"
-
-
-SNAPSHOT_DTYPE = np.dtype(
-    [
-        ("id", "<u8"),
-        ("state", "u1"),
-        ("due", "datetime64[ms]"),
-        ("attempts", "<u2"),
-        ("epoch", "<u4"),
-        ("deadline", "datetime64[ms]"),
-    ]
-)
 
 
 def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any]:

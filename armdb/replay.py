@@ -37,6 +37,7 @@ from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatE
 from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
 from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
 from .mapcodec import decode_key, decode_value
+from .qrows import ROW_DTYPE, decode_meta, row_problems
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -79,12 +80,11 @@ class FixedGeometry:
 def fixed_geometry(directory: str) -> FixedGeometry:
     """Read a queue header collection's geometry without opening (or changing) it.
 
-    Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.queue._decode_meta``)."""
-    from .queue import _decode_meta
+    Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.qrows.decode_meta``)."""
 
     fs = _fs.FS
     meta_path = os.path.join(directory, QUEUE_META)
-    meta = _decode_meta(fs.read_file(meta_path), meta_path)
+    meta = decode_meta(fs.read_file(meta_path), meta_path)
     slot_size = slot_size_for(meta["key_size"], meta["value_size"])
     capacities = []
     for i in range(meta["shard_count"]):
@@ -188,10 +188,8 @@ def check_row(
 
 def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where: str) -> None:
     """A logged occupied slot holds one queue row: the rules open applies to stored rows
-    (``armdb.queue.row_problems``; a row id stored twice is left to that check after replay)."""
+    (``armdb.qrows.row_problems``; a row id stored twice is left to that check after replay)."""
     import numpy as np
-
-    from .queue import ROW_DTYPE, row_problems
 
     if len(body) < ROW_DTYPE.itemsize:
         raise _bad(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
@@ -306,7 +304,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     for slot, (_, st, body, where) in sorted(state.items()):
         if where is None or st != OCCUPIED or body is None:
             continue
-        seq = int.from_bytes(body[8:16], "big")  # a queue row (queue.ROW_DTYPE): due, then seq, big-endian
+        seq = int.from_bytes(body[8:16], "big")  # a queue row (qrows.ROW_DTYPE): due, then seq, big-endian
         if seq in written:
             out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
                                f"{written[seq][0]}"))

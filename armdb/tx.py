@@ -52,7 +52,8 @@ from .errors import (
 from .fixed import DELETED, OCCUPIED
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
-from .queue import DEAD_BIT, FLAG_DEAD_EXPLICIT, FLAG_POISONED, LeaseToken, Queue, State, _pack_row
+from .qrows import DEAD_BIT, FLAG_DEAD_EXPLICIT, FLAG_POISONED, State, pack_row
+from .queue import LeaseToken, Queue
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -534,7 +535,7 @@ class Tx:
         payload = q._payload
         if payload is not None:
             body = s.body
-            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, seq, now)
+            row = pack_row(due, seq, State.READY, 0, 0, 0, 0, seq, now)
             key = q._key_bytes(seq)
             gsn = self._gsn()
             plan.rows.append(["B", q.spec.payload_name, key, body, gsn])
@@ -547,7 +548,7 @@ class Tx:
 
             plan.apply.append(apply_body)
         else:
-            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
+            row = pack_row(due, seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
         plan.rows.append(["F", q.name, fixed.index, slot, version, OCCUPIED, row])
         plan.add_fixed(fixed)
 
@@ -592,7 +593,7 @@ class Tx:
             if s.dead:
                 flags |= FLAG_DEAD_EXPLICIT | (FLAG_POISONED if s.poisoned else 0)
             dkey = DEAD_BIT | now
-            row = _pack_row(dkey, token.seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra)
+            row = pack_row(dkey, token.seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra)
 
             poisoned = s.poisoned
 
@@ -611,7 +612,7 @@ class Tx:
             return
         wait = s.delay_ms if s.delay_ms is not None else round(q.config.backoff_for(attempts) * 1000)
         due = now + wait
-        row = _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline, pid, pushed, extra)
+        row = pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline, pid, pushed, extra)
 
         def apply_nack() -> None:
             sh.fixed.write(slot, row, version)
