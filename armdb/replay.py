@@ -106,12 +106,12 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
     names for slot rows, map or ``<queue>.payload`` names for Bitcask rows), so that no
     path the log gives can leave ``<db>/collections``."""
     if not isinstance(row, list) or not row or not isinstance(row[0], str):
-        raise _bad(where, f"row {_short(row)} is not a list starting with its kind")
+        raise bad_record(where, f"row {_short(row)} is not a list starting with its kind")
     kind = row[0]
     if kind not in ("F", "B"):
-        raise _bad(where, f"row of unknown kind {_short(kind)}")
+        raise bad_record(where, f"row of unknown kind {_short(kind)}")
     if len(row) != (7 if kind == "F" else 5):
-        raise _bad(where, f"{kind} row has {len(row)} fields, not {7 if kind == 'F' else 5}")
+        raise bad_record(where, f"{kind} row has {len(row)} fields, not {7 if kind == 'F' else 5}")
     name = row[1]
     try:
         if kind == "F":
@@ -121,7 +121,7 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
         else:
             validate_name(name)
     except ConfigError:
-        raise _bad(where, f"row names collection {_short(name)}, which is not a valid collection name") from None
+        raise bad_record(where, f"row names collection {_short(name)}, which is not a valid collection name") from None
     return kind, name
 
 
@@ -142,44 +142,44 @@ def check_row(
     is_queue = fs.exists(os.path.join(d, QUEUE_META))
     if kind == "F":
         if not is_queue:
-            raise _bad(where, f"row names queue collection {name!r}, which does not exist")
+            raise bad_record(where, f"row names queue collection {name!r}, which does not exist")
         _, _, shard, slot, version, status, body = row
         g = geometry(name)
         if not _is_int(shard) or not 0 <= shard < g.shard_count:
-            raise _bad(where, f"row for {name!r} names shard {_short(shard)}; the queue has {g.shard_count}")
+            raise bad_record(where, f"row for {name!r} names shard {_short(shard)}; the queue has {g.shard_count}")
         limit = slot_limit(g.capacities[shard])
         if not _is_int(slot) or not 0 <= slot < limit:
-            raise _bad(
+            raise bad_record(
                 where,
                 f"row for {name!r} shard {shard} names slot {_short(slot)}, beyond what its file of "
                 f"{g.capacities[shard]} slots can have grown to ({limit})",
             )
         if not _is_int(version) or not 1 <= version <= RING_MASK:
-            raise _bad(where, f"row for {name!r} has slot version {_short(version)}, not 1 to {RING_MASK}")
+            raise bad_record(where, f"row for {name!r} has slot version {_short(version)}, not 1 to {RING_MASK}")
         if status not in (OCCUPIED, DELETED) or not _is_int(status):
-            raise _bad(where, f"row for {name!r} has slot status {_short(status)}")
+            raise bad_record(where, f"row for {name!r} has slot status {_short(status)}")
         if not isinstance(body, bytes) or len(body) > g.body_size:
             size = f"{len(body)} bytes" if isinstance(body, bytes) else type(body).__name__
-            raise _bad(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
+            raise bad_record(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
         if status == OCCUPIED:
             _check_queue_row(body, name, shard, g, where)
     else:
         if is_queue or not fs.exists(os.path.join(d, META_NAME)):
-            raise _bad(where, f"row names map collection {name!r}, which does not exist")
+            raise bad_record(where, f"row names map collection {name!r}, which does not exist")
         _, _, key, value, gsn = row
         if not isinstance(key, bytes) or len(key) > MAX_KEY_LEN:
-            raise _bad(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
+            raise bad_record(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
         if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
-            raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
+            raise bad_record(where, f"row for {name!r} has a value that is neither bytes nor None")
         if not name.endswith(PAYLOAD_SUFFIX):  # a map's: its keys and values must read back
             try:
                 decode_key(key)
                 if value is not None:
                     decode_value(value)
             except (PayloadTypeError, CorruptionError) as e:
-                raise _bad(where, f"row for map {name!r} holds a key or value the map cannot read ({e})") from None
+                raise bad_record(where, f"row for map {name!r} holds a key or value the map cannot read ({e})") from None
         if not _is_int(gsn) or not 1 <= gsn < gsn_limit:
-            raise _bad(
+            raise bad_record(
                 where,
                 f"row for {name!r} has gsn {_short(gsn)}, not from 1 to below {gsn_limit}, the end of the "
                 f"gsns the database has reserved",
@@ -192,11 +192,11 @@ def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where
     import numpy as np
 
     if len(body) < ROW_DTYPE.itemsize:
-        raise _bad(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
+        raise bad_record(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
     row = np.frombuffer(body, dtype=ROW_DTYPE, count=1)
     for p in row_problems(row, shard, g.shard_count, g.var, duplicates=False):
         if p.action == "refuse":
-            raise _bad(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
+            raise bad_record(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
 
 
 @dataclass(frozen=True)
@@ -321,70 +321,6 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     return out[:limit]
 
 
-def log_conflicts(txlog_dir: str) -> list[str]:
-    """``armdb.check``'s view of :func:`replay_conflicts`: the logged slot writes of every
-    unsealed record, in the order open replays them, judged against each queue shard.
-
-    Rows that :func:`check_row` refuses are left out (``armdb.txlog.check_dir`` reports
-    them); with any sealed record in the log nothing is judged (a keyless check cannot
-    read what it writes)."""
-    from . import seqmap
-    from .txlog import _NAME_RE, FILE_HEADER_SIZE, FLAG_SEALED, _check_file_header, _records_at, _rows
-
-    fs = _fs.FS
-    db_dir = os.path.dirname(txlog_dir)
-    collections = os.path.join(db_dir, "collections")
-    seq_path = os.path.join(db_dir, "seqmap")
-    try:
-        reserved = seqmap.decode(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
-    except Exception:  # noqa: BLE001 - armdb.check reports the seqmap itself
-        reserved = None
-    limit = gsn_limit(reserved)
-    geometries: dict[str, FixedGeometry] = {}
-
-    def geometry(name: str) -> FixedGeometry:
-        if name not in geometries:
-            geometries[name] = fixed_geometry(os.path.join(collections, name))
-        return geometries[name]
-
-    writes: dict[tuple[str, int], list[LoggedSlot]] = {}
-    for name in sorted(n for n in fs.listdir(txlog_dir) if _NAME_RE.match(n)):
-        path = os.path.join(txlog_dir, name)
-        raw = fs.read_file(path)
-        try:
-            _check_file_header(raw, path)
-        except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-            continue
-        recs, _, _ = _records_at(raw, FILE_HEADER_SIZE)
-        for offset, _txid, flags, body in recs:
-            if flags & FLAG_SEALED:
-                return []
-            where = f"{path}: transaction log record at offset {offset}"
-            try:
-                rows = _rows(body, where)
-            except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-                continue
-            for row in rows:
-                try:
-                    check_row(row, where, collections, geometry, limit)
-                except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-                    continue
-                if row[0] == "F":
-                    _, qname, shard, slot, version, status, rbody = row
-                    writes.setdefault((qname, shard), []).append(LoggedSlot(slot, version, status, rbody, where))
-    findings: list[str] = []
-    for (qname, shard), ws in writes.items():
-        g = geometry(qname)
-        data = os.path.join(collections, qname, f"shard-{shard:03d}", FILE_NAME)
-        try:
-            found = replay_conflicts(data, g.body_size + 8, ws)
-        except (OSError, ValueError) as e:
-            findings.append(f"{data}: cannot judge the logged slot writes ({type(e).__name__}: {e})")
-            continue
-        findings.extend(str(_bad(where, f"queue {qname!r} shard {shard}: the record {what}")) for where, what in found)
-    return findings
-
-
 def gsn_limit(reserved: int | None) -> int:
     """The first gsn no logged row can carry, from the seqmap's reserved end for "gsn"."""
     from .seqmap import MAX_RESERVED
@@ -397,7 +333,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _bad(where: str, what: str) -> CorruptionError:
+def bad_record(where: str, what: str) -> CorruptionError:
+    """The error for a logged record that passes its CRC but breaks a rule (open refuses it)."""
     return CorruptionError(
         f"{where}: {what}; the record passes its CRC but armdb never wrote it. Restore the database "
         f"from a backup"
@@ -480,7 +417,7 @@ class Replayer:
             g = self.geometry(name)
             data = os.path.join(self.db.collection_dir(name), f"shard-{shard:03d}", FILE_NAME)
             for where, what in replay_conflicts(data, g.body_size + 8, writes)[:1]:
-                raise _bad(where, f"queue {name!r} shard {shard}: the record {what}")
+                raise bad_record(where, f"queue {name!r} shard {shard}: the record {what}")
 
     def apply(self, row: list[Any]) -> None:
         """Apply one row that :meth:`check` accepted (every row is checked before the first
