@@ -20,6 +20,9 @@ them): before any row is applied, every row of every record is checked by
 (shard in range, slot within reach of the file, body within the slot, gsn in range).
 Anything else is ``CorruptionError`` naming the log file and offset, and nothing is
 created or written.  ``armdb.check`` runs the same checks (``armdb.txlog.check_dir``).
+
+Layer: above the stores and the formats it checks rows against, below the log that
+drives it (``TxLog._replay``); it reaches the ``Db`` only through the object passed in.
 """
 
 from __future__ import annotations
@@ -30,14 +33,30 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+import numpy as np
+
 from . import _fs
 from ._core import fixed as _k
+from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
 from .config import QUEUE_GROW_STEP, Config, FixedConfig
 from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError, PayloadTypeError
-from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
+from .fixed import (
+    DELETED,
+    FILE_NAME,
+    FREE,
+    HEADER_PAGE,
+    OCCUPIED,
+    REDO_NAME,
+    TORN,
+    FixedStore,
+    judge_redo_header,
+    read_hwm,
+    slot_size_for,
+)
 from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
 from .mapcodec import decode_key, decode_value
 from .qrows import ROW_DTYPE, decode_meta, row_problems
+from .seqmap import MAX_RESERVED
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -134,8 +153,6 @@ def check_row(
     collection's :class:`FixedGeometry` (cached by the caller); ``gsn_limit`` is the end
     of the gsn block reserved in the seqmap (every logged gsn was reserved before the
     commit was logged), see :func:`gsn_limit`."""
-    from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
-
     fs = _fs.FS
     kind, name = row_collection(row, where)
     d = os.path.join(collections, name)
@@ -189,8 +206,6 @@ def check_row(
 def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where: str) -> None:
     """A logged occupied slot holds one queue row: the rules open applies to stored rows
     (``armdb.qrows.row_problems``; a row id stored twice is left to that check after replay)."""
-    import numpy as np
-
     if len(body) < ROW_DTYPE.itemsize:
         raise bad_record(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
     row = np.frombuffer(body, dtype=ROW_DTYPE, count=1)
@@ -227,10 +242,6 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     refuses a shard that holds one twice.  Returns ``(where, what)`` for at most ``limit``
     conflicts (``where``: the log record of the write), empty when there is none.
     """
-    import numpy as np
-
-    from .fixed import REDO_NAME, judge_redo_header, read_hwm
-
     fs = _fs.FS
     n = 0
     page = b""
@@ -323,8 +334,6 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
 
 def gsn_limit(reserved: int | None) -> int:
     """The first gsn no logged row can carry, from the seqmap's reserved end for "gsn"."""
-    from .seqmap import MAX_RESERVED
-
     return MAX_RESERVED if reserved is None else min(reserved, MAX_RESERVED)
 
 
