@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _fs
 from ._clock import Clock, checked_clock, system_clock
+from .bitcask import BitcaskStore
 from .config import Config, TxConfig
 from .errors import ConfigError, DbClosed, as_storage_error
 
@@ -48,12 +49,13 @@ from .layout import (  # noqa: F401
     encode_meta,
     validate_name,
 )
+from .maps import Map
+from .queue import Queue, QueueSpec, open_queue, start_queue_workers
 from .seqmap import SeqMap
+from .tx import Tx, commit_settle
+from .txlog import TxLog
 
 if TYPE_CHECKING:
-    from .bitcask import BitcaskStore
-    from .maps import Map
-    from .queue import Queue, QueueSpec
     from .streams import SchemaRegistry
 
 log = logging.getLogger("armdb")
@@ -207,8 +209,6 @@ class Db:
                 fs.write_file_atomic(meta, encode_meta())
             fs.makedirs(os.path.join(self.path, COLLECTIONS))
             self.seqmap = SeqMap(self.path)
-            from .txlog import TxLog
-
             self.txlog = TxLog(self)
             try:
                 self.txlog._open()
@@ -239,8 +239,6 @@ class Db:
             )
 
     def _start_workers(self) -> None:
-        from .queue import start_queue_workers
-
         self._workers = [_Worker("armdb-flusher", self, FLUSH_PERIOD, Db._flush_tick)]
         self._workers += start_queue_workers(self, _Worker)
         for w in self._workers:
@@ -354,8 +352,6 @@ class Db:
         Logged rows still owed to this collection (it is encrypted, so replay at
         open had to wait for its key) are applied before it is returned.
         """
-        from .bitcask import BitcaskStore
-
         # Every gsn on disk is below the block reserved in seqmap (T5): refuse anything else.
         store = BitcaskStore.open(self.collection_dir(name), config, self.gsn, gsn_limit=self.seqmap.reserved("gsn"))
         try:
@@ -394,8 +390,6 @@ class Db:
             Invalid name, a name used by a queue, or a config that is not a built ``Config``.
         """
         self.check_open()
-        from .maps import Map
-
         validate_name(name)
         if config is not None and not isinstance(config, Config):
             raise ConfigError("open_map takes a built Config: Config.balanced()...build()")
@@ -416,15 +410,13 @@ class Db:
 
     def open_queue(self, spec: QueueSpec, config: Any = None) -> Queue:
         """Open (or create) the queue declared by ``spec`` (Q2).  See :class:`armdb.Queue`."""
-        from .queue import open_queue
-
-        return open_queue(self, spec, config)
+        # A var queue's ack and nack are logged commits (Q14): the queue gets them from
+        # here, the one module that knows both the queue and the transaction.
+        return open_queue(self, spec, config, commit_settle)
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""
         self.check_open()
-        from .tx import Tx
-
         return Tx(self)
 
     def stats(self) -> dict[str, Any]:

@@ -89,6 +89,10 @@ log = logging.getLogger("armdb")
 
 T = TypeVar("T")
 
+# armdb.tx.commit_settle(queue, token, ack, delay_ms=None, dead=False, poisoned=False): the
+# logged settle of a var queue's row, handed in by Db.open_queue (armdb.tx sits above this module).
+Settle = Callable[..., None]
+
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
 # held by a long-lived peer) never matches a handle of the next process (Q13).
@@ -196,7 +200,7 @@ class Queue(Generic[T]):
     ``due``, and the read-only ``stats`` and ``snapshot``.
     """
 
-    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig) -> None:
+    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig, commit_settle: Settle) -> None:
         self._db = db
         self.spec = spec
         self.name = spec.name
@@ -210,9 +214,7 @@ class Queue(Generic[T]):
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
-        from .tx import commit_settle  # armdb.tx imports this module
-
-        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14)
+        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -1038,7 +1040,7 @@ class Queue(Generic[T]):
         return f"<armdb.Queue {self.name!r} ({flavour})>"
 
 
-def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any]:
+def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commit_settle: Settle) -> Queue[Any]:
     """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
     if not isinstance(spec, QueueSpec):
         raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
@@ -1054,7 +1056,7 @@ def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any
             )
         if spec.name in db._maps or spec.payload_name in db._maps:
             raise ConfigError(f"{spec.name!r} is open as a map; a name holds one collection")
-        q: Queue[Any] = Queue(db, spec, config)
+        q: Queue[Any] = Queue(db, spec, config, commit_settle)
         try:
             q._open()
         except OSError as e:

@@ -443,7 +443,7 @@ class TxLog:
         Runs before any log file is read, so a wrong key changes nothing.  A database
         that has none yet (created before key check values, or never given a log key)
         records the first log key given, once the log has been replayed with it."""
-        from .db import META_FILE, check_meta
+        from .layout import META_FILE, check_meta
 
         path = os.path.join(self.db.path, META_FILE)
         meta = check_meta(_fs.FS.read_file(path), path)
@@ -462,7 +462,7 @@ class TxLog:
     def _record_identity(self, meta: Any) -> None:
         """Write the database id (and the log key's check value, once a key is given)
         into db.meta, before the first log file that binds records to them exists."""
-        from .db import META_FILE, DbMeta, encode_meta
+        from .layout import META_FILE, DbMeta, encode_meta
 
         check = meta.log_key_check
         if self.sealer is not None and not check:
