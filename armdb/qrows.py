@@ -76,6 +76,11 @@ def pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: i
     return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
 
 
+def header_of(image: bytes) -> tuple[int, int, int, int, int, int, int]:
+    """``(state, flags, attempts, epoch, deadline, payload_id, pushed)`` of a row image."""
+    return _HEADER.unpack_from(image, KEY_SIZE)  # type: ignore[return-value]
+
+
 def body_key(seq: int) -> bytes:
     """The key of a var row's body in ``<name>.payload``: its row id, 8 bytes big-endian."""
     return seq.to_bytes(8, "big")

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import _fail, _fs
+from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, to_ms, to_seconds
+from ._core.fixed import ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from .config import QueueConfig
@@ -61,19 +62,18 @@ from .errors import (
     StaleToken,
     as_storage_error,
 )
-from .fixed import HEADER_PAGE, FixedStore
+from .fixed import DELETED, HEADER_PAGE, OCCUPIED, FixedStore
 from .layout import QUEUE_META
 from .qrows import (
     DEAD_BIT,
-    FLAG_DEAD_EXPLICIT,
     HEADER_SIZE,
     KEY_SIZE,
     MAX_DUE_MS,
     ROW_DTYPE,
+    ROW_SIZE,
     State,
     body_key,
     encode_meta,
-    pack_row,
     row_problems,
     rows_of,
     to_snapshot,
@@ -84,6 +84,7 @@ from .qspec import FixedCodec, QueueSpec, VarCodec, queue
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
     from .db import Db
+    from .plan import Plan
 
 log = logging.getLogger("armdb")
 
@@ -214,6 +215,9 @@ class Queue(Generic[T]):
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
+        self._retention_ms = transitions.retention_ms(config)
+        # Key, header and inline payload: the row image a settle reads and rewrites.
+        self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
         self._commit_settle = commit_settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
@@ -618,7 +622,7 @@ class Queue(Generic[T]):
         """
         for token, err in poisoned:
             try:
-                self._commit_settle(self, token, False, None, True, True)
+                self._commit_settle(self._db, self, token, False, None, True, True)
             except StaleToken:
                 # Our lease expired meanwhile and another caller took the row; it meets
                 # the same body and dead-letters it.
@@ -685,20 +689,27 @@ class Queue(Generic[T]):
             self._note_dead(now)
         return got
 
-    def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
-                            attempts: int, epoch: int, deadline: int, pid: int, pushed: int, extra: bytes) -> None:
-        dkey = DEAD_BIT | now
-        sh.fixed.write(slot, pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
-        sh.live.remove(due, seq)
-        sh.dead.insert(dkey, seq, slot, 0)
-        sh.dead_lettered += 1
-        self._note_dead(now)
-
     def _note_dead(self, now: int) -> None:
         """A row was dead-lettered at ``now``: bring the next retention pass forward."""
-        if self.config.dead_retention is not None:
-            first = now + int(self.config.dead_retention * 1000)
-            self._next_retention = min(self._next_retention, first)
+        keep = self._retention_ms
+        if keep is not None:
+            self._next_retention = min(self._next_retention, now + keep)
+
+    def _settle_row(self, sh: _Shard, due: int, seq: int, slot: int, moved: transitions.Moved, now: int,
+                    version: int = 0, *, nack: bool = True) -> None:
+        """Apply a settle that :func:`armdb.transitions.nack` computed for the row keyed
+        ``(due, seq)`` in ``slot`` (caller holds ``sh.lock``): its new image (``version`` 0:
+        the next on the slot's ring), its key in the live or the dead index, the counters."""
+        sh.fixed.write(slot, moved.image, version)
+        sh.live.remove(due, seq)
+        if moved.dead:
+            sh.dead.insert(moved.due, seq, slot, 0)
+            sh.dead_lettered += 1
+            self._note_dead(now)
+        else:
+            sh.live.insert(moved.due, seq, slot, 0)
+        if nack:
+            sh.nacks += 1
 
     # -- settle (Q13, Q14) ------------------------------------------------------------------------
     def _token_shard(self, token: object) -> _Shard:
@@ -752,7 +763,7 @@ class Queue(Generic[T]):
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
-            self._commit_settle(self, token, True)
+            self._commit_settle(self._db, self, token, True)
             return
         try:
             sh = self._shards[token.shard]
@@ -782,25 +793,12 @@ class Queue(Generic[T]):
             raise ConfigError(f"delay must not be negative, got {delay!r}")
         if self._payload is not None:
             # A var queue's transitions go through the transaction log (Q7, Q14).
-            self._commit_settle(self, token, False, delay_ms, dead)
+            self._commit_settle(self._db, self, token, False, delay_ms, dead)
             return
-        sh, slot, hdr = self._settle_begin(token)
+        sh, slot, _hdr = self._settle_begin(token)
         try:
-            _state, flags, attempts, epoch, deadline, pid, pushed = hdr
-            extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
-            if dead or attempts >= self.config.max_attempts:
-                if dead:
-                    flags |= FLAG_DEAD_EXPLICIT
-                self._dead_letter_locked(sh, token.due, token.seq, slot, now, flags, attempts, epoch, deadline,
-                                         pid, pushed, extra)
-            else:
-                wait = delay_ms if delay_ms is not None else int(round(self.config.backoff_for(attempts) * 1000))
-                due = now + wait
-                sh.fixed.write(slot, pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline,
-                                               pid, pushed, extra))
-                sh.live.remove(token.due, token.seq)
-                sh.live.insert(due, token.seq, slot, 0)
-            sh.nacks += 1
+            moved = transitions.nack(sh.fixed.sf.body(slot, 0, self._row_size), now, self.config, delay_ms, dead)
+            self._settle_row(sh, token.due, token.seq, slot, moved, now)
             sh.fixed.raise_sync_error()
         finally:
             sh.lock.release()
@@ -898,8 +896,8 @@ class Queue(Generic[T]):
 
     # -- retention (Q22-Q25) --------------------------------------------------------------------------
     def _schedule_retention(self) -> None:
-        ret = self.config.dead_retention
-        if ret is None:
+        keep = self._retention_ms
+        if keep is None:
             self._next_retention = 1 << 62 if not self._retry and not self._retry_overflow else 0
             return
         first = -1
@@ -907,7 +905,7 @@ class Queue(Generic[T]):
             with sh.lock:
                 k = sh.dead.min_key()
             if k is not None:
-                t = (k[0] & ~DEAD_BIT) + int(ret * 1000)
+                t = transitions.dead_since(k[0]) + keep
                 first = t if first < 0 else min(first, t)
         self._next_retention = (1 << 62) if first < 0 else first
         if self._retry or self._retry_overflow:
@@ -925,16 +923,16 @@ class Queue(Generic[T]):
         if now is None:
             now = int(self._clock())
         first_error: BaseException | None = None
-        ret = self.config.dead_retention
-        if ret is not None:
-            cutoff = now - int(ret * 1000)
+        keep = self._retention_ms
+        if keep is not None:
+            cutoff = now - keep
             for sh in self._shards:
                 swept: list[int] = []
                 try:
                     with sh.lock:
                         while True:
                             k = sh.dead.min_key()
-                            if k is None or (k[0] & ~DEAD_BIT) > cutoff:
+                            if k is None or transitions.dead_since(k[0]) > cutoff:
                                 break
                             slot = typing.cast(tuple[int, int], sh.dead.get(*k))[0]
                             sh.fixed.free(slot)
@@ -1034,6 +1032,134 @@ class Queue(Generic[T]):
                 parts.append(rows_of(sh.fixed.slots, slots))
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
         return to_snapshot(rows)
+
+    # -- what a db.tx() commit calls (armdb.tx; private to armdb) ---------------------------------
+    # A commit reaches a queue through these methods and the public ``name``, ``config``
+    # and ``len()``, nothing else: it checks the handle (_belongs_to), encodes a payload
+    # (_encode, bound at open), draws row ids (_tx_new_id), asks whether a log key is
+    # needed (_tx_encrypted), collects the locks of its steps (_tx_locks, _tx_all_locks),
+    # plans each push and settle into its armdb.plan.Plan under those locks (_tx_push,
+    # _tx_settle), and afterwards counts body writes (_tx_count_payload_writes), wakes
+    # waiters (_notify) or, when the commit failed after its log append, pauses retention
+    # until the reopen (_tx_fence).  docs/architecture.md follows a var ack through them.
+
+    def _belongs_to(self, db: Db) -> bool:
+        return self._db is db
+
+    def _tx_new_id(self, plan: Plan) -> int:
+        """A row id for a push the commit plans (reserved only if it goes ahead, T5)."""
+        return plan.draw(self._seq_name)
+
+    def _tx_encrypted(self) -> bool:
+        """Whether the queue's bodies are encrypted: a commit touching it needs a sealed log (T4)."""
+        return self._payload is not None and self._payload.encrypted
+
+    def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object) -> None:
+        """Add the locks a push of row ``seq`` (``token`` None) or a settle of ``token``
+        needs to ``locks`` (keyed by the global order, docs/transactions.md): its header
+        shard's and, for a var queue, its body's payload shard's.  A token that names no
+        shard of this handle adds nothing (the plan refuses it as stale)."""
+        shards = self._shards
+        if token is None:
+            sh = shards[seq % len(shards)]
+        else:
+            if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
+                return
+            seq = token.seq
+            sh = shards[token.shard]
+        locks[sh.fixed.directory] = sh.lock
+        if self._payload is not None:
+            k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
+            locks[k] = lock
+
+    def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
+        """Add every lock of the queue: a change stream's destination (T7)."""
+        for sh in self._shards:
+            locks[sh.fixed.directory] = sh.lock
+        if self._payload is not None:
+            for (k, _), lock in self._payload.all_locks():
+                locks[k] = lock
+
+    def _tx_push(self, plan: Plan, seq: int, body: bytes, now: int, delay_ms: int) -> None:
+        """Plan a push of row ``seq`` (its shard's lock held): a slot and its version, the
+        logged rows (the body first, for a var queue), and how to apply them."""
+        sh = self._shards[seq % len(self._shards)]
+        fixed = sh.fixed
+        due = now + delay_ms
+        slot = fixed.alloc()
+        plan.allocated.append((fixed, slot))
+        version = ring_next(int(fixed.versions[slot]))
+        payload = self._payload
+        if payload is not None:
+            row = transitions.push(seq, due, now, seq)
+            key = body_key(seq)
+            gsn = plan.gsn()
+            plan.rows.append(["B", self.spec.payload_name, key, body, gsn])
+            plan.add_bitcask(payload)
+            plan.payload_writes[self] = plan.payload_writes.get(self, 0) + 1
+
+            def apply_body() -> None:
+                payload.write_locked(key, body, gsn)
+                self._cache_put(seq, body)
+
+            plan.apply.append(apply_body)
+        else:
+            row = transitions.push(seq, due, now, 0, body)
+        plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, row])
+        plan.add_fixed(fixed)
+
+        def apply() -> None:
+            fixed.write(slot, row, version)
+            sh.live.insert(due, seq, slot, 0)
+            sh.pushes += 1
+
+        plan.apply.append(apply)
+
+    def _tx_settle(self, plan: Plan, token: object, ack: bool, delay_ms: int | None, dead: bool, poisoned: bool,
+                   now: int) -> None:
+        """Plan an ack or a nack of ``token`` (its locks held): ``StaleToken`` unless it
+        still holds its lease; else the logged rows and how to apply them.  ``poisoned``:
+        the dead-letter of a row whose body a lease could not decode (not counted as a nack)."""
+        sh = self._token_shard(token)
+        tok: LeaseToken = token  # type: ignore[assignment]  # _token_shard checked it (no typing.cast call here)
+        fixed = sh.fixed
+        if ack:
+            # One call each to find the leased slot and, once logged, to free it.
+            slot, version = sh.settle_slot(tok.due, tok.seq, tok.epoch)
+            if slot < 0:
+                raise self._stale(tok, version == ABSENT)
+            plan.rows.append(["F", self.name, fixed.index, slot, version, DELETED, b""])
+            plan.add_fixed(fixed)
+
+            def apply_ack() -> None:
+                sh.ack_slot(tok.due, tok.seq, slot, version)
+                self._cache_drop(tok.seq)
+
+            plan.apply.append(apply_ack)
+            payload = self._payload
+            if payload is not None:
+                key = tok.seq.to_bytes(8, "big")  # qrows.body_key
+                gsn = plan.gsn()
+                plan.rows.append(["B", self.spec.payload_name, key, None, gsn])
+                plan.add_bitcask(payload)
+                plan.apply.append(lambda: payload.write_locked(key, None, gsn))
+            return
+        slot, _hdr = self._validate_locked(sh, tok)
+        version = ring_next(int(fixed.versions[slot]))
+        moved = transitions.nack(fixed.sf.body(slot, 0, self._row_size), now, self.config, delay_ms, dead, poisoned)
+        plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, moved.image])
+        plan.add_fixed(fixed)
+        plan.apply.append(lambda: self._settle_row(sh, tok.due, tok.seq, slot, moved, now, version,
+                                                   nack=not poisoned))
+
+    def _tx_count_payload_writes(self, n: int) -> None:
+        with self._counter_lock:
+            self._payload_writes += n
+
+    def _tx_fence(self) -> None:
+        """A commit touching this queue failed after its log append: no retention until
+        the reopen replays it (Q25)."""
+        self._retention_paused = True
 
     def __repr__(self) -> str:
         flavour = "var" if self.spec.var else "fixed"

@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, list[str]]] = [
               "armdb._crcshift", "armdb._syncmark"]),
     ("formats", ["armdb.layout", "armdb.qrows", "armdb.qspec", "armdb.mapcodec"]),
     ("stores", ["armdb.fixed", "armdb.seqmap", "armdb.bitcask", "armdb.replay", "armdb.txlog"]),
+    ("rules", ["armdb.transitions", "armdb.plan"]),
     ("runtimes", ["armdb.queue", "armdb.maps", "armdb.streams", "armdb.tx"]),
     ("root", ["armdb.db"]),
     ("tools", ["armdb.inspect", "armdb.check", "armdb.salvage", "armdb._term", "armdb._bench", "armdb.cli",
