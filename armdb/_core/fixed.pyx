@@ -497,3 +497,26 @@ cdef class SlotFile:
         if i < 0 or i >= self.slots.shape[0] or off < 0 or n < 0 or n > self.size - 8 or off > self.size - 8 - n:
             raise IndexError(f"slot {i} out of range")
         return (<char*>&self.slots[i, 8 + off])[:n]
+
+
+cdef class SlotStore:
+    """The interface between a FixedStore shard and the kernels that write its slots
+    (declared in fixed.pxd).  ``armdb.fixed.FixedShard`` derives from it and implements
+    every method; the kernels call only these, through their typed declaration, and read
+    only the typed fields, so no kernel looks a method or attribute of a store up by name.
+    """
+
+    cpdef check_writable(self):
+        raise NotImplementedError
+
+    cpdef grow(self):
+        raise NotImplementedError
+
+    cpdef sync_redo(self):
+        raise NotImplementedError
+
+    cpdef after_write(self, Py_ssize_t slot):
+        raise NotImplementedError
+
+    cpdef raise_sync_error(self):
+        raise NotImplementedError

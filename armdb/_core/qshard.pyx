@@ -16,13 +16,16 @@ The caller holds the shard lock around every call, as for ``KeyIndex``; the stor
 is closed under that lock, and every call that reads or writes the mapped file
 first raises ``DbClosed`` if it was (``SlotFile._alive``), so a call racing
 ``Db.close`` never touches an unmapped page.  Every
-slot write goes through ``SlotFile`` (redo record first, then the slot); on a
-durable store an overwrite of a live row first makes the redo record durable
-through ``FixedShard.sync_redo`` (S4), exactly as ``FixedShard.write`` does.
-After each slot write ``FixedShard.after_write`` runs when a test file system
-records writes, when a failpoint is armed, or when a timed sync is due; it
-stashes a sync failure, which the call raises at its end, once the index matches
-the slots.
+slot write goes through ``SlotFile`` (redo record first, then the slot).  What a
+write needs of the store behind it goes through the typed ``SlotStore`` interface of
+fixed.pxd (``armdb.fixed.FixedShard`` implements it), never a method looked up by
+name: on a durable store an overwrite of a live row first makes the redo record
+durable (``sync_redo``, S4), exactly as ``FixedShard.write`` does; after each slot
+write ``after_write`` runs when a test file system records writes, when a failpoint
+is armed, or when a timed sync is due.  A sync failure it meets is kept in the typed
+``sync_error`` field and raised at the end of the call, once the index matches the
+slots.  Index results are status codes, turned into exceptions in one place
+(``_raise_status``).
 """
 
 cimport cython
@@ -41,8 +44,8 @@ cnp.import_array()
 from armdb._core._util cimport load_be64, load_le, monotonic_s
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
-from armdb._core.fixed cimport SlotFile, ring_step
-from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex
+from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
+from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
     AT_DUE,
@@ -123,7 +126,8 @@ cdef class QueueShard:
 
     cdef SlotFile sf
     cdef public KeyIndex live, dead
-    cdef public object fixed, lock
+    cdef public SlotStore fixed          # armdb.fixed.FixedShard, through its typed interface
+    cdef public object lock
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
     cdef bint hook_ran       # after_write ran during this call: it may have stashed a sync error
@@ -223,7 +227,6 @@ cdef class QueueShard:
         and index it; returns the slot."""
         cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
         cdef Py_ssize_t n = len(payload), slot
-        cdef int rc
         if n != self.psize:
             raise ValueError(f"payload is {n} bytes, the queue stores {self.psize}")
         self._check()
@@ -240,11 +243,7 @@ cdef class QueueShard:
             if self.sf.status[slot] != SLOT_OCCUPIED:
                 self.sf._push_free(slot)
             raise
-        rc = self.live._insert(due, seq, <uint32_t>slot, 0)
-        if rc == 1:
-            raise KeyError((due, seq))
-        if rc != 0:
-            raise MemoryError("KeyIndex: cannot allocate a block")
+        raise_status(self.live._insert(due, seq, <uint32_t>slot, 0), due, seq)
         self.pushes += 1
         self._raise_stashed()
         return slot
@@ -270,8 +269,7 @@ cdef class QueueShard:
             dkey = load_be64(row + AT_DUE)  # the dead key the rule gave the row
             self._write(slot, SLOT_OCCUPIED, row, n)
             self.live._remove(due, seq)
-            if self.dead._insert(dkey, seq, <uint32_t>slot, 0) != 0:
-                raise MemoryError("KeyIndex: cannot allocate a block")
+            raise_status(self.dead._insert(dkey, seq, <uint32_t>slot, 0), dkey, seq)
             self.dead_lettered += 1
             self.expired_leases += 1
             return False
