@@ -47,6 +47,7 @@ import msgpack
 import numpy as np
 
 from . import _fs
+from ._term import ProgressBar
 from .config import QUEUE_GROW_STEP, Config, FixedConfig, QueueConfig
 from .db import Db
 from .queue import Queue, QueueSpec, queue
@@ -849,8 +850,6 @@ def machine_info() -> dict[str, Any]:
 def main(*, quick: bool = False, json_path: str | None = None, only: str | None = None,
          sizes: Sizes | None = None) -> int:
     """``python -m armdb bench``: run, print the markdown tables, optionally write JSON."""
-    from .cli import ProgressBar
-
     sizes = sizes or (QUICK if quick else FULL)
     cases = select(CASES, only)
     if not cases:

@@ -22,7 +22,7 @@ What it checks:
   id block reserved in ``seqmap`` (T5), and for a var queue an existing
   ``<name>.payload`` store;
 * every other collection is a Bitcask store, checked by ``armdb.bitcask.check_dir``;
-* the transaction log ``txlog/``, checked by ``armdb.txlog.check_dir``.
+* the transaction log ``txlog/``, checked by ``_check_log_dir``.
 
 Locking: on a directory it may write, ``check`` takes the directory lock exactly like
 ``Db.open`` (so it raises ``DbLocked`` while the database is open anywhere) and
@@ -41,18 +41,28 @@ from typing import Any
 
 import numpy as np
 
-from . import _fs
-from ._core import fixed as _k
-from .db import COLLECTIONS, META_FILE, NAME_RE, QUEUE_META, DirLock, check_meta
-from .errors import FormatError
+from . import _fs, bitcask, logformat, replay
+from .errors import CorruptionError, FormatError
 from .fixed import FILE_NAME as FIXED_FILE
-from .fixed import HEADER_PAGE, OCCUPIED, check_shard_file, decode_header, slot_size_for
+from .fixed import check_shard_file, slot_size_for
+from .inspect import read_shard
+from .layout import (
+    COLLECTIONS,
+    META_FILE,
+    NAME_RE,
+    PAYLOAD_SUFFIX,
+    QUEUE_META,
+    TXLOG_DIR,
+    DirLock,
+    check_meta,
+)
+from .mapcodec import decode_key, decode_value
+from .qrows import HEADER_SIZE, KEY_SIZE, decode_meta, row_problems
 from .seqmap import FILE_NAME as SEQMAP_FILE
 from .seqmap import decode as decode_seqmap
 
 __all__ = ["CheckReport", "check"]
 
-TXLOG_DIR = "txlog"  # armdb.txlog.DIR, imported lazily with the module
 
 #: At most this many examples are named in one finding (slots, ids).
 _EXAMPLES = 5
@@ -184,8 +194,8 @@ class _Checker:
                         f"({QUEUE_META}.tmp without {QUEUE_META})"
                     )
                     continue
-                if name.endswith(".payload"):
-                    owner = name[: -len(".payload")]
+                if name.endswith(PAYLOAD_SUFFIX):
+                    owner = name[: -len(PAYLOAD_SUFFIX)]
                     owner_meta = queues.get(owner)
                     if owner not in queues:
                         self.add(f"{self.rel(d)}: payload store of queue {owner!r}, which does not exist")
@@ -206,7 +216,7 @@ class _Checker:
                 if directory == cdir and not self.fs.exists(os.path.join(p, QUEUE_META)):
                     continue  # a Bitcask collection: bitcask.check_dir reports its own
                 if directory == self.directory and entry == TXLOG_DIR:
-                    continue  # txlog.check_dir reports its own
+                    continue  # _check_log_dir reports its own
                 self.find_tmp(p)
             elif entry.endswith(".tmp"):
                 self.add(f"{self.rel(p)}: leftover temporary file (an interrupted atomic write)")
@@ -216,47 +226,27 @@ class _Checker:
         if not self.fs.isdir(d):
             return
         try:
-            from .logformat import check_dir as check_log_dir
-        except ImportError as e:
-            self.add(f"{self.rel(d)}: cannot check the transaction log (armdb.txlog: {e})")
-            return
-        try:
-            found = check_log_dir(d)
+            found = _check_log_dir(d)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
             return
         self.findings.extend(str(f) for f in found)
         # What the replay would leave in each queue shard: a logged slot write must not
         # put a row id in a second slot (the queue's open refuses such a shard).
-        from .replay import log_conflicts
-
         try:
-            self.findings.extend(log_conflicts(d))
+            self.findings.extend(_log_conflicts(d))
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: judging the logged slot writes failed with {type(e).__name__}: {e}")
 
     # -- Bitcask collections ---------------------------------------------------------------
     def check_bitcask(self, d: str) -> None:
-        try:
-            from . import bitcask
-        except ImportError as e:
-            self.add(f"{self.rel(d)}: cannot check this Bitcask collection (armdb.bitcask: {e})")
-            return
-        check_dir = getattr(bitcask, "check_dir", None)
-        if check_dir is None:
-            self.add(
-                f"{self.rel(d)}: cannot check this Bitcask collection (armdb.bitcask.check_dir is missing)"
-            )
-            return
         # Every gsn is reserved in seqmap before it reaches a file (T5).
         limit = self.reserved.get("gsn") if self.reserved else None
         kwargs: dict[str, Any] = {} if limit is None else {"gsn_limit": limit}
-        if not os.path.basename(d).endswith(".payload"):  # a map: its keys and values must decode
-            from .maps import decode_key, decode_value
-
+        if not os.path.basename(d).endswith(PAYLOAD_SUFFIX):  # a map: its keys and values must decode
             kwargs["decode"] = lambda k, v: (decode_key(k), decode_value(v))
         try:
-            found = check_dir(d, **kwargs)
+            found = bitcask.check_dir(d, **kwargs)
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return
@@ -264,14 +254,12 @@ class _Checker:
 
     # -- queues -------------------------------------------------------------------------------
     def check_queue(self, d: str, name: str) -> dict[str, Any] | None:
-        from .queue import HEADER_SIZE, KEY_SIZE, ROW_DTYPE, _decode_meta, row_problems
-
         meta_path = os.path.join(d, QUEUE_META)
         raw = self.read(meta_path)
         if raw is None:
             return None
         try:
-            meta = _decode_meta(raw, meta_path)
+            meta = decode_meta(raw, meta_path)
         except FormatError as e:
             self.add(str(e))
             return None
@@ -324,29 +312,23 @@ class _Checker:
             if data is None:
                 continue
             try:
-                slot_size, ks, vs, shard_no = decode_header(data[:HEADER_PAGE], path)
+                sr = read_shard(data, path)
             except FormatError:
                 continue  # already reported by check_shard_file
-            if (slot_size, ks, vs) != (slot_size_for(key_size, value_size), key_size, value_size):
+            if (sr.slot_size, sr.key_size, sr.value_size) != (slot_size_for(key_size, value_size), key_size,
+                                                              value_size):
                 continue  # a geometry open refuses, reported by check_shard_file: the slots cannot be read
-            if shard_no != i:
-                self.add(f"{rel}: header says shard {shard_no}, but it is in folder {sdir}")
-            n = (len(data) - HEADER_PAGE) // slot_size
-            tail = data[HEADER_PAGE + n * slot_size :]
-            if tail.strip(b"\0"):
+            if sr.shard != i:
+                self.add(f"{rel}: header says shard {sr.shard}, but it is in folder {sdir}")
+            if sr.tail.strip(b"\0"):
                 self.add(f"{rel}: a partial slot at the end of the file holds data")
-            if n <= 0:
-                continue
-            slots = np.frombuffer(data, np.uint8, n * slot_size, HEADER_PAGE).reshape(n, slot_size).copy()
-            status = np.zeros(n, np.uint8)
-            _k.validate(slots, np.zeros(n, np.uint32), status)
-            occ = np.flatnonzero(status == OCCUPIED)
+            occ = sr.occupied
             if occ.size == 0:
                 continue
             rows_total += int(occ.size)
-            rows = slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+            rows = sr.rows
             seq = rows["seq"].astype(np.uint64)
-            # The rules open applies (queue.row_problems); every broken one is a finding,
+            # The rules open applies (qrows.row_problems); every broken one is a finding,
             # whether open refuses the shard, repairs the rows or serves them as they are.
             for problem in row_problems(rows, i, shard_count, var, duplicates=False):
                 self.rows_problem(rel, occ, problem.bad, problem.what)
@@ -366,7 +348,7 @@ class _Checker:
                     f"{self.rel(d)}: row id {max_seq} is not below the ids reserved in seqmap ({end}); "
                     f"a later push could reuse an id"
                 )
-        if var and rows_total and not self.fs.isdir(os.path.join(os.path.dirname(d), name + ".payload")):
+        if var and rows_total and not self.fs.isdir(os.path.join(os.path.dirname(d), name + PAYLOAD_SUFFIX)):
             self.add(
                 f"{self.rel(d)}: var queue holds {rows_total} row(s) but its payload store {name}.payload is missing"
             )
@@ -377,3 +359,124 @@ class _Checker:
         k = int(bad.sum())
         if k:
             self.add(f"{rel}: {k} row(s) {what} (slots {occ[bad][:_EXAMPLES].tolist()})")
+
+
+def _check_log_dir(path: str) -> list[str]:
+    """Read-only check of ``<db>/txlog`` for ``armdb.check``.
+
+    Besides the framing (header, magic, length, CRC) every record's txid and, for an
+    unsealed record, every row is checked as open checks it before replay (sealed bodies
+    need the log key, which check does not take)."""
+    fs = _fs.FS
+    findings: list[str] = []
+    if not fs.exists(path):
+        return findings
+    collections = os.path.join(os.path.dirname(path), "collections")
+    geometries: dict[str, replay.FixedGeometry] = {}
+    seq_path = os.path.join(os.path.dirname(path), "seqmap")
+    try:
+        reserved = decode_seqmap(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
+    except FormatError:
+        reserved = None  # armdb.check reports the seqmap itself
+    limit = replay.gsn_limit(reserved)
+
+    def geometry(name: str) -> replay.FixedGeometry:
+        if name not in geometries:
+            geometries[name] = replay.fixed_geometry(os.path.join(collections, name))
+        return geometries[name]
+
+    names = fs.listdir(path)
+    logs = sorted(n for n in names if logformat._NAME_RE.match(n))
+    for n in names:
+        if n.endswith(".tmp"):
+            findings.append(f"{os.path.join(path, n)}: leftover temporary file")
+    for name in logs:
+        p = os.path.join(path, name)
+        raw = fs.read_file(p)
+        try:
+            _number, version = logformat._file_header_fields(raw, p)
+        except FormatError as e:
+            findings.append(str(e))
+            continue
+        mark = logformat.synced_mark(raw, version, path)
+        if mark > len(raw):  # open refuses the log: synced records are gone
+            findings.append(
+                f"{p}: the log file ends at offset {len(raw)}, below offset {mark}, which its synced mark "
+                f"says a completed sync covered: synced records are missing, and open refuses the log"
+            )
+        recs, _, bad = logformat._records_at(raw, logformat.records_start(version))
+        if bad is not None:
+            findings.append(logformat._tail_finding(raw, p, bad, version, mark))
+        for offset, txid, flags, body in recs:
+            rec = logformat._Logged(txid, flags, body, p, offset)
+            try:
+                logformat._check_txid(rec)
+                if not flags & logformat.FLAG_SEALED:
+                    for row in logformat._rows(body, rec.where):
+                        replay.check_row(row, rec.where, collections, geometry, limit)
+            except (CorruptionError, FormatError) as e:
+                findings.append(str(e))
+    return findings
+
+
+def _log_conflicts(txlog_dir: str) -> list[str]:
+    """Check's view of :func:`armdb.replay.replay_conflicts`: the logged slot writes of every
+    unsealed record, in the order open replays them, judged against each queue shard.
+
+    Rows that ``armdb.replay.check_row`` refuses are left out (``_check_log_dir`` reports
+    them); with any sealed record in the log nothing is judged (a keyless check cannot
+    read what it writes)."""
+    fs = _fs.FS
+    db_dir = os.path.dirname(txlog_dir)
+    collections = os.path.join(db_dir, COLLECTIONS)
+    seq_path = os.path.join(db_dir, SEQMAP_FILE)
+    try:
+        reserved = decode_seqmap(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
+    except Exception:  # noqa: BLE001 - armdb.check reports the seqmap itself
+        reserved = None
+    limit = replay.gsn_limit(reserved)
+    geometries: dict[str, replay.FixedGeometry] = {}
+
+    def geometry(name: str) -> replay.FixedGeometry:
+        if name not in geometries:
+            geometries[name] = replay.fixed_geometry(os.path.join(collections, name))
+        return geometries[name]
+
+    writes: dict[tuple[str, int], list[replay.LoggedSlot]] = {}
+    for name in sorted(n for n in fs.listdir(txlog_dir) if logformat._NAME_RE.match(n)):
+        path = os.path.join(txlog_dir, name)
+        raw = fs.read_file(path)
+        try:
+            _number, version = logformat._file_header_fields(raw, path)
+        except Exception:  # noqa: BLE001 - reported by logformat.check_dir
+            continue
+        recs, _, _ = logformat._records_at(raw, logformat.records_start(version))
+        for offset, _txid, flags, body in recs:
+            if flags & logformat.FLAG_SEALED:
+                return []
+            where = f"{path}: transaction log record at offset {offset}"
+            try:
+                rows = logformat._rows(body, where)
+            except Exception:  # noqa: BLE001 - reported by logformat.check_dir
+                continue
+            for row in rows:
+                try:
+                    replay.check_row(row, where, collections, geometry, limit)
+                except Exception:  # noqa: BLE001 - reported by logformat.check_dir
+                    continue
+                if row[0] == "F":
+                    _, qname, shard, slot, version, status, rbody = row
+                    logged = replay.LoggedSlot(slot, version, status, rbody, where)
+                    writes.setdefault((qname, shard), []).append(logged)
+    findings: list[str] = []
+    for (qname, shard), ws in writes.items():
+        g = geometry(qname)
+        data = os.path.join(collections, qname, f"shard-{shard:03d}", FIXED_FILE)
+        try:
+            found = replay.replay_conflicts(data, g.body_size + 8, ws)
+        except (OSError, ValueError) as e:
+            findings.append(f"{data}: cannot judge the logged slot writes ({type(e).__name__}: {e})")
+            continue
+        findings.extend(str(replay.bad_record(where, f"queue {qname!r} shard {shard}: the record {what}"))
+                        for where, what in found)
+    return findings

@@ -29,100 +29,20 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TextIO
 
-import numpy as np
-
-from . import _fs
+from . import _bench, _fs
+from ._term import ProgressBar, format_table
+from .check import check
 from .config import QueueConfig
-from .db import COLLECTIONS, META_FILE, QUEUE_META, Db, DirLock
+from .db import Db
 from .errors import ArmdbError, DbLocked
-from .fixed import FILE_NAME, HEADER_PAGE, TORN, collection_shards, decode_header
-from .queue import DEAD_BIT, HEADER_SIZE, KEY_SIZE, ROW_DTYPE, Queue, QueueStats, State, _decode_meta, queue
+from .inspect import QueueFileStats, inspect_queue, queue_names
+from .layout import META_FILE, DirLock
+from .qspec import queue
+from .queue import Queue, QueueStats
 from .salvage import salvage
 
 __all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
-
-
-# -- small text helpers --------------------------------------------------------------------
-
-
-class ProgressBar:
-    """A one-line progress bar redrawn in place with ``\\r`` (at most ten times a second).
-
-    Parameters
-    ----------
-    total : int
-        The count that means "finished".
-    label : str
-        Printed before the bar.
-    stream : TextIO, optional
-        Where to draw; stderr by default, so that stdout stays clean for results.
-    """
-
-    def __init__(self, total: int, label: str = "", stream: TextIO | None = None, width: int = 30) -> None:
-        self.total = max(1, total)
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self._last_draw = 0.0
-        self._last_len = 0
-
-    def update(self, done: int, extra: str = "", *, force: bool = False) -> None:
-        """Redraw with ``done`` of ``total`` finished and an optional note."""
-        now = time.monotonic()
-        if not force and now - self._last_draw < 0.1:
-            return
-        self._last_draw = now
-        frac = min(1.0, done / self.total)
-        filled = round(frac * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"{self.label} [{bar}] {done}/{self.total} {frac:4.0%}"
-        if extra:
-            line += f"  {extra}"
-        pad = max(0, self._last_len - len(line))
-        self.stream.write("\r" + line + " " * pad)
-        self.stream.flush()
-        self._last_len = len(line)
-
-    def close(self, done: int | None = None, extra: str = "") -> None:
-        """Draw the final state and end the line."""
-        if done is not None:
-            self.update(done, extra, force=True)
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[bool] | None = None) -> str:
-    """Rows as an aligned plain-text table (numbers with thousands separators).
-
-    ``right[i]`` right-aligns column ``i``; by default every column but the first is
-    right-aligned.
-    """
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [len(h) for h in header]
-    for row in cells:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
-    if right is None:
-        right = [i > 0 for i in range(len(header))]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)).rstrip()
-
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    out += [line(row) for row in cells]
-    return "\n".join(out)
-
-
-def _cell(v: object) -> str:
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    if isinstance(v, float):
-        return f"{v:,.2f}"
-    return str(v)
 
 
 def format_stats(stats: QueueStats) -> str:
@@ -332,124 +252,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # -- stats (C2) --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class QueueFileStats:
-    """What ``stats DIR`` reads from one queue's files (no handle needed)."""
-
-    name: str
-    flavour: str
-    shards: int
-    live: int
-    ready: int
-    leased: int
-    expired: int
-    delayed: int
-    dead: int
-    torn: int
-    slots_allocated: int
-    header_file_logical_bytes: int
-    header_file_physical_bytes: int
-    payload_bytes: int
-
-
-def inspect_queue(db_path: str, name: str, now_ms: int | None = None) -> QueueFileStats:
-    """Count a queue's rows by state from its ``fixed.data`` files, read-only.
-
-    Queue declarations live in code, so the command line cannot call
-    ``db.open_queue``; it reads the header store instead.  A slot counts when its
-    status is occupied and its CRC holds (the kernel's own validation); torn slots
-    are counted apart.  ``leased`` includes expired leases, as ``QueueStats`` does;
-    ``expired`` says how many of them are past their deadline.
-    """
-    fs = _fs.FS
-    qdir = os.path.join(db_path, COLLECTIONS, name)
-    meta = _decode_meta(fs.read_file(os.path.join(qdir, QUEUE_META)), os.path.join(qdir, QUEUE_META))
-    now = int(time.time_ns() // 1_000_000) if now_ms is None else now_ms
-    counts = {"ready": 0, "leased": 0, "expired": 0, "delayed": 0, "dead": 0, "torn": 0}
-    slots = logical = physical = 0
-    shard_dirs = collection_shards(qdir)
-    for sdir in shard_dirs:
-        path = os.path.join(sdir, FILE_NAME)
-        if not fs.exists(path):
-            continue
-        logical += fs.file_size(path)
-        physical += fs.physical_size(path)
-        raw = fs.read_file(path)
-        slot_size, _key_size, _value_size, _shard = decode_header(raw[:HEADER_PAGE], path)
-        n = max(0, (len(raw) - HEADER_PAGE) // slot_size)
-        slots += n
-        if n == 0:
-            continue
-        table = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size)
-        status = _slot_status(table)
-        counts["torn"] += int((status == TORN).sum())
-        occupied = np.flatnonzero(status == 1)
-        rows = table[occupied, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
-        due = rows["due"].astype(np.uint64)
-        dead = (due & np.uint64(DEAD_BIT)) != 0
-        state = rows["header"]["state"]
-        deadline = rows["header"]["deadline"].astype(np.int64)
-        leased = ~dead & (state == State.LEASED)
-        waiting = ~dead & ~leased
-        counts["dead"] += int(dead.sum())
-        counts["leased"] += int(leased.sum())
-        counts["expired"] += int((leased & (deadline <= now)).sum())
-        counts["ready"] += int((waiting & (due <= np.uint64(now))).sum())
-        counts["delayed"] += int((waiting & (due > np.uint64(now))).sum())
-    payload_bytes = 0
-    pdir = os.path.join(db_path, COLLECTIONS, name + ".payload")
-    if meta.get("var") and fs.isdir(pdir):
-        payload_bytes = _tree_bytes(pdir)
-    return QueueFileStats(
-        name=name,
-        flavour="var" if meta.get("var") else "fixed",
-        shards=len(shard_dirs),
-        live=counts["ready"] + counts["leased"] + counts["delayed"],
-        ready=counts["ready"],
-        leased=counts["leased"],
-        expired=counts["expired"],
-        delayed=counts["delayed"],
-        dead=counts["dead"],
-        torn=counts["torn"],
-        slots_allocated=slots,
-        header_file_logical_bytes=logical,
-        header_file_physical_bytes=physical,
-        payload_bytes=payload_bytes,
-    )
-
-
-def _tree_bytes(path: str) -> int:
-    """Total size of the files under ``path``."""
-    fs = _fs.FS
-    total = 0
-    for entry in fs.listdir(path):
-        full = os.path.join(path, entry)
-        total += _tree_bytes(full) if fs.isdir(full) else fs.file_size(full)
-    return total
-
-
-def _slot_status(table: np.ndarray) -> np.ndarray:
-    """Per-slot status (free / occupied / deleted / torn) from the CRC-checking kernel."""
-    from ._core import fixed as kernels
-
-    slots = np.ascontiguousarray(table)
-    if not slots.flags.writeable:
-        slots = slots.copy()
-    versions = np.zeros(slots.shape[0], dtype=np.uint32)
-    status = np.zeros(slots.shape[0], dtype=np.uint8)
-    kernels.validate(slots, versions, status)
-    return status
-
-
-def queue_names(db_path: str) -> list[str]:
-    """Names of the queues in a database directory: folders holding a ``queue.meta``."""
-    fs = _fs.FS
-    cdir = os.path.join(db_path, COLLECTIONS)
-    if not fs.isdir(cdir):
-        return []
-    return [n for n in fs.listdir(cdir) if fs.exists(os.path.join(cdir, n, QUEUE_META))]
-
-
 def _cmd_stats(args: argparse.Namespace) -> int:
     path = args.dir
     if not _fs.FS.exists(os.path.join(path, META_FILE)):
@@ -516,8 +318,6 @@ def _print_stats(path: str, now_ms: int, note: str) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Exit 0 when clean, 1 with findings, 2 when the database cannot be inspected."""
-    from .check import check
-
     path = args.dir
     if not _fs.FS.exists(os.path.join(path, META_FILE)):
         print(f"armdb check: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
@@ -535,8 +335,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import _bench
-
     return _bench.main(quick=args.quick, json_path=args.json, only=args.only)
 
 

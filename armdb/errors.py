@@ -103,6 +103,23 @@ class StreamSourceRequiresTx(ArmdbError):
     """A change-stream source map was written outside ``db.tx()``."""
 
 
+# -- raised when armdb's own bookkeeping breaks ---------------------------------------------------
+# Never caused by bad input, so not in __all__ (tests/reliability/test_bad_input.py gives every
+# class there a bad input).  The kernels return status codes; one function per kernel module
+# (e.g. armdb._core.qindex.raise_status) turns them into these, MemoryError for memory.
+
+
+class InternalError(ArmdbError, RuntimeError):
+    """armdb's in-memory bookkeeping broke one of its own rules (a bug in armdb).  Reopen the
+    database; ``armdb.check`` says whether the files are sound."""
+
+
+class IndexConflict(InternalError, KeyError):
+    """A queue index was asked to add a key it already holds (a row id handed out twice)."""
+
+    __str__ = BaseException.__str__  # a message, not KeyError's repr of its argument
+
+
 def as_storage_error(e: OSError, what: str) -> OSError:
     """``e`` itself if it is already an armdb error, else a ``StorageError`` that says
     what failed, chained to ``e``.  Use as ``raise as_storage_error(e, ...)`` (no

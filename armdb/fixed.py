@@ -163,8 +163,14 @@ def judge_redo_header(raw: bytes, path: str, slot_size: int) -> bool:
                       f"match this store; upgrade armdb or restore the directory")
 
 
-class FixedShard:
-    """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack."""
+class FixedShard(_k.SlotStore):
+    """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack.
+
+    It implements ``armdb._core.fixed.SlotStore``, the typed interface through which the
+    compiled queue shard (armdb._core.qshard) reaches it: ``index``, ``poisoned``,
+    ``sync_error``, ``check_writable``, ``grow``, ``sync_redo``, ``after_write`` and
+    ``raise_sync_error``.
+    """
 
     def __init__(self, directory: str, index: int, key_size: int, value_size: int, config: FixedConfig) -> None:
         self.directory = directory

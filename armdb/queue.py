@@ -31,82 +31,68 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
-import inspect
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 import typing
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-import msgpack
 import numpy as np
 
-from . import _fail, _fs
+from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, to_ms, to_seconds
+from ._core.fixed import ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
-from ._pack import check_round_trip, packb
-from .config import MAX_ATTEMPTS, MAX_SHARD_COUNT, QueueConfig
-from .db import QUEUE_META, validate_name
+from .config import QueueConfig
 from .errors import (
     ConfigError,
     CorruptionError,
     DbClosed,
     EncryptionKeyRequired,
     FormatError,
-    PayloadTypeError,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
     StaleToken,
     as_storage_error,
 )
-from .fixed import HEADER_PAGE, FixedStore
+from .fixed import DELETED, HEADER_PAGE, OCCUPIED, FixedStore
+from .layout import QUEUE_META
+from .qrows import (
+    DEAD_BIT,
+    HEADER_SIZE,
+    KEY_SIZE,
+    MAX_DUE_MS,
+    ROW_DTYPE,
+    ROW_SIZE,
+    State,
+    body_key,
+    encode_meta,
+    row_problems,
+    rows_of,
+    to_snapshot,
+)
+from .qrows import decode_meta as _decode_meta
+from .qspec import FixedCodec, QueueSpec, VarCodec, queue
 
 if TYPE_CHECKING:
     from .bitcask.store import BitcaskStore
     from .db import Db
+    from .plan import Plan
 
 log = logging.getLogger("armdb")
 
 T = TypeVar("T")
 
-MAX_FIXED_PAYLOAD = 4096
-MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
-KEY_SIZE = 16
-HEADER_SIZE = 32
-DEAD_BIT = 1 << 63
-MAX_DUE_MS = DEAD_BIT  # live due times stay below the dead key class
-RETRY_LIST_CAP = 1024
-SWEEP_PERIOD = 1.0
-META_MAGIC = b"ARMQUEU1"
-META_VERSION = 1
-
-_KEY = struct.Struct(">QQ")
-# state u8, flags u8, attempts u16, epoch u32, deadline_ms i64, payload_id u64, pushed_ms i64
-_HEADER = struct.Struct("<BBHIqQq")
-HEADER_DTYPE = np.dtype(
-    [
-        ("state", "u1"),
-        ("flags", "u1"),
-        ("attempts", "<u2"),
-        ("epoch", "<u4"),
-        ("deadline", "<i8"),
-        ("payload_id", "<u8"),
-        ("pushed", "<i8"),
-    ]
-)
-ROW_DTYPE = np.dtype([("due", ">u8"), ("seq", ">u8"), ("header", HEADER_DTYPE)])
-FLAG_DEAD_EXPLICIT = 1
-FLAG_POISONED = 2  # with FLAG_DEAD_EXPLICIT: dead-lettered by a lease because its body cannot be decoded
+# armdb.tx.commit_settle(queue, token, ack, delay_ms=None, dead=False, poisoned=False): the
+# logged settle of a var queue's row, handed in by Db.open_queue (armdb.tx sits above this module).
+Settle = Callable[..., None]
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -114,254 +100,9 @@ FLAG_POISONED = 2  # with FLAG_DEAD_EXPLICIT: dead-lettered by a lease because i
 _PROCESS_TAG = int.from_bytes(os.urandom(8), "big")
 _handle_ids = itertools.count(1)
 
-
-class State(enum.IntEnum):
-    """A row's state, as stored in its header and in ``snapshot()['state']``."""
-
-    READY = 0
-    LEASED = 1
-    DEAD = 2
-
-
-# -- declarations (Q1) ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QueueSpec:
-    """A queue declaration made by :func:`queue` at import time."""
-
-    name: str
-    payload: Any
-    var: bool
-    fingerprint: str
-
-    @property
-    def payload_name(self) -> str:
-        return self.name + ".payload"
-
-    @property
-    def dtype(self) -> np.dtype:
-        return typing.cast(np.dtype, self.payload)
-
-
-def _fixed_dtype(payload: Any) -> np.dtype:
-    if isinstance(payload, type) and issubclass(payload, np.generic):
-        payload = np.dtype(payload)
-    if not isinstance(payload, np.dtype):
-        raise ConfigError(
-            f"a fixed queue's payload must be a NumPy dtype (e.g. np.dtype([('doc', '<u8')])), "
-            f"not {payload!r}; for other types declare the queue with var=True"
-        )
-    if payload.hasobject:
-        raise ConfigError("a fixed queue's dtype cannot hold Python objects; use var=True for those")
-    if payload.itemsize > MAX_FIXED_PAYLOAD or payload.itemsize == 0:
-        raise ConfigError(
-            f"a fixed queue's payload is stored inline and must be 1..{MAX_FIXED_PAYLOAD} bytes, "
-            f"got {payload.itemsize}; declare the queue with var=True for larger payloads"
-        )
-    return payload
-
-
-def _var_fingerprint(payload: Any) -> str:
-    if dataclasses.is_dataclass(payload) and isinstance(payload, type):
-        hints = typing.get_type_hints(payload)
-        fields = ",".join(f"{f.name}:{_type_name(hints.get(f.name, f.type))}" for f in dataclasses.fields(payload))
-        return f"var:dataclass({fields})"
-    if payload is typing.Any or payload is object:
-        return "var:any"
-    if isinstance(payload, type) and payload in _MSGPACK_TYPES:
-        return f"var:{payload.__name__}"
-    raise ConfigError(
-        f"a var queue's payload must be a dataclass, bytes, or a msgpack type "
-        f"(int, float, str, bool, list, dict, tuple, or object/typing.Any), not {payload!r}"
-    )
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-_MSGPACK_TYPES = (bytes, str, int, float, bool, list, dict, tuple)
-
-
-def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
-    """Declare a queue (Q1).  Call once per queue, at import time.
-
-    Parameters
-    ----------
-    name : str
-        Collection name, at most 120 characters of ``[a-z0-9_.-]``.
-    payload : numpy.dtype or type
-        For a fixed queue (``var=False``): a NumPy dtype of at most 4096 bytes,
-        stored inline in the header slot.  For a var queue: a dataclass, ``bytes``,
-        or a msgpack-serialisable type, stored in the ``name.payload`` collection.
-    var : bool
-        Store bodies in a separate Bitcask collection.
-
-    Raises
-    ------
-    ConfigError
-        A bad name, a payload that is not a dtype (fixed), or a too-large dtype.
-    """
-    validate_name(name, queue=True)
-    if name.endswith(".payload"):
-        raise ConfigError(f"queue name {name!r} must not end in '.payload' (reserved for its body collection)")
-    if not isinstance(var, bool):
-        raise ConfigError("var must be True or False")
-    if var:
-        return QueueSpec(name, payload, True, _var_fingerprint(payload))
-    dtype = _fixed_dtype(payload)
-    return QueueSpec(name, dtype, False, f"fixed:{dtype.descr!r}:{dtype.itemsize}")
-
-
-# -- payload codecs ----------------------------------------------------------------------
-
-
-_STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
-                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
-
-
-def _struct_for(dt: np.dtype) -> struct.Struct | None:
-    """A struct that packs a tuple exactly as NumPy would, for plain little-endian numeric
-    fields laid out back to back; None for anything else (NumPy does those)."""
-    fields = [dt] if dt.names is None else [dt.fields[n][0] for n in dt.names]  # type: ignore[index]
-    offsets = [0] if dt.names is None else [dt.fields[n][1] for n in dt.names]  # type: ignore[index]
-    codes = []
-    pos = 0
-    for f, off in zip(fields, offsets):
-        if f.subdtype is not None or f.char not in _STRUCT_CODES or off != pos or f.byteorder == ">":
-            return None
-        codes.append(_STRUCT_CODES[f.char])
-        pos += f.itemsize
-    st = struct.Struct("<" + "".join(codes))
-    return st if st.size == dt.itemsize else None
-
-
-class _FixedCodec:
-    def __init__(self, dtype: np.dtype) -> None:
-        self.dtype = dtype
-        self.size = dtype.itemsize
-        self._struct = _struct_for(dtype) if dtype.names is not None else None
-        self._nfields = len(dtype.names) if dtype.names is not None else 0
-
-    def encode(self, value: Any) -> bytes:
-        st = self._struct
-        if st is not None and type(value) is tuple and len(value) == self._nfields:
-            # Fast path for the common case; a value struct cannot take goes to NumPy,
-            # which gives the error message (or accepts what struct is strict about).
-            try:
-                return st.pack(*value)
-            except struct.error:
-                pass
-        dt = self.dtype
-        if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
-            return value.tobytes()
-        if isinstance(value, np.ndarray) and value.shape == () and value.dtype == dt:
-            return value.tobytes()
-        if dt.names is not None:
-            if not isinstance(value, tuple) or len(value) != len(dt.names):
-                raise PayloadTypeError(
-                    f"payload for dtype {dt} must be a record of that dtype or a tuple of "
-                    f"{len(dt.names)} fields, not {type(value).__name__}"
-                )
-        elif not _scalar_fits(value, dt):
-            raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
-        try:
-            return np.array(value, dtype=dt).tobytes()
-        except (ValueError, TypeError, OverflowError) as e:
-            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
-
-
-def _scalar_fits(value: Any, dt: np.dtype) -> bool:
-    if isinstance(value, np.generic):
-        return np.can_cast(value.dtype, dt, casting="same_kind")
-    if isinstance(value, bool):
-        return dt.kind == "b"
-    if isinstance(value, int):
-        return dt.kind in "iuf"
-    if isinstance(value, float):
-        return dt.kind == "f"
-    if isinstance(value, complex):
-        return dt.kind == "c"
-    if isinstance(value, (str, bytes)):
-        return dt.kind in "SU"
-    return False
-
-
-class _VarCodec:
-    def __init__(self, payload: Any) -> None:
-        self.payload = payload
-        self.is_dataclass = dataclasses.is_dataclass(payload)
-        self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
-        self.any = payload is typing.Any or payload is object
-        # A lease rebuilds a dataclass as cls(*fields).  With the generated __init__
-        # taking exactly the fields by position and no __post_init__, that sets the
-        # fields and nothing else, so push only has to know msgpack decodes them;
-        # otherwise (a __post_init__, init=False or keyword-only fields, a hand-written
-        # __init__ of another signature) push rebuilds the value once to be sure.
-        self.rebuild_at_push = self.is_dataclass and not _rebuilds_plainly(payload)
-
-    def encode(self, value: Any) -> bytes:
-        if self.is_dataclass:
-            if type(value) is not self.payload:
-                raise PayloadTypeError(
-                    f"payload must be an instance of {self.payload.__name__}, not {type(value).__name__}"
-                )
-            obj: Any = [getattr(value, f) for f in self.fields]
-        else:
-            if not self.any and not _is_instance(value, self.payload):
-                raise PayloadTypeError(
-                    f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
-                )
-            obj = value
-        try:
-            raw = packb(obj)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
-        if self.rebuild_at_push:
-            check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
-        else:
-            check_round_trip(value, raw, "payload")
-        return raw
-
-    def _rebuild(self, obj: Any) -> Any:
-        """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
-        return self.payload(*obj)
-
-    def _fields_packed(self, value: Any) -> bytes:
-        return packb([getattr(value, f) for f in self.fields])
-
-    def decode(self, raw: bytes) -> Any:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        if self.is_dataclass:
-            return self.payload(*obj)
-        if self.payload is tuple:
-            return tuple(obj)
-        return obj
-
-
-def _rebuilds_plainly(cls: type) -> bool:
-    """Whether ``cls(*field_values)`` can only set the fields (see ``_VarCodec``)."""
-    if hasattr(cls, "__post_init__") or not cls.__dataclass_params__.init:  # type: ignore[attr-defined]
-        return False
-    names = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            return False
-        names.append(f.name)
-    try:
-        params = list(inspect.signature(cls).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return [p.name for p in params] == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
-
-
-def _is_instance(value: Any, tp: type) -> bool:
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, float)
-    return isinstance(value, tp)
+MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
+RETRY_LIST_CAP = 1024
+SWEEP_PERIOD = 1.0
 
 
 # -- leases ----------------------------------------------------------------------------------
@@ -452,151 +193,6 @@ def _fmt(v: Any) -> str:
 _Shard = QueueShard
 
 
-def _pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: int,
-              deadline: int, payload_id: int, pushed: int, payload: bytes = b"") -> bytes:
-    return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
-
-
-class RowProblem(NamedTuple):
-    """Rows of one shard that armdb never writes (see :func:`row_problems`)."""
-
-    what: str  # completes "N row(s) ..."
-    bad: np.ndarray  # bool mask over the rows given
-    action: str  # "refuse": open raises CorruptionError; "repair": open serves them after a fix in
-    #              memory (WARNING, repaired_on_open); "report": served as they are, armdb.check reports
-
-
-def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *, duplicates: bool = True,
-                 due: np.ndarray | None = None, seq: np.ndarray | None = None) -> list[RowProblem]:
-    """The rules a stored queue row must follow, shared by ``Db.open`` and ``armdb.check``.
-
-    ``rows`` are the occupied slots of shard ``shard_no`` viewed as ``ROW_DTYPE``.  Their
-    CRCs held, so a row that breaks a rule was not torn by a crash: the file was changed
-    outside armdb.  Open refuses a row whose state, key class, id or attempts would make
-    it deliver a job twice, resurrect a dead one or count its retries wrongly; it serves
-    a leased row without a plausible deadline as an expired lease (after a reopen no
-    lease holder can settle it anyway); fields that only inform (the payload id, the
-    deadline of a row that is not leased, attempts of a delivered row) are left to check.
-    An attempt count above the queue's ``max_attempts`` is not a problem: the setting can
-    be lowered between opens, and such a row is dead-lettered when its lease next ends.
-    ``duplicates=False`` leaves out the rule that a row id occurs once in the shard (check
-    looks for ids stored twice across all shards itself); ``due`` and ``seq`` are the
-    key fields as native ``uint64`` when the caller has them already.  Returns the rules
-    that some row breaks, each with the mask of those rows.
-    """
-    if due is None:
-        due = rows["due"].astype(np.uint64)
-    if seq is None:
-        seq = rows["seq"].astype(np.uint64)
-    hdr = rows["header"]
-    state = hdr["state"]
-    deadline = hdr["deadline"]
-    attempts = hdr["attempts"]
-    out: list[RowProblem] = []
-    if seq.size == 0:
-        return out
-
-    # Open runs this on every row of a queue: each rule is first judged with a reduction
-    # (no array allocated), and its mask is built only when some row breaks it.
-    def rule(what: str, action: str, suspect: bool, mask: Callable[[], np.ndarray]) -> None:
-        if suspect:
-            bad = mask()
-            if bad.any():
-                out.append(RowProblem(what, bad, action))
-
-    dead_key = due >= np.uint64(DEAD_BIT)
-    dead_state = state == State.DEAD
-    leased = state == State.LEASED
-    rule("hold an unknown state (not READY, LEASED or DEAD)", "refuse", state.max() > State.DEAD,
-         lambda: state > State.DEAD)
-    if not np.array_equal(dead_key, dead_state):
-        rule("are in the dead key class but not DEAD", "refuse", True, lambda: dead_key & ~dead_state)
-        rule("are DEAD but keyed as live rows", "refuse", True, lambda: ~dead_key & dead_state)
-    rule("have row id 0, which is never handed out", "refuse", seq.min() == 0, lambda: seq == 0)
-    if shard_count > 1:
-        # A power of two takes a bit mask, about 20 times faster than % on uint64.
-        pow2 = shard_count & (shard_count - 1) == 0
-        home = seq & np.uint64(shard_count - 1) if pow2 else seq % np.uint64(shard_count)
-        rule(f"belong to another shard (their row id modulo {shard_count} is not {shard_no})", "refuse",
-             True, lambda: home != np.uint64(shard_no))
-    rule(f"are READY with {MAX_ATTEMPTS} attempts, more than any retry can count", "refuse",
-         attempts.max() == MAX_ATTEMPTS, lambda: (state == State.READY) & (attempts == MAX_ATTEMPTS))
-    low = deadline.min()
-    rule("are LEASED without a lease deadline", "repair", low <= 0, lambda: leased & (deadline == 0))
-    rule("are LEASED with a negative lease deadline", "repair", low < 0, lambda: leased & (deadline < 0))
-    rule("hold a negative lease deadline", "report", low < 0, lambda: ~leased & (deadline < 0))
-    rule("were delivered (LEASED or DEAD) but count 0 attempts", "report", attempts.min() == 0,
-         lambda: (leased | dead_state) & (attempts == 0))
-    flags = hdr["flags"]
-    known = FLAG_DEAD_EXPLICIT | FLAG_POISONED
-    rule("hold flags armdb never sets (bit 0, dead-lettered explicitly, and bit 1, its body could not be "
-         "decoded, on DEAD rows only)",
-         "report", bool(flags.any()),
-         lambda: ((flags & ~np.uint8(known)) != 0) | ((flags != 0) & ~dead_state)
-         | ((flags & FLAG_POISONED) != 0) & ((flags & FLAG_DEAD_EXPLICIT) == 0))
-    pid = hdr["payload_id"]
-    if var:
-        rule("point at a payload id other than their row id", "report", not np.array_equal(pid, seq),
-             lambda: pid != seq)
-    else:
-        rule("hold a payload id, which a fixed queue never sets", "report", bool(pid.any()), lambda: pid != 0)
-    if duplicates and seq.size > 1:
-        ordered = np.sort(seq)
-        again = ordered[1:] == ordered[:-1]
-        rule("share their row id with another row of the shard", "refuse", bool(again.any()),
-             lambda: np.isin(seq, ordered[1:][again]))
-    return out
-
-
-def _encode_meta(spec: QueueSpec, shard_count: int, value_size: int) -> bytes:
-    body = msgpack.packb(
-        {"var": spec.var, "fingerprint": spec.fingerprint, "shard_count": shard_count,
-         "key_size": KEY_SIZE, "value_size": value_size},
-        use_bin_type=True,
-    )
-    raw = META_MAGIC + struct.pack("<II", META_VERSION, len(body)) + body
-    return raw + struct.pack("<I", zlib.crc32(raw))
-
-
-def _decode_meta(raw: bytes, path: str) -> dict[str, Any]:
-    """Decode and check ``queue.meta``.  Everything in it is input: a file whose CRC
-    matches but whose fields armdb would never write (a shard count of 0 or 2000, a
-    string, a missing key) is a ``FormatError`` before anything is allocated for it."""
-    if len(raw) < 20 or raw[:8] != META_MAGIC:
-        raise FormatError(f"{path}: not an armdb queue meta file; point armdb at its own directory")
-    version, n = struct.unpack_from("<II", raw, 8)
-    if version != META_VERSION:
-        raise FormatError(f"{path}: queue meta format {version} is not supported; upgrade armdb")
-    end = 16 + n
-    if len(raw) < end + 4 or struct.unpack_from("<I", raw, end)[0] != zlib.crc32(raw[:end]):
-        raise FormatError(f"{path}: queue meta fails its CRC; restore it from a backup")
-    damaged = f"{path}: queue meta holds values armdb never writes"
-    try:
-        meta = msgpack.unpackb(raw[16:end], raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:  # msgpack's errors are ValueErrors
-        raise FormatError(f"{damaged} (its body does not decode: {e}); restore it from a backup") from None
-    if not isinstance(meta, dict):
-        raise FormatError(f"{damaged} (its body is not a map); restore it from a backup")
-    expected: dict[str, type] = {"var": bool, "fingerprint": str, "shard_count": int, "key_size": int,
-                                 "value_size": int}
-    for key, kind in expected.items():
-        value = meta.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise FormatError(f"{damaged} ({key} = {value!r}); restore it from a backup")
-    if not 1 <= meta["shard_count"] <= MAX_SHARD_COUNT:
-        raise FormatError(
-            f"{damaged} (shard_count = {meta['shard_count']}, not 1 to {MAX_SHARD_COUNT}); restore it from a backup"
-        )
-    if meta["key_size"] != KEY_SIZE:
-        raise FormatError(f"{damaged} (key_size = {meta['key_size']}, not {KEY_SIZE}); restore it from a backup")
-    low, high = (HEADER_SIZE, HEADER_SIZE) if meta["var"] else (HEADER_SIZE + 1, HEADER_SIZE + MAX_FIXED_PAYLOAD)
-    if not low <= meta["value_size"] <= high:
-        raise FormatError(
-            f"{damaged} (value_size = {meta['value_size']}, not {low} to {high}); restore it from a backup"
-        )
-    return meta
-
-
 class Queue(Generic[T]):
     """A handle on an open queue.  Get one with ``db.open_queue(spec, config)``.
 
@@ -605,23 +201,24 @@ class Queue(Generic[T]):
     ``due``, and the read-only ``stats`` and ``snapshot``.
     """
 
-    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig) -> None:
+    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig, commit_settle: Settle) -> None:
         self._db = db
         self.spec = spec
         self.name = spec.name
         self.config = config
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._seq_name = "q:" + spec.name  # the seqmap name of its row ids
-        self._codec: _FixedCodec | _VarCodec = _VarCodec(spec.payload) if spec.var else _FixedCodec(spec.dtype)
+        self._codec: FixedCodec | VarCodec = VarCodec(spec.payload) if spec.var else FixedCodec(spec.dtype)
         # Looked up once for the hot path (config is frozen, the seqmap lives as long as the Db).
         self._encode = self._codec.encode
         self._next_id = db.seqmap.next
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
-        from .tx import commit_settle  # armdb.tx imports this module
-
-        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14)
+        self._retention_ms = transitions.retention_ms(config)
+        # Key, header and inline payload: the row image a settle reads and rewrites.
+        self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
+        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -685,7 +282,7 @@ class Queue(Generic[T]):
                 raise ConfigError(f"{self.name!r} is already a collection of another kind; choose another name")
             shard_count = hcfg.shard_count or 1
             fs.makedirs(hdir)
-            fs.write_file_atomic(meta_path, _encode_meta(self.spec, shard_count, value_size))
+            fs.write_file_atomic(meta_path, encode_meta(self.spec.var, self.spec.fingerprint, shard_count, value_size))
         if self.spec.var:
             # First, so that a missing or wrong key refuses the open before the header
             # store is touched (it may create its redo file or extend to a grow step).
@@ -727,7 +324,7 @@ class Queue(Generic[T]):
         occ = fx.occupied_slots()
         if occ.size == 0:
             return 0
-        rows = fx.slots[occ, 8 : 8 + KEY_SIZE + HEADER_SIZE].copy().view(ROW_DTYPE).reshape(-1)
+        rows = rows_of(fx.slots, occ)
         due = rows["due"].astype(np.uint64)
         seq = rows["seq"].astype(np.uint64)
         self._judge_rows(fx, occ, rows, due, seq)
@@ -830,9 +427,7 @@ class Queue(Generic[T]):
     def _payload_bytes(self, sh: _Shard, slot: int) -> bytes:
         return sh.fixed.sf.body(slot, KEY_SIZE + HEADER_SIZE, self._codec.size)  # type: ignore[union-attr]
 
-    @staticmethod
-    def _key_bytes(seq: int) -> bytes:
-        return seq.to_bytes(8, "big")
+    _key_bytes = staticmethod(body_key)  # a var row's body key in <name>.payload
 
     # -- push (Q9, Q15, Q16, Q20) -------------------------------------------------------------
     def push(self, payload: T, *, delay: timedelta | float | None = None) -> int:
@@ -988,7 +583,7 @@ class Queue(Generic[T]):
         if self._payload is None:
             return out
         leases: list[Lease[T]] = []
-        decode = typing.cast(_VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
+        decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         handle = self._handle
         new = tuple.__new__  # the NamedTuples without their Python-level __new__
         poisoned: list[tuple[LeaseToken, Exception]] | None = None
@@ -1027,7 +622,7 @@ class Queue(Generic[T]):
         """
         for token, err in poisoned:
             try:
-                self._commit_settle(self, token, False, None, True, True)
+                self._commit_settle(self._db, self, token, False, None, True, True)
             except StaleToken:
                 # Our lease expired meanwhile and another caller took the row; it meets
                 # the same body and dead-letters it.
@@ -1094,20 +689,27 @@ class Queue(Generic[T]):
             self._note_dead(now)
         return got
 
-    def _dead_letter_locked(self, sh: _Shard, due: int, seq: int, slot: int, now: int, flags: int,
-                            attempts: int, epoch: int, deadline: int, pid: int, pushed: int, extra: bytes) -> None:
-        dkey = DEAD_BIT | now
-        sh.fixed.write(slot, _pack_row(dkey, seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra))
-        sh.live.remove(due, seq)
-        sh.dead.insert(dkey, seq, slot, 0)
-        sh.dead_lettered += 1
-        self._note_dead(now)
-
     def _note_dead(self, now: int) -> None:
         """A row was dead-lettered at ``now``: bring the next retention pass forward."""
-        if self.config.dead_retention is not None:
-            first = now + int(self.config.dead_retention * 1000)
-            self._next_retention = min(self._next_retention, first)
+        keep = self._retention_ms
+        if keep is not None:
+            self._next_retention = min(self._next_retention, now + keep)
+
+    def _settle_row(self, sh: _Shard, due: int, seq: int, slot: int, moved: transitions.Moved, now: int,
+                    version: int = 0, *, nack: bool = True) -> None:
+        """Apply a settle that :func:`armdb.transitions.nack` computed for the row keyed
+        ``(due, seq)`` in ``slot`` (caller holds ``sh.lock``): its new image (``version`` 0:
+        the next on the slot's ring), its key in the live or the dead index, the counters."""
+        sh.fixed.write(slot, moved.image, version)
+        sh.live.remove(due, seq)
+        if moved.dead:
+            sh.dead.insert(moved.due, seq, slot, 0)
+            sh.dead_lettered += 1
+            self._note_dead(now)
+        else:
+            sh.live.insert(moved.due, seq, slot, 0)
+        if nack:
+            sh.nacks += 1
 
     # -- settle (Q13, Q14) ------------------------------------------------------------------------
     def _token_shard(self, token: object) -> _Shard:
@@ -1161,7 +763,7 @@ class Queue(Generic[T]):
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
-            self._commit_settle(self, token, True)
+            self._commit_settle(self._db, self, token, True)
             return
         try:
             sh = self._shards[token.shard]
@@ -1191,25 +793,12 @@ class Queue(Generic[T]):
             raise ConfigError(f"delay must not be negative, got {delay!r}")
         if self._payload is not None:
             # A var queue's transitions go through the transaction log (Q7, Q14).
-            self._commit_settle(self, token, False, delay_ms, dead)
+            self._commit_settle(self._db, self, token, False, delay_ms, dead)
             return
-        sh, slot, hdr = self._settle_begin(token)
+        sh, slot, _hdr = self._settle_begin(token)
         try:
-            _state, flags, attempts, epoch, deadline, pid, pushed = hdr
-            extra = b"" if self._payload is not None else self._payload_bytes(sh, slot)
-            if dead or attempts >= self.config.max_attempts:
-                if dead:
-                    flags |= FLAG_DEAD_EXPLICIT
-                self._dead_letter_locked(sh, token.due, token.seq, slot, now, flags, attempts, epoch, deadline,
-                                         pid, pushed, extra)
-            else:
-                wait = delay_ms if delay_ms is not None else int(round(self.config.backoff_for(attempts) * 1000))
-                due = now + wait
-                sh.fixed.write(slot, _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline,
-                                               pid, pushed, extra))
-                sh.live.remove(token.due, token.seq)
-                sh.live.insert(due, token.seq, slot, 0)
-            sh.nacks += 1
+            moved = transitions.nack(sh.fixed.sf.body(slot, 0, self._row_size), now, self.config, delay_ms, dead)
+            self._settle_row(sh, token.due, token.seq, slot, moved, now)
             sh.fixed.raise_sync_error()
         finally:
             sh.lock.release()
@@ -1307,8 +896,8 @@ class Queue(Generic[T]):
 
     # -- retention (Q22-Q25) --------------------------------------------------------------------------
     def _schedule_retention(self) -> None:
-        ret = self.config.dead_retention
-        if ret is None:
+        keep = self._retention_ms
+        if keep is None:
             self._next_retention = 1 << 62 if not self._retry and not self._retry_overflow else 0
             return
         first = -1
@@ -1316,7 +905,7 @@ class Queue(Generic[T]):
             with sh.lock:
                 k = sh.dead.min_key()
             if k is not None:
-                t = (k[0] & ~DEAD_BIT) + int(ret * 1000)
+                t = transitions.dead_since(k[0]) + keep
                 first = t if first < 0 else min(first, t)
         self._next_retention = (1 << 62) if first < 0 else first
         if self._retry or self._retry_overflow:
@@ -1334,16 +923,16 @@ class Queue(Generic[T]):
         if now is None:
             now = int(self._clock())
         first_error: BaseException | None = None
-        ret = self.config.dead_retention
-        if ret is not None:
-            cutoff = now - int(ret * 1000)
+        keep = self._retention_ms
+        if keep is not None:
+            cutoff = now - keep
             for sh in self._shards:
                 swept: list[int] = []
                 try:
                     with sh.lock:
                         while True:
                             k = sh.dead.min_key()
-                            if k is None or (k[0] & ~DEAD_BIT) > cutoff:
+                            if k is None or transitions.dead_since(k[0]) > cutoff:
                                 break
                             slot = typing.cast(tuple[int, int], sh.dead.get(*k))[0]
                             sh.fixed.free(slot)
@@ -1439,42 +1028,145 @@ class Queue(Generic[T]):
             with sh.lock:
                 sh.fixed.check_open()  # DbClosed if a close unmapped the file meanwhile
                 slots = np.concatenate([sh.live.to_arrays()[2], sh.dead.to_arrays()[2]]).astype(np.intp)
-                # Fancy indexing copies the rows out of the map while the lock is held.
-                raw = sh.fixed.slots[slots, 8 : 8 + KEY_SIZE + HEADER_SIZE]
-            parts.append(raw.view(ROW_DTYPE).reshape(-1))
+                # The rows are copied out of the map while the lock is held.
+                parts.append(rows_of(sh.fixed.slots, slots))
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
-        out = np.zeros(rows.shape[0], dtype=SNAPSHOT_DTYPE)
-        hdr = rows["header"]
-        out["id"] = rows["seq"]
-        out["state"] = hdr["state"]
-        out["due"] = (rows["due"].astype(np.uint64) & np.uint64(~DEAD_BIT & 0xFFFFFFFFFFFFFFFF)).astype(
-            np.int64
-        ).astype("datetime64[ms]")
-        out["attempts"] = hdr["attempts"]
-        out["epoch"] = hdr["epoch"]
-        dl = hdr["deadline"].astype("datetime64[ms]")
-        dl[hdr["deadline"] == 0] = np.datetime64("NaT")
-        out["deadline"] = dl
-        return out
+        return to_snapshot(rows)
+
+    # -- what a db.tx() commit calls (armdb.tx; private to armdb) ---------------------------------
+    # A commit reaches a queue through these methods and the public ``name``, ``config``
+    # and ``len()``, nothing else: it checks the handle (_belongs_to), encodes a payload
+    # (_encode, bound at open), draws row ids (_tx_new_id), asks whether a log key is
+    # needed (_tx_encrypted), collects the locks of its steps (_tx_locks, _tx_all_locks),
+    # plans each push and settle into its armdb.plan.Plan under those locks (_tx_push,
+    # _tx_settle), and afterwards counts body writes (_tx_count_payload_writes), wakes
+    # waiters (_notify) or, when the commit failed after its log append, pauses retention
+    # until the reopen (_tx_fence).  docs/architecture.md follows a var ack through them.
+
+    def _belongs_to(self, db: Db) -> bool:
+        return self._db is db
+
+    def _tx_new_id(self, plan: Plan) -> int:
+        """A row id for a push the commit plans (reserved only if it goes ahead, T5)."""
+        return plan.draw(self._seq_name)
+
+    def _tx_encrypted(self) -> bool:
+        """Whether the queue's bodies are encrypted: a commit touching it needs a sealed log (T4)."""
+        return self._payload is not None and self._payload.encrypted
+
+    def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object) -> None:
+        """Add the locks a push of row ``seq`` (``token`` None) or a settle of ``token``
+        needs to ``locks`` (keyed by the global order, docs/transactions.md): its header
+        shard's and, for a var queue, its body's payload shard's.  A token that names no
+        shard of this handle adds nothing (the plan refuses it as stale)."""
+        shards = self._shards
+        if token is None:
+            sh = shards[seq % len(shards)]
+        else:
+            if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
+                return
+            seq = token.seq
+            sh = shards[token.shard]
+        locks[sh.fixed.directory] = sh.lock
+        if self._payload is not None:
+            k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
+            locks[k] = lock
+
+    def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
+        """Add every lock of the queue: a change stream's destination (T7)."""
+        for sh in self._shards:
+            locks[sh.fixed.directory] = sh.lock
+        if self._payload is not None:
+            for (k, _), lock in self._payload.all_locks():
+                locks[k] = lock
+
+    def _tx_push(self, plan: Plan, seq: int, body: bytes, now: int, delay_ms: int) -> None:
+        """Plan a push of row ``seq`` (its shard's lock held): a slot and its version, the
+        logged rows (the body first, for a var queue), and how to apply them."""
+        sh = self._shards[seq % len(self._shards)]
+        fixed = sh.fixed
+        due = now + delay_ms
+        slot = fixed.alloc()
+        plan.allocated.append((fixed, slot))
+        version = ring_next(int(fixed.versions[slot]))
+        payload = self._payload
+        if payload is not None:
+            row = transitions.push(seq, due, now, seq)
+            key = body_key(seq)
+            gsn = plan.gsn()
+            plan.rows.append(["B", self.spec.payload_name, key, body, gsn])
+            plan.add_bitcask(payload)
+            plan.payload_writes[self] = plan.payload_writes.get(self, 0) + 1
+
+            def apply_body() -> None:
+                payload.write_locked(key, body, gsn)
+                self._cache_put(seq, body)
+
+            plan.apply.append(apply_body)
+        else:
+            row = transitions.push(seq, due, now, 0, body)
+        plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, row])
+        plan.add_fixed(fixed)
+
+        def apply() -> None:
+            fixed.write(slot, row, version)
+            sh.live.insert(due, seq, slot, 0)
+            sh.pushes += 1
+
+        plan.apply.append(apply)
+
+    def _tx_settle(self, plan: Plan, token: object, ack: bool, delay_ms: int | None, dead: bool, poisoned: bool,
+                   now: int) -> None:
+        """Plan an ack or a nack of ``token`` (its locks held): ``StaleToken`` unless it
+        still holds its lease; else the logged rows and how to apply them.  ``poisoned``:
+        the dead-letter of a row whose body a lease could not decode (not counted as a nack)."""
+        sh = self._token_shard(token)
+        tok: LeaseToken = token  # type: ignore[assignment]  # _token_shard checked it (no typing.cast call here)
+        fixed = sh.fixed
+        if ack:
+            # One call each to find the leased slot and, once logged, to free it.
+            slot, version = sh.settle_slot(tok.due, tok.seq, tok.epoch)
+            if slot < 0:
+                raise self._stale(tok, version == ABSENT)
+            plan.rows.append(["F", self.name, fixed.index, slot, version, DELETED, b""])
+            plan.add_fixed(fixed)
+
+            def apply_ack() -> None:
+                sh.ack_slot(tok.due, tok.seq, slot, version)
+                self._cache_drop(tok.seq)
+
+            plan.apply.append(apply_ack)
+            payload = self._payload
+            if payload is not None:
+                key = tok.seq.to_bytes(8, "big")  # qrows.body_key
+                gsn = plan.gsn()
+                plan.rows.append(["B", self.spec.payload_name, key, None, gsn])
+                plan.add_bitcask(payload)
+                plan.apply.append(lambda: payload.write_locked(key, None, gsn))
+            return
+        slot, _hdr = self._validate_locked(sh, tok)
+        version = ring_next(int(fixed.versions[slot]))
+        moved = transitions.nack(fixed.sf.body(slot, 0, self._row_size), now, self.config, delay_ms, dead, poisoned)
+        plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, moved.image])
+        plan.add_fixed(fixed)
+        plan.apply.append(lambda: self._settle_row(sh, tok.due, tok.seq, slot, moved, now, version,
+                                                   nack=not poisoned))
+
+    def _tx_count_payload_writes(self, n: int) -> None:
+        with self._counter_lock:
+            self._payload_writes += n
+
+    def _tx_fence(self) -> None:
+        """A commit touching this queue failed after its log append: no retention until
+        the reopen replays it (Q25)."""
+        self._retention_paused = True
 
     def __repr__(self) -> str:
         flavour = "var" if self.spec.var else "fixed"
         return f"<armdb.Queue {self.name!r} ({flavour})>"
 
 
-SNAPSHOT_DTYPE = np.dtype(
-    [
-        ("id", "<u8"),
-        ("state", "u1"),
-        ("due", "datetime64[ms]"),
-        ("attempts", "<u2"),
-        ("epoch", "<u4"),
-        ("deadline", "datetime64[ms]"),
-    ]
-)
-
-
-def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any]:
+def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commit_settle: Settle) -> Queue[Any]:
     """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
     if not isinstance(spec, QueueSpec):
         raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
@@ -1490,7 +1182,7 @@ def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None) -> Queue[Any
             )
         if spec.name in db._maps or spec.payload_name in db._maps:
             raise ConfigError(f"{spec.name!r} is open as a map; a name holds one collection")
-        q: Queue[Any] = Queue(db, spec, config)
+        q: Queue[Any] = Queue(db, spec, config, commit_settle)
         try:
             q._open()
         except OSError as e:

@@ -20,6 +20,9 @@ them): before any row is applied, every row of every record is checked by
 (shard in range, slot within reach of the file, body within the slot, gsn in range).
 Anything else is ``CorruptionError`` naming the log file and offset, and nothing is
 created or written.  ``armdb.check`` runs the same checks (``armdb.txlog.check_dir``).
+
+Layer: above the stores and the formats it checks rows against, below the log that
+drives it (``TxLog._replay``); it reaches the ``Db`` only through the object passed in.
 """
 
 from __future__ import annotations
@@ -30,11 +33,30 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+import numpy as np
+
 from . import _fs
 from ._core import fixed as _k
+from .bitcask import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
 from .config import QUEUE_GROW_STEP, Config, FixedConfig
-from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError
-from .fixed import DELETED, FILE_NAME, FREE, HEADER_PAGE, OCCUPIED, TORN, FixedStore, slot_size_for
+from .errors import ConfigError, CorruptionError, EncryptionKeyRequired, FormatError, PayloadTypeError
+from .fixed import (
+    DELETED,
+    FILE_NAME,
+    FREE,
+    HEADER_PAGE,
+    OCCUPIED,
+    REDO_NAME,
+    TORN,
+    FixedStore,
+    judge_redo_header,
+    read_hwm,
+    slot_size_for,
+)
+from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
+from .mapcodec import decode_key, decode_value
+from .qrows import ROW_DTYPE, decode_meta, row_problems
+from .seqmap import MAX_RESERVED
 
 if TYPE_CHECKING:
     from .bitcask.store import BitcaskStore
@@ -55,7 +77,6 @@ if TYPE_CHECKING:
 # have a legitimate log past this bound; docs/format.md says so.
 REPLAY_GROWTH_SLOTS = 16 * QUEUE_GROW_STEP
 RING_MASK = (1 << 30) - 1  # slot versions live on a 30-bit ring; a written one is never 0
-PAYLOAD_SUFFIX = ".payload"
 
 
 def slot_limit(capacity: int) -> int:
@@ -78,13 +99,11 @@ class FixedGeometry:
 def fixed_geometry(directory: str) -> FixedGeometry:
     """Read a queue header collection's geometry without opening (or changing) it.
 
-    Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.queue._decode_meta``)."""
-    from .db import QUEUE_META
-    from .queue import _decode_meta
+    Raises ``FormatError`` for a damaged ``queue.meta`` (see ``armdb.qrows.decode_meta``)."""
 
     fs = _fs.FS
     meta_path = os.path.join(directory, QUEUE_META)
-    meta = _decode_meta(fs.read_file(meta_path), meta_path)
+    meta = decode_meta(fs.read_file(meta_path), meta_path)
     slot_size = slot_size_for(meta["key_size"], meta["value_size"])
     capacities = []
     for i in range(meta["shard_count"]):
@@ -105,15 +124,13 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
     The name must follow the collection naming rule (``armdb.db.validate_name``: queue
     names for slot rows, map or ``<queue>.payload`` names for Bitcask rows), so that no
     path the log gives can leave ``<db>/collections``."""
-    from .db import validate_name
-
     if not isinstance(row, list) or not row or not isinstance(row[0], str):
-        raise _bad(where, f"row {_short(row)} is not a list starting with its kind")
+        raise bad_record(where, f"row {_short(row)} is not a list starting with its kind")
     kind = row[0]
     if kind not in ("F", "B"):
-        raise _bad(where, f"row of unknown kind {_short(kind)}")
+        raise bad_record(where, f"row of unknown kind {_short(kind)}")
     if len(row) != (7 if kind == "F" else 5):
-        raise _bad(where, f"{kind} row has {len(row)} fields, not {7 if kind == 'F' else 5}")
+        raise bad_record(where, f"{kind} row has {len(row)} fields, not {7 if kind == 'F' else 5}")
     name = row[1]
     try:
         if kind == "F":
@@ -123,7 +140,7 @@ def row_collection(row: Any, where: str) -> tuple[str, str]:
         else:
             validate_name(name)
     except ConfigError:
-        raise _bad(where, f"row names collection {_short(name)}, which is not a valid collection name") from None
+        raise bad_record(where, f"row names collection {_short(name)}, which is not a valid collection name") from None
     return kind, name
 
 
@@ -136,56 +153,50 @@ def check_row(
     collection's :class:`FixedGeometry` (cached by the caller); ``gsn_limit`` is the end
     of the gsn block reserved in the seqmap (every logged gsn was reserved before the
     commit was logged), see :func:`gsn_limit`."""
-    from .bitcask.format import MAX_KEY_LEN, MAX_VALUE_LEN, META_NAME
-    from .db import QUEUE_META
-
     fs = _fs.FS
     kind, name = row_collection(row, where)
     d = os.path.join(collections, name)
     is_queue = fs.exists(os.path.join(d, QUEUE_META))
     if kind == "F":
         if not is_queue:
-            raise _bad(where, f"row names queue collection {name!r}, which does not exist")
+            raise bad_record(where, f"row names queue collection {name!r}, which does not exist")
         _, _, shard, slot, version, status, body = row
         g = geometry(name)
         if not _is_int(shard) or not 0 <= shard < g.shard_count:
-            raise _bad(where, f"row for {name!r} names shard {_short(shard)}; the queue has {g.shard_count}")
+            raise bad_record(where, f"row for {name!r} names shard {_short(shard)}; the queue has {g.shard_count}")
         limit = slot_limit(g.capacities[shard])
         if not _is_int(slot) or not 0 <= slot < limit:
-            raise _bad(
+            raise bad_record(
                 where,
                 f"row for {name!r} shard {shard} names slot {_short(slot)}, beyond what its file of "
                 f"{g.capacities[shard]} slots can have grown to ({limit})",
             )
         if not _is_int(version) or not 1 <= version <= RING_MASK:
-            raise _bad(where, f"row for {name!r} has slot version {_short(version)}, not 1 to {RING_MASK}")
+            raise bad_record(where, f"row for {name!r} has slot version {_short(version)}, not 1 to {RING_MASK}")
         if status not in (OCCUPIED, DELETED) or not _is_int(status):
-            raise _bad(where, f"row for {name!r} has slot status {_short(status)}")
+            raise bad_record(where, f"row for {name!r} has slot status {_short(status)}")
         if not isinstance(body, bytes) or len(body) > g.body_size:
             size = f"{len(body)} bytes" if isinstance(body, bytes) else type(body).__name__
-            raise _bad(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
+            raise bad_record(where, f"row for {name!r} has a slot body of {size}; a slot body holds {g.body_size}")
         if status == OCCUPIED:
             _check_queue_row(body, name, shard, g, where)
     else:
         if is_queue or not fs.exists(os.path.join(d, META_NAME)):
-            raise _bad(where, f"row names map collection {name!r}, which does not exist")
+            raise bad_record(where, f"row names map collection {name!r}, which does not exist")
         _, _, key, value, gsn = row
         if not isinstance(key, bytes) or len(key) > MAX_KEY_LEN:
-            raise _bad(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
+            raise bad_record(where, f"row for {name!r} has a key that is not bytes of at most {MAX_KEY_LEN}")
         if value is not None and (not isinstance(value, bytes) or len(value) > MAX_VALUE_LEN):
-            raise _bad(where, f"row for {name!r} has a value that is neither bytes nor None")
+            raise bad_record(where, f"row for {name!r} has a value that is neither bytes nor None")
         if not name.endswith(PAYLOAD_SUFFIX):  # a map's: its keys and values must read back
-            from .errors import PayloadTypeError
-            from .maps import decode_key, decode_value
-
             try:
                 decode_key(key)
                 if value is not None:
                     decode_value(value)
             except (PayloadTypeError, CorruptionError) as e:
-                raise _bad(where, f"row for map {name!r} holds a key or value the map cannot read ({e})") from None
+                raise bad_record(where, f"row for map {name!r} holds a key or value the map cannot read ({e})") from None
         if not _is_int(gsn) or not 1 <= gsn < gsn_limit:
-            raise _bad(
+            raise bad_record(
                 where,
                 f"row for {name!r} has gsn {_short(gsn)}, not from 1 to below {gsn_limit}, the end of the "
                 f"gsns the database has reserved",
@@ -194,17 +205,13 @@ def check_row(
 
 def _check_queue_row(body: bytes, name: str, shard: int, g: FixedGeometry, where: str) -> None:
     """A logged occupied slot holds one queue row: the rules open applies to stored rows
-    (``armdb.queue.row_problems``; a row id stored twice is left to that check after replay)."""
-    import numpy as np
-
-    from .queue import ROW_DTYPE, row_problems
-
+    (``armdb.qrows.row_problems``; a row id stored twice is left to that check after replay)."""
     if len(body) < ROW_DTYPE.itemsize:
-        raise _bad(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
+        raise bad_record(where, f"row for {name!r} has a slot body of {len(body)} bytes, shorter than a queue row")
     row = np.frombuffer(body, dtype=ROW_DTYPE, count=1)
     for p in row_problems(row, shard, g.shard_count, g.var, duplicates=False):
         if p.action == "refuse":
-            raise _bad(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
+            raise bad_record(where, f"row for {name!r} shard {shard} holds a queue row that {p.what}")
 
 
 @dataclass(frozen=True)
@@ -235,10 +242,6 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     refuses a shard that holds one twice.  Returns ``(where, what)`` for at most ``limit``
     conflicts (``where``: the log record of the write), empty when there is none.
     """
-    import numpy as np
-
-    from .fixed import REDO_NAME, judge_redo_header, read_hwm
-
     fs = _fs.FS
     n = 0
     page = b""
@@ -312,7 +315,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     for slot, (_, st, body, where) in sorted(state.items()):
         if where is None or st != OCCUPIED or body is None:
             continue
-        seq = int.from_bytes(body[8:16], "big")  # a queue row (queue.ROW_DTYPE): due, then seq, big-endian
+        seq = int.from_bytes(body[8:16], "big")  # a queue row (qrows.ROW_DTYPE): due, then seq, big-endian
         if seq in written:
             out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
                                f"{written[seq][0]}"))
@@ -329,74 +332,8 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     return out[:limit]
 
 
-def log_conflicts(txlog_dir: str) -> list[str]:
-    """``armdb.check``'s view of :func:`replay_conflicts`: the logged slot writes of every
-    unsealed record, in the order open replays them, judged against each queue shard.
-
-    Rows that :func:`check_row` refuses are left out (``armdb.txlog.check_dir`` reports
-    them); with any sealed record in the log nothing is judged (a keyless check cannot
-    read what it writes)."""
-    from . import seqmap
-    from .logformat import _NAME_RE, FLAG_SEALED, _file_header_fields, _records_at, _rows, records_start
-
-    fs = _fs.FS
-    db_dir = os.path.dirname(txlog_dir)
-    collections = os.path.join(db_dir, "collections")
-    seq_path = os.path.join(db_dir, "seqmap")
-    try:
-        reserved = seqmap.decode(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
-    except Exception:  # noqa: BLE001 - armdb.check reports the seqmap itself
-        reserved = None
-    limit = gsn_limit(reserved)
-    geometries: dict[str, FixedGeometry] = {}
-
-    def geometry(name: str) -> FixedGeometry:
-        if name not in geometries:
-            geometries[name] = fixed_geometry(os.path.join(collections, name))
-        return geometries[name]
-
-    writes: dict[tuple[str, int], list[LoggedSlot]] = {}
-    for name in sorted(n for n in fs.listdir(txlog_dir) if _NAME_RE.match(n)):
-        path = os.path.join(txlog_dir, name)
-        raw = fs.read_file(path)
-        try:
-            _number, version = _file_header_fields(raw, path)
-        except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-            continue
-        recs, _, _ = _records_at(raw, records_start(version))
-        for offset, _txid, flags, body in recs:
-            if flags & FLAG_SEALED:
-                return []
-            where = f"{path}: transaction log record at offset {offset}"
-            try:
-                rows = _rows(body, where)
-            except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-                continue
-            for row in rows:
-                try:
-                    check_row(row, where, collections, geometry, limit)
-                except Exception:  # noqa: BLE001 - reported by txlog.check_dir
-                    continue
-                if row[0] == "F":
-                    _, qname, shard, slot, version, status, rbody = row
-                    writes.setdefault((qname, shard), []).append(LoggedSlot(slot, version, status, rbody, where))
-    findings: list[str] = []
-    for (qname, shard), ws in writes.items():
-        g = geometry(qname)
-        data = os.path.join(collections, qname, f"shard-{shard:03d}", FILE_NAME)
-        try:
-            found = replay_conflicts(data, g.body_size + 8, ws)
-        except (OSError, ValueError) as e:
-            findings.append(f"{data}: cannot judge the logged slot writes ({type(e).__name__}: {e})")
-            continue
-        findings.extend(str(_bad(where, f"queue {qname!r} shard {shard}: the record {what}")) for where, what in found)
-    return findings
-
-
 def gsn_limit(reserved: int | None) -> int:
     """The first gsn no logged row can carry, from the seqmap's reserved end for "gsn"."""
-    from .seqmap import MAX_RESERVED
-
     return MAX_RESERVED if reserved is None else min(reserved, MAX_RESERVED)
 
 
@@ -405,7 +342,8 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _bad(where: str, what: str) -> CorruptionError:
+def bad_record(where: str, what: str) -> CorruptionError:
+    """The error for a logged record that passes its CRC but breaks a rule (open refuses it)."""
     return CorruptionError(
         f"{where}: {what}; the record passes its CRC but armdb never wrote it. Restore the database "
         f"from a backup"
@@ -466,8 +404,6 @@ class Replayer:
 
     def check(self, row: Any, where: str) -> None:
         """Check one row (:func:`check_row`) before any row is applied."""
-        from .db import COLLECTIONS
-
         check_row(row, where, os.path.join(self.db.path, COLLECTIONS), self.geometry,
                   gsn_limit(self.db.seqmap.reserved("gsn")))
         if row[0] == "F":
@@ -490,7 +426,7 @@ class Replayer:
             g = self.geometry(name)
             data = os.path.join(self.db.collection_dir(name), f"shard-{shard:03d}", FILE_NAME)
             for where, what in replay_conflicts(data, g.body_size + 8, writes)[:1]:
-                raise _bad(where, f"queue {name!r} shard {shard}: the record {what}")
+                raise bad_record(where, f"queue {name!r} shard {shard}: the record {what}")
 
     def apply(self, row: list[Any]) -> None:
         """Apply one row that :meth:`check` accepted (every row is checked before the first

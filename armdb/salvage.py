@@ -59,7 +59,7 @@ from .bitcask.format import (
     _shard_dir,
     data_start,
 )
-from .db import COLLECTIONS, META_FILE, QUEUE_META, DirLock
+from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
 from .logformat import (
     _NAME_RE,

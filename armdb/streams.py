@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .layout import validate_name
 from .queue import QueueSpec
 
 __all__ = ["Change", "SchemaRegistry"]
@@ -55,8 +56,6 @@ class SchemaRegistry:
             ``source`` is not a valid map name, ``queue`` is not a ``QueueSpec``, or
             ``emit`` is not callable.
         """
-        from .db import validate_name
-
         validate_name(source)
         if not isinstance(queue, QueueSpec):
             raise ConfigError("change_stream takes the QueueSpec returned by armdb.queue(...)")

@@ -24,13 +24,17 @@ Commit protocol (docs/transactions.md):
 6. The locks are released.  Stream commits hold them across the log sync too;
    so do durable commits in general, because the rows are applied only after
    the sync (write-ahead).
+
+This module runs the protocol; it builds no queue row itself.  A queue takes part
+through the few methods of ``Queue`` listed under "what a db.tx() commit calls" in
+armdb/queue.py, which plan its pushes and settles into the commit's ``armdb.plan.Plan``
+with row images from ``armdb.transitions``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -38,8 +42,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 from . import _fail
 from ._clock import to_ms
-from ._core import fixed as _k
-from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
     EncryptionKeyRequired,
@@ -49,9 +51,10 @@ from .errors import (
     StreamSourceRequiresTx,
     TxFailedAfterLog,
 )
-from .fixed import DELETED, OCCUPIED
-from .maps import Map, decode_value, encode_key, encode_value
-from .queue import DEAD_BIT, FLAG_DEAD_EXPLICIT, FLAG_POISONED, LeaseToken, Queue, State, _pack_row
+from .mapcodec import decode_value, encode_key, encode_value
+from .maps import Map
+from .plan import Plan
+from .queue import LeaseToken, Queue
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -90,38 +93,6 @@ class _MapWrite:
     raw_value: bytes | None
 
 
-class _Plan:
-    """What a commit writes: the logged rows and, in order, how to apply them.
-
-    ``fixed`` and ``bitcask`` are short lists (a commit touches a handful of
-    stores), so membership tests on them are cheaper than on sets.
-    """
-
-    __slots__ = ("allocated", "apply", "bitcask", "fixed", "payload_writes", "rows")
-
-    def __init__(self) -> None:
-        self.rows: list[list[Any]] = []
-        self.apply: list[Callable[[], object]] = []  # run after the log append (and sync)
-        self.allocated: list[tuple[Any, int]] = []  # (FixedShard, slot) to give back on refusal
-        self.fixed: list[Any] = []  # FixedStore shards written
-        self.bitcask: list[Any] = []  # Bitcask stores written
-        self.payload_writes: dict[Queue[Any], int] = {}
-
-    def add_fixed(self, shard: Any) -> None:
-        if shard not in self.fixed:
-            self.fixed.append(shard)
-
-    def add_bitcask(self, store: Any) -> None:
-        if store not in self.bitcask:
-            self.bitcask.append(store)
-
-    def give_back(self) -> None:
-        """Return the slots allocated for a commit that does not go ahead."""
-        for shard, slot in reversed(self.allocated):
-            shard.unalloc(slot)
-        self.allocated.clear()
-
-
 class TxSyncFailed(TxFailedAfterLog, StorageError):
     """A durable commit's log sync failed (S12): both ``TxFailedAfterLog`` (its record
     was appended, so the next open replays it if the record reached the disk) and
@@ -132,27 +103,17 @@ class TxSyncFailed(TxFailedAfterLog, StorageError):
 class Tx:
     """A transaction builder (T1).  Every method records a step and returns the builder."""
 
-    __slots__ = ("_db", "_drawn", "_durable", "_finished", "_steps")
+    __slots__ = ("_db", "_durable", "_finished", "_steps")
 
     def __init__(self, db: Db) -> None:
         self._db = db
         self._steps: list[Any] = []
         self._durable = db.tx_config.durable
         self._finished = False
-        self._drawn: dict[str, int] = {}  # seqmap name -> largest id drawn, reserved at commit
-
-    def _draw(self, name: str) -> int:
-        n = self._db.seqmap.draw(name)
-        if n > self._drawn.get(name, 0):
-            self._drawn[name] = n
-        return n
-
-    def _gsn(self) -> int:
-        return self._draw("gsn")
 
     # -- builder ------------------------------------------------------------------------
     def _queue_arg(self, queue: object) -> Queue[Any]:
-        if not isinstance(queue, Queue) or queue._db is not self._db:
+        if not isinstance(queue, Queue) or not queue._belongs_to(self._db):
             raise ConfigError("tx steps take a Queue handle opened on this Db (db.open_queue)")
         return queue
 
@@ -177,7 +138,7 @@ class Tx:
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
         if delay_ms < 0 or delay_ms >= 1 << 62:
             raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
-        self._steps.append(_Push(q, q._codec.encode(payload), delay_ms, True))
+        self._steps.append(_Push(q, q._encode(payload), delay_ms, True))
         return self
 
     def ack(self, queue: Queue[Any], token: LeaseToken) -> Tx:
@@ -256,13 +217,14 @@ class Tx:
         stream_dest = self._stream_destinations(steps) if registry is not None else []
         if db.txlog.sealer is None:
             self._check_keys(steps, stream_dest)  # before anything is written, ids included
+        plan = Plan(db.seqmap)
         # Ids for explicit pushes fix their shards before locking.
         for s in steps:
             if type(s) is _Push:
-                s.seq = self._draw(s.queue._seq_name)
-        return self._commit_locked(steps, self._locks(steps, stream_dest), registry)
+                s.seq = s.queue._tx_new_id(plan)
+        return self._commit_locked(plan, steps, self._locks(steps, stream_dest), registry)
 
-    def _commit_locked(self, steps: list[Any], locks: list[threading.Lock], registry: Any) -> list[int]:
+    def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[threading.Lock], registry: Any) -> list[int]:
         """Take ``locks`` (in their order), plan, log and apply ``steps``, then wake the
         queues that have new ready rows; returns the ids of the explicit pushes."""
         now = int(self._db.clock())
@@ -271,7 +233,7 @@ class Tx:
             for lock in locks:
                 lock.acquire()
                 held += 1
-            plan = self._plan_and_log(steps, registry, now)
+            self._plan_and_log(plan, steps, registry, now)
             checkpoint_due = self._apply(plan, steps)
         finally:
             while held:
@@ -283,8 +245,7 @@ class Tx:
             store.maybe_compact()  # a rotation under our locks deferred its compaction
         if plan.payload_writes:
             for q, n in plan.payload_writes.items():
-                with q._counter_lock:
-                    q._payload_writes += n
+                q._tx_count_payload_writes(n)
         ids: list[int] = []
         notified: list[Queue[Any]] = []
         for s in steps:
@@ -297,13 +258,13 @@ class Tx:
                 s.queue._notify()
         return ids
 
-    def _plan_and_log(self, steps: list[Any], registry: Any, now: int) -> _Plan:
-        """Under the locks: run the streams, build every row, log them (and sync, if durable)."""
+    def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int) -> None:
+        """Under the locks: run the streams, build every row into ``plan``, log them (and
+        sync, if durable)."""
         db = self._db
-        plan = _Plan()
         try:
             if registry is not None:
-                self._expand_streams(steps, registry)
+                self._expand_streams(steps, registry, plan)
             self._plan(steps, plan, now)
             # A store fenced by a failed sync refuses the commit before it is logged
             # (its rows could not be applied; replay would apply them at the reopen).
@@ -312,7 +273,7 @@ class Tx:
             for shard in plan.fixed:
                 shard.check_writable()
             # Only a commit that goes ahead persists the id blocks it drew.
-            for name, n in self._drawn.items():
+            for name, n in plan.drawn.items():
                 db.seqmap.reserve_through(name, n)
             end = db.txlog.append(plan.rows)
         except BaseException:
@@ -327,9 +288,8 @@ class Tx:
             err = self._failed_after_log(steps, plan, e, sync_failed=True)
             db.txlog.done()  # only once the stores are fenced: a checkpoint may follow
             raise err from e
-        return plan
 
-    def _apply(self, plan: _Plan, steps: list[Any]) -> bool:
+    def _apply(self, plan: Plan, steps: list[Any]) -> bool:
         """Apply a logged (and, if durable, synced) commit; the caller holds its locks.
         Returns whether the log is due a checkpoint (which the caller runs unlocked)."""
         txlog = self._db.txlog
@@ -345,12 +305,12 @@ class Tx:
             raise err from e
         return txlog.done()
 
-    def _failed_after_log(self, steps: list[Any], plan: _Plan, e: BaseException, *,
+    def _failed_after_log(self, steps: list[Any], plan: Plan, e: BaseException, *,
                           sync_failed: bool = False) -> TxFailedAfterLog:
         """Fence the stores of a commit that was logged but not (fully) applied."""
         reason = f"a logged transaction failed to apply ({e}); reopen the database"
         for q in {s.queue for s in steps if type(s) is _Push or type(s) is _Settle}:
-            q._retention_paused = True  # Q25
+            q._tx_fence()  # Q25
         # Later writes to these stores would take versions and gsns that make
         # replay skip the logged rows: refuse them until the reopen replays.
         for fixed_shard in plan.fixed:
@@ -393,14 +353,11 @@ class Tx:
             if type(s) is _MapWrite:
                 enc = s.map.store.encrypted
             else:
-                enc = s.queue._payload is not None and s.queue._payload.encrypted
+                enc = s.queue._tx_encrypted()
             if enc:
-                raise EncryptionKeyRequired(
-                    "this transaction touches an encrypted collection; open the Db with "
-                    "TxConfig(log_encryption_key=...) so the log never holds its plaintext"
-                )
+                raise _log_key_required()
         for q in stream_dest:
-            if q._payload is not None and q._payload.encrypted:
+            if q._tx_encrypted():
                 raise EncryptionKeyRequired(
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
@@ -415,27 +372,12 @@ class Tx:
                 k, lock = s.map.store.shard_lock(s.raw_key)
                 locks[k] = lock
                 continue
-            q = s.queue
-            shards = q._shards
             if t is _Push:
-                seq = s.seq
-                sh = shards[seq % len(shards)]
+                s.queue._tx_locks(locks, s.seq, None)
             else:
-                token = s.token
-                if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
-                    continue  # refused as stale under no lock (_plan_settle)
-                seq = token.seq
-                sh = shards[token.shard]
-            locks[sh.fixed.directory] = sh.lock
-            if q._payload is not None:
-                k, lock = q._payload.shard_lock(q._key_bytes(seq))
-                locks[k] = lock
+                s.queue._tx_locks(locks, 0, s.token)  # a stale token adds none; the plan refuses it
         for q in stream_dest:
-            for sh in q._shards:
-                locks[sh.fixed.directory] = sh.lock
-            if q._payload is not None:
-                for (k, _), lock in q._payload.all_locks():
-                    locks[k] = lock
+            q._tx_all_locks(locks)
         n = len(locks)
         if n == 1:
             return list(locks.values())
@@ -444,7 +386,7 @@ class Tx:
             return [la, lb] if ka < kb else [lb, la]
         return [locks[k] for k in sorted(locks)]
 
-    def _expand_streams(self, steps: list[Any], registry: Any) -> None:
+    def _expand_streams(self, steps: list[Any], registry: Any, plan: Plan) -> None:
         """Run the stream closures (under the locks) and append their pushes (T6)."""
         view: dict[tuple[str, bytes], Any] = {}
         extra: list[_Push] = []
@@ -467,15 +409,16 @@ class Tx:
                     continue
                 q = self._db._queues[st.queue.name]
                 for payload in out if isinstance(out, list) else [out]:
-                    body = q._codec.encode(payload)  # PayloadTypeError aborts the commit
-                    p = _Push(q, body, 0, False, self._draw(q._seq_name))
+                    body = q._encode(payload)  # PayloadTypeError aborts the commit
+                    p = _Push(q, body, 0, False, q._tx_new_id(plan))
                     extra.append(p)
         steps.extend(extra)
 
-    def _plan(self, steps: list[Any], plan: _Plan, now: int) -> None:
+    def _plan(self, steps: list[Any], plan: Plan, now: int) -> None:
         if len(steps) == 1 and type(steps[0]) is _Settle:
             # A lone settle (Queue.ack/nack on a var queue): no push to cap, no second token.
-            self._plan_settle(steps[0], plan, now)
+            s = steps[0]
+            s.queue._tx_settle(plan, s.token, s.ack, s.delay_ms, s.dead, s.poisoned, now)
             return
         # Q21: judge each queue's cap once, on the net effect.
         net: dict[Queue[Any], list[int]] | None = None
@@ -509,120 +452,19 @@ class Tx:
                         raise StaleToken(
                             f"row {s.token.seq} is settled twice in one transaction; nothing was written"
                         )
-                    self._plan_settle(s, plan, now)
+                    s.queue._tx_settle(plan, s.token, s.ack, s.delay_ms, s.dead, s.poisoned, now)
                     seen_tokens.add(s.token)
         map_state: dict[tuple[str, bytes], bool] | None = None
         for s in steps:
             t = type(s)
             if t is _Push:
-                self._plan_push(s, plan, now)
+                s.queue._tx_push(plan, s.seq, s.body, now, s.delay_ms)
             elif t is _MapWrite:
                 if map_state is None:
                     map_state = {}
                 self._plan_map(s, plan, map_state)
 
-    def _plan_push(self, s: _Push, plan: _Plan, now: int) -> None:
-        q = s.queue
-        seq = s.seq
-        sh = q._shards[seq % len(q._shards)]
-        fixed = sh.fixed
-        due = now + s.delay_ms
-        slot = fixed.alloc()
-        plan.allocated.append((fixed, slot))
-        version = _k.ring_next(int(fixed.versions[slot]))
-        payload = q._payload
-        if payload is not None:
-            body = s.body
-            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, seq, now)
-            key = q._key_bytes(seq)
-            gsn = self._gsn()
-            plan.rows.append(["B", q.spec.payload_name, key, body, gsn])
-            plan.add_bitcask(payload)
-            plan.payload_writes[q] = plan.payload_writes.get(q, 0) + 1
-
-            def apply_body() -> None:
-                payload.write_locked(key, body, gsn)
-                q._cache_put(seq, body)
-
-            plan.apply.append(apply_body)
-        else:
-            row = _pack_row(due, seq, State.READY, 0, 0, 0, 0, 0, now, s.body)
-        plan.rows.append(["F", q.name, fixed.index, slot, version, OCCUPIED, row])
-        plan.add_fixed(fixed)
-
-        def apply() -> None:
-            fixed.write(slot, row, version)
-            sh.live.insert(due, seq, slot, 0)
-            sh.pushes += 1
-
-        plan.apply.append(apply)
-
-    def _plan_settle(self, s: _Settle, plan: _Plan, now: int) -> None:
-        q = s.queue
-        token = s.token
-        sh = q._token_shard(token)
-        coll = q.name
-        if s.ack:
-            # One call each to find the leased slot and, once logged, to free it.
-            slot, version = sh.settle_slot(token.due, token.seq, token.epoch)
-            if slot < 0:
-                raise q._stale(token, version == ABSENT)
-            plan.rows.append(["F", coll, sh.fixed.index, slot, version, DELETED, b""])
-            plan.add_fixed(sh.fixed)
-
-            def apply_ack() -> None:
-                sh.ack_slot(token.due, token.seq, slot, version)
-                q._cache_drop(token.seq)
-
-            plan.apply.append(apply_ack)
-            payload = q._payload
-            if payload is not None:
-                key = q._key_bytes(token.seq)
-                gsn = self._gsn()
-                plan.rows.append(["B", q.spec.payload_name, key, None, gsn])
-                plan.add_bitcask(payload)
-                plan.apply.append(lambda: payload.write_locked(key, None, gsn))
-            return
-        slot, hdr = q._validate_locked(sh, token)
-        _state, flags, attempts, epoch, deadline, pid, pushed = hdr
-        version = _k.ring_next(int(sh.fixed.versions[slot]))
-        extra = b"" if q._payload is not None else q._payload_bytes(sh, slot)
-        if s.dead or attempts >= q.config.max_attempts:
-            if s.dead:
-                flags |= FLAG_DEAD_EXPLICIT | (FLAG_POISONED if s.poisoned else 0)
-            dkey = DEAD_BIT | now
-            row = _pack_row(dkey, token.seq, State.DEAD, flags, attempts, epoch, deadline, pid, pushed, extra)
-
-            poisoned = s.poisoned
-
-            def apply_dead() -> None:
-                sh.fixed.write(slot, row, version)
-                sh.live.remove(token.due, token.seq)
-                sh.dead.insert(dkey, token.seq, slot, 0)
-                if not poisoned:
-                    sh.nacks += 1
-                sh.dead_lettered += 1
-                q._note_dead(now)
-
-            plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
-            plan.add_fixed(sh.fixed)
-            plan.apply.append(apply_dead)
-            return
-        wait = s.delay_ms if s.delay_ms is not None else round(q.config.backoff_for(attempts) * 1000)
-        due = now + wait
-        row = _pack_row(due, token.seq, State.READY, flags, attempts, epoch, deadline, pid, pushed, extra)
-
-        def apply_nack() -> None:
-            sh.fixed.write(slot, row, version)
-            sh.live.remove(token.due, token.seq)
-            sh.live.insert(due, token.seq, slot, 0)
-            sh.nacks += 1
-
-        plan.rows.append(["F", coll, sh.fixed.index, slot, version, OCCUPIED, row])
-        plan.add_fixed(sh.fixed)
-        plan.apply.append(apply_nack)
-
-    def _plan_map(self, s: _MapWrite, plan: _Plan, state: dict[tuple[str, bytes], bool]) -> None:
+    def _plan_map(self, s: _MapWrite, plan: Plan, state: dict[tuple[str, bytes], bool]) -> None:
         m, raw_key, raw_value = s.map, s.raw_key, s.raw_value
         store = m.store
         if raw_value is None:
@@ -633,13 +475,13 @@ class Tx:
                 return  # deleting a missing key is a no-op (T1)
         else:
             state[(m.name, raw_key)] = True
-        gsn = self._gsn()
+        gsn = plan.gsn()
         plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
         plan.add_bitcask(store)
         plan.apply.append(lambda: m._tx_write(raw_key, raw_value, gsn))
 
 
-def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
+def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
                   dead: bool = False, poisoned: bool = False) -> None:
     """``db.tx().ack(q, token).commit()`` (or ``.nack(...)``) for a var queue's own
     ``Queue.ack``/``nack`` (Q7, Q14), without the builder: the step is built directly
@@ -650,14 +492,26 @@ def commit_settle(q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | N
     (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
     not counted as a nack.
     """
-    db = q._db
     db.check_open()
+    if db.txlog.sealer is None and q._tx_encrypted():
+        raise _log_key_required()
     tx = Tx(db)
     tx._finished = True
-    steps: list[Any] = [_Settle(q, token, ack, delay_ms, dead, poisoned)]
-    if db.txlog.sealer is None:
-        tx._check_keys(steps, [])
-    tx._commit_locked(steps, tx._locks(steps, []), None)
+    locks: dict[str, threading.Lock] = {}
+    q._tx_locks(locks, 0, token)  # none for a token of no shard of q: the plan refuses it as stale
+    if len(locks) == 2:  # a var queue's: its header shard and its body's payload shard
+        (ka, la), (kb, lb) = locks.items()
+        ordered = [la, lb] if ka < kb else [lb, la]
+    else:
+        ordered = list(locks.values())
+    tx._commit_locked(Plan(db.seqmap), [_Settle(q, token, ack, delay_ms, dead, poisoned)], ordered, None)
+
+
+def _log_key_required() -> EncryptionKeyRequired:
+    return EncryptionKeyRequired(
+        "this transaction touches an encrypted collection; open the Db with "
+        "TxConfig(log_encryption_key=...) so the log never holds its plaintext"
+    )
 
 
 def direct_put_refused(name: str) -> StreamSourceRequiresTx:

@@ -65,6 +65,8 @@ from .errors import (
     WrongKey,
 )
 
+from .layout import META_FILE, DbMeta, check_meta, encode_meta
+
 # The log's file format lives in armdb.logformat.  The names imported as themselves
 # (``X as X``) are re-exported: they stay importable from armdb.txlog for the tests and
 # benchmarks that read and craft log files by them.
@@ -97,10 +99,10 @@ from .logformat import REC_HEAD_SIZE as REC_HEAD_SIZE
 from .logformat import REC_MAGIC as REC_MAGIC
 from .logformat import _check_file_header as _check_file_header
 from .logformat import _parse_one as _parse_one
-from .logformat import check_dir as check_dir
 from .logformat import encode_record as encode_record
 from .logformat import parse_records as parse_records
 from .logformat import valid_offsets_after as valid_offsets_after
+from .replay import Replayer
 
 if TYPE_CHECKING:
     from .db import Db
@@ -228,8 +230,6 @@ class TxLog:
         Runs before any log file is read, so a wrong key changes nothing.  A database
         that has none yet (created before key check values, or never given a log key)
         records the first log key given, once the log has been replayed with it."""
-        from .db import META_FILE, check_meta
-
         path = os.path.join(self.db.path, META_FILE)
         meta = check_meta(_fs.FS.read_file(path), path)
         self.db_id = meta.db_id or os.urandom(16)  # written by _record_identity
@@ -247,8 +247,6 @@ class TxLog:
     def _record_identity(self, meta: Any) -> None:
         """Write the database id (and the log key's check value, once a key is given)
         into db.meta, before the first log file that binds records to them exists."""
-        from .db import META_FILE, DbMeta, encode_meta
-
         check = meta.log_key_check
         if self.sealer is not None and not check:
             check = self.sealer.key_check()
@@ -283,8 +281,6 @@ class TxLog:
         if not records:
             return
         decoded = [self._decode(rec) for rec in records]
-        from .replay import Replayer
-
         with Replayer(self.db) as rp:
             # Every row is checked before the first is applied: a hostile record anywhere
             # in the log refuses the open with nothing created or written.

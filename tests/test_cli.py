@@ -133,6 +133,26 @@ def test_c2_stats_of_a_non_database_exits_1(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "nothing").exists()  # nothing was created
 
 
+def test_c2_stats_of_a_shard_whose_header_gives_an_impossible_slot_size_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CRC-valid header page with slot size 0 made ``stats`` die with ZeroDivisionError
+    (found while moving the offline reader into armdb.inspect): it is a FormatError now."""
+    import struct
+    import zlib
+
+    path = tmp_path / "db"
+    _make_db(path)
+    data = path / "collections" / "pings" / "shard-000" / "fixed.data"
+    raw = bytearray(data.read_bytes())
+    head = struct.pack("<8sIIIII", b"ARMFIXD1", 1, 0, 16, 40, 0)
+    raw[: len(head) + 4] = head + struct.pack("<I", zlib.crc32(head))
+    data.write_bytes(bytes(raw))
+    assert cli.main(["stats", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "FormatError" in err and "slot size 0" in err
+
+
 def test_c2_stats_of_a_db_without_queues(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     armdb.Db.open(tmp_path / "db").shutdown()
     assert cli.main(["stats", str(tmp_path / "db")]) == 0

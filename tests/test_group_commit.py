@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import signal
 import threading
 import time
 from pathlib import Path

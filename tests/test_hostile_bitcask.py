@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from armdb import _fs, bitcask
+from armdb import bitcask
 from armdb._core.fixed import bitcask_record
 from armdb.bitcask import (
     DATA_START,

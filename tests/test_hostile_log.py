@@ -259,7 +259,7 @@ def test_t2_txid_that_would_overflow_the_next_commit_is_refused(tmp_path: Path) 
 
 def queue_row(seq: int = 2, state: int = 0, payload: bytes = bytes(8)) -> bytes:
     """A queue row image as a push writes it (ready, due at 1000 ms)."""
-    from armdb.queue import _pack_row
+    from armdb.qrows import pack_row as _pack_row
 
     return _pack_row(1000, seq, state, 0, 0, 0, 0, 0, 1000, payload)
 
@@ -294,7 +294,7 @@ def test_t2_logged_slot_image_that_is_no_queue_row_is_refused(tmp_path: Path, im
 
 
 def queue_meta(body: Any) -> bytes:
-    from armdb.queue import META_MAGIC, META_VERSION
+    from armdb.qrows import META_MAGIC, META_VERSION
 
     packed = msgpack.packb(body, use_bin_type=True) if not isinstance(body, bytes) else body
     raw = META_MAGIC + struct.pack("<II", META_VERSION, len(packed)) + packed
@@ -302,7 +302,7 @@ def queue_meta(body: Any) -> bytes:
 
 
 def rewrite_queue_meta(path: Path, **changes: Any) -> None:
-    from armdb.queue import _decode_meta
+    from armdb.qrows import decode_meta as _decode_meta
 
     meta_path = path / "collections" / "jobs" / "queue.meta"
     meta = _decode_meta(meta_path.read_bytes(), str(meta_path))

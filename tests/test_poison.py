@@ -23,8 +23,8 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, QueueConfig, State, TxConfig
-from armdb.queue import FLAG_DEAD_EXPLICIT, FLAG_POISONED
 from armdb.errors import CorruptionError, PayloadTypeError
+from armdb.qrows import FLAG_DEAD_EXPLICIT, FLAG_POISONED
 from armdb.streams import SchemaRegistry
 
 from .conftest import FakeClock

@@ -33,3 +33,17 @@ cdef class SlotFile:
     cdef void _push_free(self, Py_ssize_t i) noexcept
     cpdef uint32_t put(self, Py_ssize_t i, int st, bytes body, uint32_t version=*, bint copy=*) except? 0
     cpdef Py_ssize_t commit(self) except -1
+
+
+cdef class SlotStore:
+    # The store behind a SlotFile, as a kernel sees it: armdb.fixed.FixedShard derives from
+    # it and implements the methods.  A kernel that writes slots (armdb._core.qshard) reads
+    # these typed fields and calls these methods, nothing else of the store.
+    cdef public Py_ssize_t index         # the shard's number
+    cdef public object poisoned          # the failure that fences the store (S12), or None
+    cdef public object sync_error        # a timed sync's failure that after_write kept, or None
+    cpdef check_writable(self)           # DbClosed once closed, StorageError once poisoned
+    cpdef grow(self)                     # more free slots: the stack was empty (lock held)
+    cpdef sync_redo(self)                # the composed redo record, durable (an ordered store)
+    cpdef after_write(self, Py_ssize_t slot)  # report, timed sync (a failure kept), failpoint
+    cpdef raise_sync_error(self)         # raise and forget the kept failure, if any

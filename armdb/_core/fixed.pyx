@@ -23,6 +23,7 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
+from armdb._core._util cimport load_u32, load_u64, store_u32, store_u64
 from armdb.errors import DbClosed
 
 RING_BITS = 30
@@ -88,20 +89,9 @@ cdef inline uint32_t _crc_update(uint32_t crc, const uint8_t* p, Py_ssize_t n) n
     return crc
 
 
-cdef inline uint32_t _load_u32(const uint8_t* p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void _store_u32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
-
-
 cdef inline uint32_t _slot_crc(uint32_t meta, const uint8_t* body, Py_ssize_t n) noexcept nogil:
     cdef uint8_t m[4]
-    _store_u32(m, meta)
+    store_u32(m, meta)
     cdef uint32_t crc = _crc_update(_ONES, m, 4)
     crc = _crc_update(crc, body, n)
     return crc ^ _ONES
@@ -129,11 +119,6 @@ def crc32(const uint8_t[::1] data, uint32_t crc=0):
 # -- Bitcask records and hint entries (armdb.bitcask; the same CRC kernel) ----------------------
 
 
-cdef inline void _store_u64(uint8_t* p, uint64_t v) noexcept nogil:
-    _store_u32(p, <uint32_t>v)
-    _store_u32(p + 4, <uint32_t>(v >> 32))
-
-
 def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_field not None, uint16_t magic):
     """One Bitcask data record (docs/format.md): ``gsn_word: u64``, ``crc32: u32`` over
     everything after it and the gsn word, ``value_len: u32``, ``magic: u16``,
@@ -151,8 +136,8 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     rec = PyBytes_FromStringAndSize(NULL, total)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
     cdef uint32_t crc
-    _store_u64(p, gsn_word)
-    _store_u32(p + 12, <uint32_t>vlen)
+    store_u64(p, gsn_word)
+    store_u32(p + 12, <uint32_t>vlen)
     p[16] = <uint8_t>magic
     p[17] = <uint8_t>(magic >> 8)
     p[18] = <uint8_t>klen
@@ -162,7 +147,7 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     memset(p + n, 0, total - n)
     crc = _crc_update(_ONES, p, 8)
     crc = _crc_update(crc, p + 12, n - 12) ^ _ONES
-    _store_u32(p + 8, crc)
+    store_u32(p + 8, crc)
     return rec
 
 
@@ -177,13 +162,13 @@ def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not Non
         raise OverflowError("log record body above 4 GiB")
     rec = PyBytes_FromStringAndSize(NULL, total)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
-    _store_u32(p, magic)
-    _store_u32(p + 4, flags)
-    _store_u64(p + 8, txid)
-    _store_u32(p + 16, <uint32_t>blen)
+    store_u32(p, magic)
+    store_u32(p + 4, flags)
+    store_u64(p + 8, txid)
+    store_u32(p + 16, <uint32_t>blen)
     memcpy(p + 24, PyBytes_AS_STRING(body), blen)
     memset(p + n, 0, total - n)
-    _store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
+    store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
     return rec
 
 
@@ -196,9 +181,9 @@ def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_
     if PyByteArray_Resize(buf, at + 22 + klen) < 0:
         raise MemoryError()
     cdef uint8_t* p = <uint8_t*>PyByteArray_AS_STRING(buf) + at
-    _store_u64(p, gsn_word)
-    _store_u64(p + 8, offset)
-    _store_u32(p + 16, value_len)
+    store_u64(p, gsn_word)
+    store_u64(p + 8, offset)
+    store_u32(p + 16, value_len)
     p[20] = <uint8_t>klen
     p[21] = <uint8_t>(klen >> 8)
     memcpy(p + 22, PyBytes_AS_STRING(key_field), klen)
@@ -242,7 +227,7 @@ cdef Py_ssize_t _validate(uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t
     torn[0] = 0
     for i in range(n):
         row = &slots[i, 0]
-        meta = _load_u32(row)
+        meta = load_u32(row)
         if meta == 0:
             # Never written (a sparse hole or zero extension) unless any byte is set,
             # which means a body landed before its header: a torn first write.
@@ -258,7 +243,7 @@ cdef Py_ssize_t _validate(uint8_t[:, ::1] slots, uint32_t[::1] versions, uint8_t
                 status[i] = 3
                 torn[0] += 1
             continue
-        crc = _load_u32(row + 4)
+        crc = load_u32(row + 4)
         st = meta & 3
         versions[i] = meta >> 2
         if st == 3 or _slot_crc(meta, row + 8, width - 8) != crc:
@@ -316,13 +301,13 @@ def redo_record(const uint8_t[::1] redo, Py_ssize_t slot_size):
     if slot_size < 8 or slot_size > redo.shape[0] - REDO_OFFSET - REDO_HEAD:
         return None
     cdef const uint8_t* rec = &redo[_REDO_OFFSET]
-    if _load_u32(rec) != _REDO_MAGIC or _load_u32(rec + 8) != <uint32_t>slot_size:
+    if load_u32(rec) != _REDO_MAGIC or load_u32(rec + 8) != <uint32_t>slot_size:
         return None
-    cdef uint32_t crc = _load_u32(rec + 12)
+    cdef uint32_t crc = load_u32(rec + 12)
     # Records written before the short CRC covered the whole image; both are accepted.
     if crc != _redo_crc(rec) and crc != _crc_update(_crc_update(_ONES, rec, 12), rec + _REDO_HEAD, slot_size) ^ _ONES:
         return None
-    return _load_u32(rec + 4), bytes(redo[REDO_OFFSET + REDO_HEAD:REDO_OFFSET + REDO_HEAD + slot_size])
+    return load_u32(rec + 4), bytes(redo[REDO_OFFSET + REDO_HEAD:REDO_OFFSET + REDO_HEAD + slot_size])
 
 
 def restore_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, const uint8_t[::1] image):
@@ -331,8 +316,8 @@ def restore_slot(uint8_t[:, ::1] slots, uint32_t[::1] versions, Py_ssize_t i, co
     cdef Py_ssize_t size = slots.shape[1]
     if i < 0 or i >= slots.shape[0] or image.shape[0] != size:
         return -1
-    cdef uint32_t meta = _load_u32(&image[0])
-    if meta == 0 or (meta & 3) == 3 or _slot_crc(meta, &image[8], size - 8) != _load_u32(&image[4]):
+    cdef uint32_t meta = load_u32(&image[0])
+    if meta == 0 or (meta & 3) == 3 or _slot_crc(meta, &image[8], size - 8) != load_u32(&image[4]):
         return -1
     memcpy(&slots[i, 0], &image[0], size)
     versions[i] = meta >> 2
@@ -453,12 +438,12 @@ cdef class SlotFile:
             memcpy(img + 8, src, n)
         if n < width:
             memset(img + 8 + n, 0, width - n)
-        _store_u32(img + 4, _slot_crc(meta, img + 8, width))
-        _store_u32(img, meta)
-        _store_u32(rec, _REDO_MAGIC)
-        _store_u32(rec + 4, <uint32_t>i)
-        _store_u32(rec + 8, <uint32_t>size)
-        _store_u32(rec + 12, _redo_crc(rec))
+        store_u32(img + 4, _slot_crc(meta, img + 8, width))
+        store_u32(img, meta)
+        store_u32(rec, _REDO_MAGIC)
+        store_u32(rec + 4, <uint32_t>i)
+        store_u32(rec + 8, <uint32_t>size)
+        store_u32(rec + 12, _redo_crc(rec))
         if copy:
             memcpy(&self.slots[i, 0], img, size)
             self.versions[i] = v
@@ -470,9 +455,9 @@ cdef class SlotFile:
         """Copy the composed redo record into its slot; returns the slot."""
         self._alive()
         cdef const uint8_t* rec = &self.redo[_REDO_OFFSET]
-        cdef Py_ssize_t i = _load_u32(rec + 4)
-        cdef uint32_t meta = _load_u32(rec + _REDO_HEAD)
-        if _load_u32(rec) != _REDO_MAGIC or i >= self.slots.shape[0]:
+        cdef Py_ssize_t i = load_u32(rec + 4)
+        cdef uint32_t meta = load_u32(rec + _REDO_HEAD)
+        if load_u32(rec) != _REDO_MAGIC or i >= self.slots.shape[0]:
             raise ValueError("no redo record to commit")
         memcpy(&self.slots[i, 0], rec + _REDO_HEAD, self.size)
         self.versions[i] = meta >> 2
@@ -502,8 +487,8 @@ cdef class SlotFile:
         if i < 0 or i >= self.slots.shape[0] or off < 0 or off > self.size - 8 - 32:
             raise IndexError(f"slot {i} out of range")
         cdef const uint8_t* p = &self.slots[i, 8 + off]
-        return (p[0], p[1], <uint32_t>p[2] | (<uint32_t>p[3] << 8), _load_u32(p + 4),
-                <int64_t>_load_u64(p + 8), _load_u64(p + 16), <int64_t>_load_u64(p + 24))
+        return (p[0], p[1], <uint32_t>p[2] | (<uint32_t>p[3] << 8), load_u32(p + 4),
+                <int64_t>load_u64(p + 8), load_u64(p + 16), <int64_t>load_u64(p + 24))
 
     def body(self, Py_ssize_t i, Py_ssize_t off, Py_ssize_t n):
         """``n`` bytes of slot ``i``'s body from byte ``off``."""
@@ -514,5 +499,24 @@ cdef class SlotFile:
         return (<char*>&self.slots[i, 8 + off])[:n]
 
 
-cdef inline uint64_t _load_u64(const uint8_t* p) noexcept nogil:
-    return <uint64_t>_load_u32(p) | (<uint64_t>_load_u32(p + 4) << 32)
+cdef class SlotStore:
+    """The interface between a FixedStore shard and the kernels that write its slots
+    (declared in fixed.pxd).  ``armdb.fixed.FixedShard`` derives from it and implements
+    every method; the kernels call only these, through their typed declaration, and read
+    only the typed fields, so no kernel looks a method or attribute of a store up by name.
+    """
+
+    cpdef check_writable(self):
+        raise NotImplementedError
+
+    cpdef grow(self):
+        raise NotImplementedError
+
+    cpdef sync_redo(self):
+        raise NotImplementedError
+
+    cpdef after_write(self, Py_ssize_t slot):
+        raise NotImplementedError
+
+    cpdef raise_sync_error(self):
+        raise NotImplementedError

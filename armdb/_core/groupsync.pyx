@@ -62,6 +62,7 @@ from libc.errno cimport EINTR, EIO, errno
 from libc.limits cimport LLONG_MAX
 
 
+from armdb._core._util cimport monotonic_ns
 from armdb._core.posix_sync cimport (
     CLOCK_MONOTONIC,
     clock_gettime,
@@ -87,12 +88,6 @@ from armdb._core.posix_sync cimport (
 
 cdef extern from "<unistd.h>" nogil:
     int fdatasync(int fd)
-
-
-cdef inline long long _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 cdef class GroupSync:
@@ -205,7 +200,7 @@ cdef class GroupSync:
         self._gen += 1
         self._target = LLONG_MAX  # whoever arrives while we gather is in this sync
         if self._appends < self._mark and self.gather_fraction > 0 and self._last_ns > 0:
-            t0 = _now_ns()
+            t0 = monotonic_ns()
             # Bounded (at most a minute) before the cast: a fraction set to a huge value
             # must not overflow the deadline.
             deadline = t0 + <long long>min(self._last_ns * self.gather_fraction, 6e10)
@@ -215,7 +210,7 @@ cdef class GroupSync:
                 if pthread_cond_timedwait(&self.cv_lead, &self.mu, &ts) != 0:
                     break  # timed out (or an error): sync what is there
             self._gathers += 1
-            self._gathered_ns += _now_ns() - t0
+            self._gathered_ns += monotonic_ns() - t0
         self._group = self._appends - self._covered  # commits this sync covers (about)
         self._covered = self._appends
         self._target = self._written
@@ -271,14 +266,14 @@ cdef class GroupSync:
                             lead = True  # sync through Python, outside this block
                             break
                         pthread_mutex_unlock(&self.mu)
-                        t0 = _now_ns()
+                        t0 = monotonic_ns()
                         while True:
                             rc = fdatasync(fd)
                             e = errno if rc != 0 else 0
                             if e != EINTR:
                                 break
                         pthread_mutex_lock(&self.mu)
-                        self._last_ns = _now_ns() - t0
+                        self._last_ns = monotonic_ns() - t0
                         self._sync_ns += self._last_ns
                         self._finish(target, e)
                         continue

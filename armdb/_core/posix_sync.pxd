@@ -1,5 +1,5 @@
-# The POSIX clock and pthread declarations the compiled coordination modules share
-# (groupsync.pyx, atomicfile.pyx); declarations only, no code.
+# The POSIX clock and pthread declarations the kernels share (groupsync.pyx,
+# atomicfile.pyx, and the clocks of _util.pxd); declarations only, no code.
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -8,6 +8,7 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     int clock_gettime(int clk, timespec* ts)
     int CLOCK_MONOTONIC
+    int CLOCK_REALTIME
 
 
 cdef extern from "<pthread.h>" nogil:

@@ -24,6 +24,16 @@ cdef struct BlockMeta:
 cdef enum:
     SCAN_WORDS = 4        # 64-bit words per candidate in a _scan_into buffer
 
+# Status codes of the nogil kernels; raise_status turns them into exceptions.
+cdef enum:
+    OK = 0
+    DUPLICATE = 1         # the key is already in the index (IndexConflict)
+    NOMEM = -1            # a block could not be allocated (MemoryError)
+    BUSY = 2              # called while a GIL-free walk of the index runs (InternalError)
+
+
+cdef int raise_status(int rc, uint64_t due, uint64_t seq) except -1
+
 
 @cython.final
 cdef class KeyIndex:

@@ -62,7 +62,8 @@ A ``KeyIndex`` has no lock of its own.  Its owner (the queue shard) holds the
 per-shard lock around every call; ``scan``, ``next_due`` and ``count_due``
 release only the GIL, so consumers on other threads keep running (Q28) while
 no one can modify the index under the walk.  As a safety net against a
-caller that forgets the lock, every method refuses, with ``RuntimeError``, to
+caller that forgets the lock, every method refuses, with ``InternalError`` (a
+``RuntimeError``), to
 run while a GIL-free walk of the same index is in progress, instead of
 corrupting memory.  (The flag is set and checked under the GIL; it is not a
 lock and does not make unlocked use correct.)
@@ -80,6 +81,8 @@ from armdb._core.checked cimport malloc_array
 
 import numpy as np
 
+from armdb.errors import IndexConflict, InternalError
+
 __all__ = ["KeyIndex"]
 
 
@@ -90,11 +93,26 @@ cdef enum:
     MIN_BLOCK = 4
     MAX_BLOCK = 65536
 
-# Status codes of the nogil kernels (mapped to exceptions by the def wrappers).
-cdef enum:
-    OK = 0
-    DUPLICATE = 1
-    NOMEM = -1
+# Status codes (OK, DUPLICATE, NOMEM, BUSY) are declared in qindex.pxd.
+
+
+cdef int raise_status(int rc, uint64_t due, uint64_t seq) except -1:
+    """The one place a status code of this module becomes an exception (armdb._core.qshard
+    uses it too).  ``due`` and ``seq`` name the key a DUPLICATE is about.  Memory stays
+    Python's ``MemoryError``: armdb.errors has no class of its own for it."""
+    if rc == OK:
+        return 0
+    if rc == DUPLICATE:
+        raise IndexConflict(f"the queue index already holds row {seq} (due {due}); armdb hands out a "
+                            f"row id once: reopen the database and run armdb.check")
+    if rc == NOMEM:
+        raise MemoryError("KeyIndex: cannot allocate a block")
+    if rc == BUSY:
+        raise InternalError(
+            "KeyIndex used while a scan of it runs without the GIL: "
+            "callers must hold the shard lock around every call"
+        )
+    raise InternalError(f"KeyIndex: unknown status {rc}")
 
 
 cdef inline bint key_lt(uint64_t ad, uint64_t aseq, uint64_t bd, uint64_t bseq) noexcept nogil:
@@ -151,10 +169,7 @@ cdef class KeyIndex:
 
     cdef int _enter(self) except -1:
         if self.busy:
-            raise RuntimeError(
-                "KeyIndex used while a scan of it runs without the GIL: "
-                "callers must hold the shard lock around every call"
-            )
+            return raise_status(BUSY, 0, 0)
         return 0
 
     cdef void _free_all(self) noexcept nogil:
@@ -534,22 +549,17 @@ cdef class KeyIndex:
 
         Raises
         ------
-        KeyError
-            The key is already present (the index is unchanged).
+        armdb.errors.IndexConflict
+            The key is already present (the index is unchanged); a ``KeyError``.
         ValueError
             ``deadline`` is negative.
         MemoryError
             A block could not be allocated (the index is unchanged).
         """
-        cdef int rc
         self._enter()
         if deadline < 0:
             raise ValueError(f"deadline must be >= 0 (0 = not leased), got {deadline}")
-        rc = self._insert(due, seq, slot, deadline)
-        if rc == DUPLICATE:
-            raise KeyError((due, seq))
-        if rc == NOMEM:
-            raise MemoryError("KeyIndex: cannot allocate a block")
+        raise_status(self._insert(due, seq, slot, deadline), due, seq)
 
     def remove(self, uint64_t due, uint64_t seq):
         """Remove the row ``(due, seq)``.
@@ -794,7 +804,7 @@ cdef class KeyIndex:
         return self.cap * sizeof(BlockMeta) + self.nblocks_ * self.B * sizeof(Entry)
 
     def check(self):
-        """Verify every internal invariant; raise ``RuntimeError`` on the first violation.
+        """Verify every internal invariant; raise ``InternalError`` (a ``RuntimeError``) on the first violation.
 
         O(n).  For tests and for ``Db.check()``: key order within and across
         blocks, counts, last keys, leased counts, and that each ``bmin`` is a
@@ -808,16 +818,16 @@ cdef class KeyIndex:
         cdef uint64_t pd = 0, ps = 0
         self._enter()
         if self.nblocks_ > self.cap:
-            raise RuntimeError("KeyIndex: more blocks than allocated metadata")
+            raise InternalError("KeyIndex: more blocks than allocated metadata")
         for b in range(self.nblocks_):
             m = &self.meta[b]
             if m.n <= 0 or m.n > self.B:
-                raise RuntimeError(f"KeyIndex: block {b} holds {m.n} entries (block_size {self.B})")
+                raise InternalError(f"KeyIndex: block {b} holds {m.n} entries (block_size {self.B})")
             nl = 0
             lo = INT64_MAX
             for i in range(m.n):
                 if have_prev and not key_lt(pd, ps, m.e[i].due, m.e[i].seq):
-                    raise RuntimeError(
+                    raise InternalError(
                         f"KeyIndex: key order broken at block {b} entry {i}: "
                         f"{(pd, ps)} then {(m.e[i].due, m.e[i].seq)}"
                     )
@@ -825,21 +835,21 @@ cdef class KeyIndex:
                 ps = m.e[i].seq
                 have_prev = True
                 if m.e[i].deadline < 0:
-                    raise RuntimeError(f"KeyIndex: negative deadline at block {b} entry {i}")
+                    raise InternalError(f"KeyIndex: negative deadline at block {b} entry {i}")
                 if m.e[i].deadline > 0:
                     nl += 1
                 if eff(m.e[i].deadline) < lo:
                     lo = eff(m.e[i].deadline)
             if m.last_due != pd or m.last_seq != ps:
-                raise RuntimeError(f"KeyIndex: block {b} last key is stale")
+                raise InternalError(f"KeyIndex: block {b} last key is stale")
             if m.nleased != nl:
-                raise RuntimeError(f"KeyIndex: block {b} leased count {m.nleased} != {nl}")
+                raise InternalError(f"KeyIndex: block {b} leased count {m.nleased} != {nl}")
             if m.bmin > lo:
-                raise RuntimeError(f"KeyIndex: block {b} bmin {m.bmin} above its minimum {lo}")
+                raise InternalError(f"KeyIndex: block {b} bmin {m.bmin} above its minimum {lo}")
             total += m.n
             tleased += nl
         if total != self.n or tleased != self.nleased:
-            raise RuntimeError(
+            raise InternalError(
                 f"KeyIndex: totals {self.n}/{self.nleased} != counted {total}/{tleased}"
             )
 
@@ -899,7 +909,7 @@ cdef class KeyIndex:
             rc = k._fill(&vd[0], &vs[0], &vsl[0], &vdl[0], count)
         if rc != OK:
             k._free_all()
-            raise MemoryError("KeyIndex.from_arrays: cannot allocate blocks")
+            raise_status(rc, 0, 0)
         return idx
 
 

@@ -8,21 +8,24 @@ the ordered index.  Done in Python with ``struct`` and separate ``SlotFile`` and
 against a floor of about 3 us for the Python API surface itself (SPEC section 8,
 docs/performance.md).  Here it is a few hundred nanoseconds of C.
 
-Row layout (docs/format.md, armdb/queue.py): key ``due: u64 BE, seq: u64 BE``;
-header ``<BBHIqQq``: state, flags, attempts, epoch, deadline, payload_id, pushed;
-then ``payload_size`` bytes of inline payload (0 for a var queue).
+Row layout and the rules of a push and a lease: ``qrow.pxd`` (the one definition,
+which ``armdb.transitions`` gives to Python); each row is followed by ``payload_size``
+bytes of inline payload (0 for a var queue).
 
 The caller holds the shard lock around every call, as for ``KeyIndex``; the store
 is closed under that lock, and every call that reads or writes the mapped file
 first raises ``DbClosed`` if it was (``SlotFile._alive``), so a call racing
 ``Db.close`` never touches an unmapped page.  Every
-slot write goes through ``SlotFile`` (redo record first, then the slot); on a
-durable store an overwrite of a live row first makes the redo record durable
-through ``FixedShard.sync_redo`` (S4), exactly as ``FixedShard.write`` does.
-After each slot write ``FixedShard.after_write`` runs when a test file system
-records writes, when a failpoint is armed, or when a timed sync is due; it
-stashes a sync failure, which the call raises at its end, once the index matches
-the slots.
+slot write goes through ``SlotFile`` (redo record first, then the slot).  What a
+write needs of the store behind it goes through the typed ``SlotStore`` interface of
+fixed.pxd (``armdb.fixed.FixedShard`` implements it), never a method looked up by
+name: on a durable store an overwrite of a live row first makes the redo record
+durable (``sync_redo``, S4), exactly as ``FixedShard.write`` does; after each slot
+write ``after_write`` runs when a test file system records writes, when a failpoint
+is armed, or when a timed sync is due.  A sync failure it meets is kept in the typed
+``sync_error`` field and raised at the end of the call, once the index matches the
+slots.  Index results are status codes, turned into exceptions in one place
+(``_raise_status``).
 """
 
 cimport cython
@@ -33,28 +36,35 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcpy
-from posix.time cimport CLOCK_MONOTONIC, CLOCK_REALTIME, clock_gettime, timespec
 
 import numpy as np
 
 cnp.import_array()
 
+from armdb._core._util cimport load_be64, load_le, monotonic_s
+from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
-from armdb._core.fixed cimport SlotFile, ring_step
-from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex
+from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
+from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
+from armdb._core.qrow cimport (
+    AT_ATTEMPTS,
+    AT_DUE,
+    AT_EPOCH,
+    AT_STATE,
+    LEASED,
+    MAX_PAYLOAD,
+    ROW_HEAD,
+    T_EXPIRED_DEAD,
+    T_RELEASED,
+    lease_row,
+    push_row,
+)
 
 cdef enum:
-    ROW_HEAD = 48            # 16-byte key + 32-byte header
-    MAX_PAYLOAD = 4096       # armdb.queue.MAX_FIXED_PAYLOAD
-    READY = 0
-    LEASED = 1
-    DEAD = 2
     SLOT_OCCUPIED = 1
     SLOT_DELETED = 2
     SCAN_STACK = 16          # candidates held on the stack; more are malloc'ed
     CHUNK_BYTES = 65536      # payload records are handed out of arrays of about this size
-
-cdef uint64_t DEAD_BIT = (<uint64_t>1) << 63
 
 # ack() and ack_token() results
 cdef enum:
@@ -67,34 +77,6 @@ ACKED = _ACKED
 ABSENT = _ABSENT
 RELEASED = _RELEASED
 FOREIGN = _FOREIGN
-
-
-cdef inline void _store_be64(uint8_t* p, uint64_t v) noexcept nogil:
-    cdef int k
-    for k in range(7, -1, -1):
-        p[k] = v & 0xFF
-        v >>= 8
-
-
-cdef inline uint64_t _load_le(const uint8_t* p, int n) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int k
-    for k in range(n - 1, -1, -1):
-        v = (v << 8) | p[k]
-    return v
-
-
-cdef inline void _store_le(uint8_t* p, uint64_t v, int n) noexcept nogil:
-    cdef int k
-    for k in range(n):
-        p[k] = v & 0xFF
-        v >>= 8
-
-
-cdef inline double _monotonic() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
 cdef extern from "Python.h":
@@ -124,9 +106,7 @@ cdef inline object _tuple5(cls, a, b, c, d, e):
 def wall_ms():
     """Milliseconds since the Unix epoch (``time.time_ns() // 1_000_000``), as one C call:
     the default clock of a Db (armdb._clock.system_clock), read by every queue operation."""
-    cdef timespec ts
-    clock_gettime(CLOCK_REALTIME, &ts)
-    return <int64_t>ts.tv_sec * 1000 + ts.tv_nsec // 1000000
+    return _wall_ms()
 
 
 @cython.final
@@ -146,7 +126,8 @@ cdef class QueueShard:
 
     cdef SlotFile sf
     cdef public KeyIndex live, dead
-    cdef public object fixed, lock
+    cdef public SlotStore fixed          # armdb.fixed.FixedShard, through its typed interface
+    cdef public object lock
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
     cdef bint hook_ran       # after_write ran during this call: it may have stashed a sync error
@@ -224,7 +205,7 @@ cdef class QueueShard:
             sf.commit()
         else:
             sf._put(slot, st, row, n, version, True)
-        if self.hooked or (self.sync_every >= 0 and _monotonic() - sf.last_sync >= self.sync_every):
+        if self.hooked or (self.sync_every >= 0 and monotonic_s() - sf.last_sync >= self.sync_every):
             self.hook_ran = True
             self.fixed.after_write(slot)
         return 0
@@ -246,7 +227,6 @@ cdef class QueueShard:
         and index it; returns the slot."""
         cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
         cdef Py_ssize_t n = len(payload), slot
-        cdef int rc
         if n != self.psize:
             raise ValueError(f"payload is {n} bytes, the queue stores {self.psize}")
         self._check()
@@ -254,12 +234,7 @@ cdef class QueueShard:
         if slot < 0:
             self.fixed.grow()
             slot = self.sf._pop_free()
-        _store_be64(row, due)
-        _store_be64(row + 8, seq)
-        _store_le(row + 16, READY, 8)                                     # state; flags, attempts, epoch 0
-        _store_le(row + 24, 0, 8)                                         # deadline
-        _store_le(row + 32, payload_id, 8)
-        _store_le(row + 40, <uint64_t>now, 8)                             # pushed
+        push_row(row, due, seq, now, payload_id)
         if n:
             memcpy(row + ROW_HEAD, <const char*>payload, n)
         try:
@@ -268,11 +243,7 @@ cdef class QueueShard:
             if self.sf.status[slot] != SLOT_OCCUPIED:
                 self.sf._push_free(slot)
             raise
-        rc = self.live._insert(due, seq, <uint32_t>slot, 0)
-        if rc == 1:
-            raise KeyError((due, seq))
-        if rc != 0:
-            raise MemoryError("KeyIndex: cannot allocate a block")
+        raise_status(self.live._insert(due, seq, <uint32_t>slot, 0), due, seq)
         self.pushes += 1
         self._raise_stashed()
         return slot
@@ -291,31 +262,22 @@ cdef class QueueShard:
         cdef Py_ssize_t n = ROW_HEAD + self.psize
         cdef uint64_t dkey
         cdef uint32_t attempts, epoch
-        cdef bint expired
+        cdef int outcome
         memcpy(row, self._row(slot), n)
-        expired = row[16] == LEASED
-        attempts = <uint32_t>_load_le(row + 18, 2)
-        epoch = <uint32_t>_load_le(row + 20, 4)
-        if expired and attempts >= max_attempts:
-            dkey = DEAD_BIT | <uint64_t>now
-            _store_be64(row, dkey)
-            row[16] = DEAD
+        outcome = lease_row(row, now, deadline, max_attempts)
+        if outcome == T_EXPIRED_DEAD:
+            dkey = load_be64(row + AT_DUE)  # the dead key the rule gave the row
             self._write(slot, SLOT_OCCUPIED, row, n)
             self.live._remove(due, seq)
-            if self.dead._insert(dkey, seq, <uint32_t>slot, 0) != 0:
-                raise MemoryError("KeyIndex: cannot allocate a block")
+            raise_status(self.dead._insert(dkey, seq, <uint32_t>slot, 0), dkey, seq)
             self.dead_lettered += 1
             self.expired_leases += 1
             return False
-        attempts += 1
-        epoch = (epoch + 1) & 0xFFFFFFFF
-        row[16] = LEASED
-        _store_le(row + 18, attempts, 2)
-        _store_le(row + 20, epoch, 4)
-        _store_le(row + 24, <uint64_t>deadline, 8)
+        attempts = <uint32_t>load_le(row + AT_ATTEMPTS, 2)
+        epoch = <uint32_t>load_le(row + AT_EPOCH, 4)
         self._write(slot, SLOT_OCCUPIED, row, n)
         self.live._set_deadline(due, seq, deadline)
-        if expired:
+        if outcome == T_RELEASED:
             self.expired_leases += 1
         if self.lease_cls is not None:
             token = _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch)
@@ -392,7 +354,7 @@ cdef class QueueShard:
             return _ABSENT
         slot[0] = e.slot
         p = self._row(e.slot)
-        if p[16] != LEASED or <uint32_t>_load_le(p + 20, 4) != epoch:
+        if p[AT_STATE] != LEASED or <uint32_t>load_le(p + AT_EPOCH, 4) != epoch:
             return _RELEASED
         return 0
 

@@ -333,7 +333,8 @@ def log_rows(w: World, rows: list[Any]) -> None:
 
 def rewrite_spare_meta(w: World, **changes: Any) -> None:
     """Rewrite the closed spare queue's meta file (a valid CRC) with ``changes``."""
-    from armdb.queue import META_MAGIC, META_VERSION, _decode_meta
+    from armdb.qrows import META_MAGIC, META_VERSION
+    from armdb.qrows import decode_meta as _decode_meta
 
     path = w.path / "collections" / "spare" / "queue.meta"
     meta = {**_decode_meta(path.read_bytes(), str(path)), **changes}

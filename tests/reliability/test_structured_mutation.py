@@ -692,7 +692,7 @@ def coverage_table(t: D2Tally) -> tuple[str, list[tuple[str, str]]]:
     return "\n".join(lines), missing
 
 
-_CHECK_OWNER = {"log": "armdb/txlog.py (check_dir) and armdb/check.py", "fixed": "armdb/fixed.py (check_shard_file) and armdb/check.py",
+_CHECK_OWNER = {"log": "armdb/check.py (_check_log_dir)", "fixed": "armdb/fixed.py (check_shard_file) and armdb/check.py",
                 "redo": "armdb/fixed.py (check_shard_file) and armdb/check.py", "bitcask": "armdb/bitcask.py (check_dir)",
                 "hint": "armdb/bitcask.py (check_dir)", "pending": "armdb/bitcask.py (check_dir)",
                 "collection": "armdb/bitcask.py (check_dir)"}

@@ -1,0 +1,92 @@
+# cython: language_level=3
+"""Byte-order and clock helpers shared by the kernels: ``cdef inline ... noexcept nogil``
+functions only, so each call compiles to a few instructions in the module that uses it.
+
+Every on-disk integer is loaded and stored through these, byte by byte with an explicit
+byte order (docs/format.md): the kernels never cast a file pointer to a wider type,
+so an unaligned field or a big-endian host reads the same bytes.
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+from armdb._core.posix_sync cimport CLOCK_MONOTONIC, CLOCK_REALTIME, clock_gettime, timespec
+
+
+# -- byte order ---------------------------------------------------------------------------
+
+cdef inline uint32_t load_u32(const uint8_t* p) noexcept nogil:
+    """A little-endian u32."""
+    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+
+
+cdef inline void store_u32(uint8_t* p, uint32_t v) noexcept nogil:
+    p[0] = v & 0xFF
+    p[1] = (v >> 8) & 0xFF
+    p[2] = (v >> 16) & 0xFF
+    p[3] = (v >> 24) & 0xFF
+
+
+cdef inline uint64_t load_u64(const uint8_t* p) noexcept nogil:
+    """A little-endian u64."""
+    return <uint64_t>load_u32(p) | (<uint64_t>load_u32(p + 4) << 32)
+
+
+cdef inline void store_u64(uint8_t* p, uint64_t v) noexcept nogil:
+    store_u32(p, <uint32_t>v)
+    store_u32(p + 4, <uint32_t>(v >> 32))
+
+
+cdef inline uint64_t load_le(const uint8_t* p, int n) noexcept nogil:
+    """The ``n``-byte little-endian unsigned integer at ``p`` (``n`` at most 8)."""
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(n - 1, -1, -1):
+        v = (v << 8) | p[k]
+    return v
+
+
+cdef inline void store_le(uint8_t* p, uint64_t v, int n) noexcept nogil:
+    """The low ``n`` bytes of ``v``, little-endian."""
+    cdef int k
+    for k in range(n):
+        p[k] = v & 0xFF
+        v >>= 8
+
+
+cdef inline uint64_t load_be64(const uint8_t* p) noexcept nogil:
+    """A big-endian u64 (a queue row key word)."""
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(8):
+        v = (v << 8) | p[k]
+    return v
+
+
+cdef inline void store_be64(uint8_t* p, uint64_t v) noexcept nogil:
+    cdef int k
+    for k in range(7, -1, -1):
+        p[k] = v & 0xFF
+        v >>= 8
+
+
+# -- clocks ---------------------------------------------------------------------------------
+
+cdef inline double monotonic_s() noexcept nogil:
+    """``time.monotonic()``: seconds on the monotonic clock."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef inline long long monotonic_ns() noexcept nogil:
+    """``time.monotonic_ns()``."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <long long>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef inline int64_t wall_ms() noexcept nogil:
+    """``time.time_ns() // 1_000_000``: milliseconds since the Unix epoch."""
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <int64_t>ts.tv_sec * 1000 + ts.tv_nsec // 1000000

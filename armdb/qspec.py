@@ -1,0 +1,267 @@
+"""Queue declarations and their payload codecs (SPEC Q1, Q9).
+
+:func:`queue` makes a :class:`QueueSpec` at import time; its ``fingerprint`` is what
+``queue.meta`` stores, so a queue reopened with another payload type is refused
+(``SchemaMismatch``).  A fixed queue's payload is a NumPy record stored inline in its
+row (:class:`FixedCodec`); a var queue's is msgpack in its ``<name>.payload`` collection
+(:class:`VarCodec`), checked at push to read back as it was given.
+
+A format module: it encodes and decodes payloads and runs no store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import struct
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ._pack import check_round_trip, packb
+from .errors import ConfigError, PayloadTypeError
+from .layout import PAYLOAD_SUFFIX, validate_name
+from .qrows import MAX_FIXED_PAYLOAD
+
+__all__ = ["QueueSpec", "queue"]
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """A queue declaration made by :func:`queue` at import time."""
+
+    name: str
+    payload: Any
+    var: bool
+    fingerprint: str
+
+    @property
+    def payload_name(self) -> str:
+        return self.name + PAYLOAD_SUFFIX
+
+    @property
+    def dtype(self) -> np.dtype:
+        return typing.cast(np.dtype, self.payload)
+
+
+def _fixed_dtype(payload: Any) -> np.dtype:
+    if isinstance(payload, type) and issubclass(payload, np.generic):
+        payload = np.dtype(payload)
+    if not isinstance(payload, np.dtype):
+        raise ConfigError(
+            f"a fixed queue's payload must be a NumPy dtype (e.g. np.dtype([('doc', '<u8')])), "
+            f"not {payload!r}; for other types declare the queue with var=True"
+        )
+    if payload.hasobject:
+        raise ConfigError("a fixed queue's dtype cannot hold Python objects; use var=True for those")
+    if payload.itemsize > MAX_FIXED_PAYLOAD or payload.itemsize == 0:
+        raise ConfigError(
+            f"a fixed queue's payload is stored inline and must be 1..{MAX_FIXED_PAYLOAD} bytes, "
+            f"got {payload.itemsize}; declare the queue with var=True for larger payloads"
+        )
+    return payload
+
+
+def _var_fingerprint(payload: Any) -> str:
+    if dataclasses.is_dataclass(payload) and isinstance(payload, type):
+        hints = typing.get_type_hints(payload)
+        fields = ",".join(f"{f.name}:{_type_name(hints.get(f.name, f.type))}" for f in dataclasses.fields(payload))
+        return f"var:dataclass({fields})"
+    if payload is typing.Any or payload is object:
+        return "var:any"
+    if isinstance(payload, type) and payload in _MSGPACK_TYPES:
+        return f"var:{payload.__name__}"
+    raise ConfigError(
+        f"a var queue's payload must be a dataclass, bytes, or a msgpack type "
+        f"(int, float, str, bool, list, dict, tuple, or object/typing.Any), not {payload!r}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+_MSGPACK_TYPES = (bytes, str, int, float, bool, list, dict, tuple)
+
+
+def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
+    """Declare a queue (Q1).  Call once per queue, at import time.
+
+    Parameters
+    ----------
+    name : str
+        Collection name, at most 120 characters of ``[a-z0-9_.-]``.
+    payload : numpy.dtype or type
+        For a fixed queue (``var=False``): a NumPy dtype of at most 4096 bytes,
+        stored inline in the header slot.  For a var queue: a dataclass, ``bytes``,
+        or a msgpack-serialisable type, stored in the ``name.payload`` collection.
+    var : bool
+        Store bodies in a separate Bitcask collection.
+
+    Raises
+    ------
+    ConfigError
+        A bad name, a payload that is not a dtype (fixed), or a too-large dtype.
+    """
+    validate_name(name, queue=True)
+    if name.endswith(".payload"):
+        raise ConfigError(f"queue name {name!r} must not end in '.payload' (reserved for its body collection)")
+    if not isinstance(var, bool):
+        raise ConfigError("var must be True or False")
+    if var:
+        return QueueSpec(name, payload, True, _var_fingerprint(payload))
+    dtype = _fixed_dtype(payload)
+    return QueueSpec(name, dtype, False, f"fixed:{dtype.descr!r}:{dtype.itemsize}")
+
+
+# -- payload codecs ----------------------------------------------------------------------
+
+
+_STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
+                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
+
+
+def _struct_for(dt: np.dtype) -> struct.Struct | None:
+    """A struct that packs a tuple exactly as NumPy would, for plain little-endian numeric
+    fields laid out back to back; None for anything else (NumPy does those)."""
+    fields = [dt] if dt.names is None else [dt.fields[n][0] for n in dt.names]  # type: ignore[index]
+    offsets = [0] if dt.names is None else [dt.fields[n][1] for n in dt.names]  # type: ignore[index]
+    codes = []
+    pos = 0
+    for f, off in zip(fields, offsets):
+        if f.subdtype is not None or f.char not in _STRUCT_CODES or off != pos or f.byteorder == ">":
+            return None
+        codes.append(_STRUCT_CODES[f.char])
+        pos += f.itemsize
+    st = struct.Struct("<" + "".join(codes))
+    return st if st.size == dt.itemsize else None
+
+
+class FixedCodec:
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self.size = dtype.itemsize
+        self._struct = _struct_for(dtype) if dtype.names is not None else None
+        self._nfields = len(dtype.names) if dtype.names is not None else 0
+
+    def encode(self, value: Any) -> bytes:
+        st = self._struct
+        if st is not None and type(value) is tuple and len(value) == self._nfields:
+            # Fast path for the common case; a value struct cannot take goes to NumPy,
+            # which gives the error message (or accepts what struct is strict about).
+            try:
+                return st.pack(*value)
+            except struct.error:
+                pass
+        dt = self.dtype
+        if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
+            return value.tobytes()
+        if isinstance(value, np.ndarray) and value.shape == () and value.dtype == dt:
+            return value.tobytes()
+        if dt.names is not None:
+            if not isinstance(value, tuple) or len(value) != len(dt.names):
+                raise PayloadTypeError(
+                    f"payload for dtype {dt} must be a record of that dtype or a tuple of "
+                    f"{len(dt.names)} fields, not {type(value).__name__}"
+                )
+        elif not _scalar_fits(value, dt):
+            raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
+        try:
+            return np.array(value, dtype=dt).tobytes()
+        except (ValueError, TypeError, OverflowError) as e:
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
+
+
+def _scalar_fits(value: Any, dt: np.dtype) -> bool:
+    if isinstance(value, np.generic):
+        return np.can_cast(value.dtype, dt, casting="same_kind")
+    if isinstance(value, bool):
+        return dt.kind == "b"
+    if isinstance(value, int):
+        return dt.kind in "iuf"
+    if isinstance(value, float):
+        return dt.kind == "f"
+    if isinstance(value, complex):
+        return dt.kind == "c"
+    if isinstance(value, (str, bytes)):
+        return dt.kind in "SU"
+    return False
+
+
+class VarCodec:
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+        self.is_dataclass = dataclasses.is_dataclass(payload)
+        self.fields = [f.name for f in dataclasses.fields(payload)] if self.is_dataclass else []
+        self.any = payload is typing.Any or payload is object
+        # A lease rebuilds a dataclass as cls(*fields).  With the generated __init__
+        # taking exactly the fields by position and no __post_init__, that sets the
+        # fields and nothing else, so push only has to know msgpack decodes them;
+        # otherwise (a __post_init__, init=False or keyword-only fields, a hand-written
+        # __init__ of another signature) push rebuilds the value once to be sure.
+        self.rebuild_at_push = self.is_dataclass and not _rebuilds_plainly(payload)
+
+    def encode(self, value: Any) -> bytes:
+        if self.is_dataclass:
+            if type(value) is not self.payload:
+                raise PayloadTypeError(
+                    f"payload must be an instance of {self.payload.__name__}, not {type(value).__name__}"
+                )
+            obj: Any = [getattr(value, f) for f in self.fields]
+        else:
+            if not self.any and not _is_instance(value, self.payload):
+                raise PayloadTypeError(
+                    f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
+                )
+            obj = value
+        try:
+            raw = packb(obj)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
+        if self.rebuild_at_push:
+            check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
+        else:
+            check_round_trip(value, raw, "payload")
+        return raw
+
+    def _rebuild(self, obj: Any) -> Any:
+        """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
+        return self.payload(*obj)
+
+    def _fields_packed(self, value: Any) -> bytes:
+        return packb([getattr(value, f) for f in self.fields])
+
+    def decode(self, raw: bytes) -> Any:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if self.is_dataclass:
+            return self.payload(*obj)
+        if self.payload is tuple:
+            return tuple(obj)
+        return obj
+
+
+def _rebuilds_plainly(cls: type) -> bool:
+    """Whether ``cls(*field_values)`` can only set the fields (see ``VarCodec``)."""
+    if hasattr(cls, "__post_init__") or not cls.__dataclass_params__.init:  # type: ignore[attr-defined]
+        return False
+    names = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            return False
+        names.append(f.name)
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return [p.name for p in params] == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def _is_instance(value: Any, tp: type) -> bool:
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, float)
+    return isinstance(value, tp)

@@ -1,0 +1,84 @@
+"""Every queue rule: how a row changes at push, lease, nack, dead-letter and expiry
+(SPEC Q9, Q13, Q14, Q22).
+
+A rule maps a row image (``armdb.qrows``: key, header, inline payload), the clock and
+the queue's configuration to a new row image; what else it needs written (which index
+the row moves to, which counters change) follows from the outcome.  The rules
+themselves are ``cdef inline`` functions in ``armdb/_core/qrow.pxd``, so that the compiled
+push and claim of ``armdb._core.qshard`` run them on the hot path without leaving C;
+this module is their Python face, and computes what comes from the configuration: the
+backoff of a retry, the retention of dead rows.  The direct nack of a fixed queue
+(``Queue.nack``) and the transaction planner (``Queue._tx_push``, ``Queue._tx_settle``,
+behind every var ack and nack and every ``db.tx()``) call it; nothing else computes a
+backoff, an attempt count or a dead-letter decision.
+
+Room to grow: ``extend`` (Q29) and ``redrive`` (Q34) are rules of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ._core import qrow as _rules
+from .config import QueueConfig
+from .errors import ConfigError
+from .qrows import DEAD_BIT, MAX_DUE_MS, header_of
+
+# What a rule did (armdb/_core/qrow.pxd).
+LEASED = _rules.OUTCOMES["LEASED"]  # a ready row was leased
+RELEASED = _rules.OUTCOMES["RELEASED"]  # an expired lease was leased again
+EXPIRED_DEAD = _rules.OUTCOMES["EXPIRED_DEAD"]  # an expired lease out of attempts was dead-lettered
+RETRY = _rules.OUTCOMES["RETRY"]  # a nacked row is ready again at its retry time
+NACK_DEAD = _rules.OUTCOMES["NACK_DEAD"]  # a nacked row was dead-lettered
+
+_NOT_DEAD = ~DEAD_BIT & 0xFFFFFFFFFFFFFFFF
+
+
+class Moved(NamedTuple):
+    """A settled row: its new image, its new key's due word, and whether it is dead now."""
+
+    image: bytes
+    due: int
+    dead: bool
+
+
+def push(seq: int, due: int, now: int, payload_id: int, inline: bytes = b"") -> bytes:
+    """The image of a new ready row keyed ``(due, seq)``, pushed at ``now`` (Q9)."""
+    return _rules.push(due, seq, now, payload_id, inline)
+
+
+def lease(image: bytes, now: int, deadline: int, max_attempts: int) -> tuple[bytes, int]:
+    """The image of a due row leased until ``deadline``, and LEASED, RELEASED or
+    EXPIRED_DEAD (Q9, Q13).  The compiled claim applies this very rule in place."""
+    return _rules.lease(image, now, deadline, max_attempts)
+
+
+def backoff_ms(config: QueueConfig, attempts: int) -> int:
+    """How long a row nacked after ``attempts`` deliveries waits before it is ready again."""
+    return round(config.backoff_for(attempts) * 1000)
+
+
+def nack(image: bytes, now: int, config: QueueConfig, delay_ms: int | None, dead: bool,
+         poisoned: bool = False) -> Moved:
+    """A leased row given back (Q14): ready again at ``now`` plus ``delay_ms`` or its
+    backoff, or dead-lettered when ``dead`` (``poisoned``: by a lease that could not decode
+    its body) or when its attempts reached ``max_attempts``."""
+    wait = delay_ms if delay_ms is not None else backoff_ms(config, header_of(image)[2])
+    retry_at = now + wait
+    out, outcome = _rules.nack(image, now, min(retry_at, MAX_DUE_MS - 1), dead, poisoned, config.max_attempts)
+    if outcome == RETRY and retry_at >= MAX_DUE_MS:
+        # A due time at or past 2**63 is the dead key class: a ready row keyed there is
+        # one the next open refuses (such a row was once written).
+        raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {wait} ms")
+    return Moved(out, int.from_bytes(out[:8], "big"), outcome == NACK_DEAD)
+
+
+def dead_since(due: int) -> int:
+    """When a dead row (its key's due word) was dead-lettered, in ms."""
+    return due & _NOT_DEAD
+
+
+def retention_ms(config: QueueConfig) -> int | None:
+    """How long a dead row is kept before retention sweeps it (Q22); None: for ever."""
+    ret = config.dead_retention
+    return None if ret is None else int(ret * 1000)
