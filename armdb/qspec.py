@@ -141,21 +141,34 @@ def _struct_for(dt: np.dtype) -> struct.Struct | None:
 
 
 class FixedCodec:
+    """A fixed queue's payload: one record (or scalar) of the queue's dtype, stored exactly
+    or refused (SPEC Q35).
+
+    A value that NumPy would convert with a loss (a float with a fractional part into an
+    integer field, an int out of range, a bytes or str longer than its field, a truthy
+    object into a bool) raises ``PayloadTypeError`` naming the field; a lossless
+    conversion (the int 6 into a float field, a shorter bytes that NumPy pads) is taken.
+    A Python float into a narrower float field (``f4``, ``f2``) is rounded to the nearest
+    value as NumPy assignment does; one that would overflow to infinity is refused.
+    """
+
     def __init__(self, dtype: np.dtype) -> None:
         self.dtype = dtype
         self.size = dtype.itemsize
         self._struct = _struct_for(dtype) if dtype.names is not None else None
         self._nfields = len(dtype.names) if dtype.names is not None else 0
+        # The fast path packs with struct only when every value has the Python type its
+        # field's struct code converts exactly: int for an integer field (struct refuses a
+        # float and checks the range), float for a float field (struct refuses overflow).
+        self._types = _exact_types(dtype) if self._struct is not None else None
 
     def encode(self, value: Any) -> bytes:
         st = self._struct
-        if st is not None and type(value) is tuple and len(value) == self._nfields:
-            # Fast path for the common case; a value struct cannot take goes to NumPy,
-            # which gives the error message (or accepts what struct is strict about).
+        if st is not None and type(value) is tuple and tuple(map(type, value)) == self._types:
             try:
                 return st.pack(*value)
-            except struct.error:
-                pass
+            except (struct.error, OverflowError):
+                pass  # out of range: NumPy's path below says which field
         dt = self.dtype
         if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
             return value.tobytes()
@@ -170,9 +183,86 @@ class FixedCodec:
         elif not _scalar_fits(value, dt):
             raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
         try:
-            return np.array(value, dtype=dt).tobytes()
+            with np.errstate(all="ignore"):  # an overflow is judged below, as a loss
+                arr = np.array(value, dtype=dt)
         except (ValueError, TypeError, OverflowError) as e:
             raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
+        problem = _loss(value, arr[()], dt, "")
+        if problem is not None:
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {problem}; nothing was written")
+        return arr.tobytes()
+
+
+_EXACT_TYPES = {"b": int, "B": int, "h": int, "H": int, "i": int, "I": int, "l": int, "L": int, "q": int,
+                "Q": int, "e": float, "f": float, "d": float}
+
+
+def _exact_types(dt: np.dtype) -> tuple[type, ...] | None:
+    """The Python type each field of ``dt`` takes on the struct fast path; None if a
+    field has none (bool: struct packs any object's truth value)."""
+    out = []
+    for name in dt.names or ():
+        tp = _EXACT_TYPES.get(dt.fields[name][0].char)  # type: ignore[index]
+        if tp is None:
+            return None
+        out.append(tp)
+    return tuple(out)
+
+
+def _loss(given: Any, stored: Any, dt: np.dtype, where: str) -> str | None:
+    """What converting ``given`` to ``dt`` lost (``stored`` is what NumPy made of it), or
+    None when it is exact (or a float rounded into a narrower float field)."""
+    if dt.names is not None:
+        for name, g, s in zip(dt.names, given, stored, strict=True):
+            problem = _loss(g, s, dt.fields[name][0], f"{where}.{name}" if where else name)  # type: ignore[index]
+            if problem is not None:
+                return problem
+        return None
+    field = f"field {where!r}" if where else "the value"
+    if dt.subdtype is not None:
+        base, shape = dt.subdtype
+        if np.shape(given) != shape:
+            return f"{field} {given!r} is not an array of shape {shape}"
+        for g, s in zip(np.asarray(given, dtype=object).ravel(), np.asarray(stored).ravel(), strict=True):
+            problem = _loss(g, s, base, where)
+            if problem is not None:
+                return problem
+        return None
+    kind = dt.kind
+    if kind in "fc":
+        if isinstance(given, (float, complex, np.floating, np.complexfloating)):
+            if np.all(np.isfinite(given)) and not np.all(np.isfinite(stored)):
+                return f"{field} {given!r} overflows {dt}"
+            return None
+        # An int: exact or refused (Python compares a float with an int exactly; NumPy
+        # would round the int first, so 2**60 + 1 would equal its float).
+        exact = float(stored) == int(given) if kind == "f" and isinstance(given, (int, np.integer)) else stored == given
+        if not exact:
+            return f"{field} {given!r} is not exactly representable in {dt} (stored as {stored!r})"
+        return None
+    if kind in "iu":
+        if stored != given:
+            return f"{field} {given!r} is not an integer in the range of {dt} (stored as {stored!r})"
+        return None
+    if kind == "b":
+        if stored != given or not isinstance(given, (bool, np.bool_, int, np.integer)):
+            return f"{field} {given!r} is not a bool"
+        return None
+    if kind == "S":
+        if isinstance(given, str):
+            ok = given.isascii() and stored == given.encode("ascii").rstrip(b"\0")
+        else:
+            ok = isinstance(given, (bytes, np.bytes_)) and stored == bytes(given).rstrip(b"\0")
+        if not ok:
+            return f"{field} {given!r} does not fit {dt.itemsize} bytes (stored as {stored!r})"
+        return None
+    if kind == "U":
+        if not isinstance(given, str) or stored != given.rstrip("\0"):
+            return f"{field} {given!r} does not fit {dt.itemsize // 4} characters (stored as {stored!r})"
+        return None
+    if stored != given:  # datetime64, timedelta64 and the rest: equal after the round trip
+        return f"{field} {given!r} does not convert to {dt} exactly (stored as {stored!r})"
+    return None
 
 
 def _scalar_fits(value: Any, dt: np.dtype) -> bool:

@@ -572,6 +572,8 @@ ROWS: list[R] = [
     R("q1_fixed_push_negative_into_unsigned", lambda w: w.fq.push((-1, 0)), PayloadTypeError, r"does not fit dtype"),
     R("q1_fixed_push_str_field", lambda w: w.fq.push(("x", 0)), PayloadTypeError, r"does not fit dtype"),
     R("q1_fixed_push_overflow_field", lambda w: w.fq.push((2**64, 0)), PayloadTypeError, r"does not fit dtype"),
+    R("q35_fixed_push_fractional_into_int", lambda w: w.fq.push((6.7, 0)), PayloadTypeError, r"does not fit dtype.*field 'doc'"),
+    R("q35_fixed_push_np_int_wrapping", lambda w: w.fq.push((0, np.int64(2**33))), PayloadTypeError, r"does not fit dtype.*field 'flags'"),
     R("q1_scalar_push_float", lambda w: w.sq.push(1.5), PayloadTypeError, r"must be a matching scalar"),
     R("q1_scalar_push_str", lambda w: w.sq.push("1"), PayloadTypeError, r"must be a matching scalar"),
     R("q1_scalar_push_overflow", lambda w: w.sq.push(2**40), PayloadTypeError, r"does not fit dtype"),
