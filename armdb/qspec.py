@@ -186,7 +186,7 @@ class FixedCodec:
             with np.errstate(all="ignore"):  # an overflow is judged below, as a loss
                 arr = np.array(value, dtype=dt)
         except (ValueError, TypeError, OverflowError) as e:
-            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {_field_of(value, dt)}{e}") from None
         problem = _loss(value, arr[()], dt, "")
         if problem is not None:
             raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {problem}; nothing was written")
@@ -207,6 +207,22 @@ def _exact_types(dt: np.dtype) -> tuple[type, ...] | None:
             return None
         out.append(tp)
     return tuple(out)
+
+
+def _field_of(value: tuple, dt: np.dtype) -> str:
+    """``"field 'name': "`` for the first field of a record that NumPy cannot convert."""
+    if dt.names is None:
+        return ""
+    for name, v in zip(dt.names, value):
+        fdt = dt.fields[name][0]  # type: ignore[index]
+        try:
+            with np.errstate(all="ignore"):
+                stored = np.array(v, dtype=fdt)[()]
+        except (ValueError, TypeError, OverflowError):
+            return f"field {name!r}: "
+        if _loss(v, stored, fdt, name) is not None:  # NumPy takes alone what it refused in the record
+            return f"field {name!r}: "
+    return ""
 
 
 def _loss(given: Any, stored: Any, dt: np.dtype, where: str) -> str | None:
