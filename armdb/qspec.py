@@ -121,7 +121,7 @@ def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
 
 
 _STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
-                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
+                 "Q": "Q", "e": "e", "f": "f", "d": "d"}  # not "?": struct packs any object's truth value
 
 
 def _struct_for(dt: np.dtype) -> struct.Struct | None:
@@ -157,14 +157,22 @@ class FixedCodec:
         self.size = dtype.itemsize
         self._struct = _struct_for(dtype) if dtype.names is not None else None
         self._nfields = len(dtype.names) if dtype.names is not None else 0
-        # The fast path packs with struct only when every value has the Python type its
-        # field's struct code converts exactly: int for an integer field (struct refuses a
-        # float and checks the range), float for a float field (struct refuses overflow).
-        self._types = _exact_types(dtype) if self._struct is not None else None
+        # The struct fast path is exact for integer fields (struct refuses a float and
+        # checks the range) and for a float field given a float (struct refuses overflow);
+        # an int into a float field may not be exact, so it goes the checked way.
+        floats = _float_fields(dtype) if self._struct is not None else ()
+        self._float_at = floats[0] if len(floats) == 1 else -1  # the common case: one float field
+        self._floats = floats if len(floats) > 1 else ()
 
     def encode(self, value: Any) -> bytes:
         st = self._struct
-        if st is not None and type(value) is tuple and tuple(map(type, value)) == self._types:
+        if (
+            st is not None
+            and type(value) is tuple
+            and len(value) == self._nfields
+            and (self._float_at < 0 or type(value[self._float_at]) is float)
+            and (not self._floats or all(type(value[i]) is float for i in self._floats))
+        ):
             try:
                 return st.pack(*value)
             except (struct.error, OverflowError):
@@ -193,20 +201,9 @@ class FixedCodec:
         return arr.tobytes()
 
 
-_EXACT_TYPES = {"b": int, "B": int, "h": int, "H": int, "i": int, "I": int, "l": int, "L": int, "q": int,
-                "Q": int, "e": float, "f": float, "d": float}
-
-
-def _exact_types(dt: np.dtype) -> tuple[type, ...] | None:
-    """The Python type each field of ``dt`` takes on the struct fast path; None if a
-    field has none (bool: struct packs any object's truth value)."""
-    out = []
-    for name in dt.names or ():
-        tp = _EXACT_TYPES.get(dt.fields[name][0].char)  # type: ignore[index]
-        if tp is None:
-            return None
-        out.append(tp)
-    return tuple(out)
+def _float_fields(dt: np.dtype) -> tuple[int, ...]:
+    """The positions of the float fields of a record that :func:`_struct_for` packs."""
+    return tuple(i for i, name in enumerate(dt.names or ()) if dt.fields[name][0].kind == "f")  # type: ignore[index]
 
 
 def _field_of(value: tuple, dt: np.dtype) -> str:
