@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from ._pack import check_round_trip, packb
-from .errors import ConfigError, PayloadTypeError
+from .errors import ConfigError, PayloadTypeError, SchemaMismatch
 from .layout import PAYLOAD_SUFFIX, validate_name
 from .qrows import MAX_FIXED_PAYLOAD
 
@@ -330,6 +330,43 @@ class VarCodec:
             check_round_trip(value, raw, "payload")
         return raw
 
+    def use_layouts(self, layouts: list[Layout], current: int) -> None:
+        """Read bodies written under any of ``layouts`` (the payload class's field lists
+        over its history, SPEC Q36) and write new ones under ``layouts[current]``, which
+        is the class's own.  Layout 0's bodies carry no tag; a later layout's start with
+        :data:`LAYOUT_TAG` and its index (a dataclass body is otherwise a msgpack array,
+        whose first byte is never 0xd5)."""
+        if not self.is_dataclass or len(layouts) <= 1:
+            return
+        self._names = [[name for name, _type in layout] for layout in layouts]
+        self._current = current
+        self._prefix = b"" if current == 0 else LAYOUT_TAG + current.to_bytes(2, "big")
+        init = {f.name for f in dataclasses.fields(self.payload) if f.init}
+        self._init_fields = [f for f in self.fields if f in init]
+        self.decode = self._decode_layout  # type: ignore[method-assign]
+        encode = self.encode
+
+        def encode_tagged(value: Any) -> bytes:
+            return self._prefix + encode(value)
+
+        self.encode = encode_tagged  # type: ignore[method-assign]
+
+    def _decode_layout(self, raw: bytes) -> Any:
+        """:meth:`decode` for a queue whose class changed (:meth:`use_layouts`)."""
+        layout = 0
+        if raw[:2] == LAYOUT_TAG:
+            layout = int.from_bytes(raw[2:4], "big")
+            raw = raw[4:]
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if layout == self._current:
+            return self.payload(*obj)
+        if layout >= len(self._names) or not isinstance(obj, list):
+            raise PayloadTypeError(f"a stored body names payload layout {layout}, which this queue never had")
+        values = dict(zip(self._names[layout], obj))
+        # A field the row lacks takes the class's default; a stored field the class no
+        # longer has is dropped.
+        return self.payload(**{name: values[name] for name in self._init_fields if name in values})
+
     def _rebuild(self, obj: Any) -> Any:
         """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
         return self.payload(*obj)
@@ -344,6 +381,82 @@ class VarCodec:
         if self.payload is tuple:
             return tuple(obj)
         return obj
+
+
+# -- schema evolution of dataclass payloads (SPEC Q36) ---------------------------------------
+
+Layout = list[list[str]]  # [[field name, type name], ...] in the class's field order
+LAYOUT_TAG = b"\xd5\x01"  # msgpack fixext2 of type 1: the two bytes after it are a layout index
+MAX_LAYOUTS = 1 << 16
+
+
+def layout_of(payload: Any) -> Layout:
+    """The field names and type names of a dataclass payload, as its fingerprint lists them."""
+    hints = typing.get_type_hints(payload)
+    return [[f.name, _type_name(hints.get(f.name, f.type))] for f in dataclasses.fields(payload)]
+
+
+def layout_from_fingerprint(fingerprint: str) -> Layout | None:
+    """The layout a ``var:dataclass(...)`` fingerprint describes; None for another kind."""
+    if not (fingerprint.startswith("var:dataclass(") and fingerprint.endswith(")")):
+        return None
+    body = fingerprint[len("var:dataclass(") : -1]
+    out: Layout = []
+    depth, start = 0, 0
+    for i, ch in enumerate(body + ","):
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            item = body[start:i]
+            if item:
+                name, _, tp = item.partition(":")
+                out.append([name, tp])
+            start = i + 1
+    return out
+
+
+def evolve(name: str, stored_fingerprint: str, layouts: list[Layout] | None, payload: Any,
+           declared: str) -> tuple[list[Layout], int]:
+    """The layouts of a queue whose dataclass payload changed, and the index of the new
+    class's own (appended unless an earlier layout is the same), or ``SchemaMismatch``.
+
+    Compatible (SPEC Q36): adding a field with a default or ``default_factory``, removing
+    a field.  Not: changing a field's type (against any layout that had the field), adding
+    a field without a default, or changing the payload's kind."""
+    new_fp = _var_fingerprint(payload) if dataclasses.is_dataclass(payload) else None
+    stored = layout_from_fingerprint(stored_fingerprint)
+    if new_fp is None or stored is None:
+        raise SchemaMismatch(
+            f"queue {name!r} stores payload schema {stored_fingerprint} but was declared with "
+            f"{declared}; declare the original payload type (or use a new queue name)"
+        )
+    history = layouts if layouts else [stored]
+    new = layout_of(payload)
+    current = dict(map(tuple, stored))  # type: ignore[arg-type]
+    defaults = {f.name for f in dataclasses.fields(payload)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    for fname, tp in new:
+        for layout in history:
+            old = dict(map(tuple, layout)).get(fname)  # type: ignore[arg-type]
+            if old is not None and old != tp:
+                raise SchemaMismatch(
+                    f"queue {name!r}: payload schema changed incompatibly: field {fname!r} of "
+                    f"{payload.__name__} was stored as {old} and is now {tp}; declare the original payload "
+                    f"type, or add a new field instead of changing a field's type"
+                )
+        if fname not in current and fname not in defaults:
+            raise SchemaMismatch(
+                f"queue {name!r}: payload schema changed incompatibly: field {fname!r} was added to "
+                f"{payload.__name__} without a default, so rows stored before cannot be read; declare the "
+                f"original payload type, or give the field a default or a default_factory"
+            )
+    if new in history:
+        return history, history.index(new)
+    if len(history) >= MAX_LAYOUTS:
+        raise SchemaMismatch(f"queue {name!r} has had {MAX_LAYOUTS} payload layouts; use a new queue name")
+    return [*history, new], len(history)
 
 
 def _rebuilds_plainly(cls: type) -> bool:

@@ -79,7 +79,7 @@ from .qrows import (
     to_snapshot,
 )
 from .qrows import decode_meta as _decode_meta
-from .qspec import FixedCodec, QueueSpec, VarCodec, queue
+from .qspec import FixedCodec, QueueSpec, VarCodec, evolve, queue
 
 if TYPE_CHECKING:
     from .bitcask import BitcaskStore
@@ -262,12 +262,18 @@ class Queue(Generic[T]):
                     f"queue {self.name!r} was created as a {stored} queue and cannot be opened as a {given} "
                     f"queue; declare it as it was created"
                 )
-            if meta["fingerprint"] != self.spec.fingerprint:
-                raise SchemaMismatch(
-                    f"queue {self.name!r} stores payload schema {meta['fingerprint']} but was declared with "
-                    f"{self.spec.fingerprint}; declare the original payload type (or use a new queue name)"
-                )
             shard_count = int(meta["shard_count"])
+            layouts, layout = meta.get("layouts"), int(meta.get("layout", 0))
+            if meta["fingerprint"] != self.spec.fingerprint:
+                # A dataclass payload may have gained a defaulted field or lost one (Q36):
+                # the new layout joins the history before any body is written with it.
+                layouts, layout = evolve(self.name, meta["fingerprint"], layouts, self.spec.payload,
+                                         self.spec.fingerprint)
+                fs.write_file_atomic(meta_path, encode_meta(
+                    self.spec.var, self.spec.fingerprint, shard_count, int(meta["value_size"]), layouts, layout))
+            if layouts:
+                self._codec.use_layouts(layouts, layout)  # type: ignore[union-attr]
+                self._encode = self._codec.encode
             if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
                 raise ConfigError(
                     f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "

@@ -86,6 +86,12 @@ class JobV2:  # same class name as far as the fingerprint cares: fields differ
     extra: int
 
 
+@dataclass
+class JobDocStr:  # a field's type changed: not a compatible change (SPEC Q36)
+    doc_id: str
+    reason: str
+
+
 FixedQ = armdb.queue("pings", payload=PING)
 ScalarQ = armdb.queue("counts", payload=np.dtype("<u4"))
 VarQ = armdb.queue("jobs", payload=Job, var=True)
@@ -545,6 +551,7 @@ ROWS: list[R] = [
     R("q2_reopen_var_as_fixed", lambda w: w.db.open_queue(armdb.queue("sparev", payload=PING), cfg()), SchemaMismatch, r"created as a var queue"),
     R("q2_reopen_other_dtype", lambda w: w.db.open_queue(armdb.queue("spare", payload=np.dtype("<u8")), cfg()), SchemaMismatch, r"payload schema.*declare the original payload type"),
     R("q2_reopen_other_dataclass_fields", lambda w: w.db.open_queue(armdb.queue("sparev", payload=JobV2, var=True), cfg()), SchemaMismatch, r"declare the original payload type"),
+    R("q36_reopen_dataclass_field_type_changed", lambda w: w.db.open_queue(armdb.queue("sparev", payload=JobDocStr, var=True), cfg()), SchemaMismatch, r"field 'doc_id' of JobDocStr was stored as int and is now str"),
     R("q2_reopen_var_bytes_as_str", lambda w: w.db.open_queue(armdb.queue("sparev", payload=str, var=True), cfg()), SchemaMismatch, r"payload schema"),
     R("s5_queue_shard_count_changed", lambda w: w.db.open_queue(SpareQ, cfg(header_config=FixedConfig.balanced().shard_count(3).grow_step(64).build())), ConfigError, r"fixed at creation: leave it unset"),
     R("s9_map_shard_count_changed", lambda w: w.db.open_map("plainmap", Config.balanced().shard_count(4).build()), ConfigError, r"shard"),
