@@ -56,6 +56,7 @@ from .errors import (
     DbClosed,
     EncryptionKeyRequired,
     FormatError,
+    NotALease,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
@@ -130,6 +131,19 @@ class Lease(NamedTuple, Generic[T]):
     attempt: int
     deadline: datetime
     token: LeaseToken
+
+
+def as_token(lease: object) -> LeaseToken:
+    """The token of a ``Lease`` or a ``LeaseToken`` itself (SPEC Q30); anything else is
+    ``NotALease``, never ``StaleToken``, so ``except StaleToken`` cannot hide a wrong
+    argument."""
+    if isinstance(lease, LeaseToken):
+        return lease
+    if isinstance(lease, Lease):
+        return lease.token
+    raise NotALease(
+        f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
+    )
 
 
 @dataclass(frozen=True)
@@ -720,8 +734,7 @@ class Queue(Generic[T]):
     # -- settle (Q13, Q14) ------------------------------------------------------------------------
     def _token_shard(self, token: object) -> _Shard:
         """The shard a token points into, after the checks that need no lock (Q13)."""
-        if not isinstance(token, LeaseToken):
-            raise StaleToken(f"expected a LeaseToken from Queue.lease(), got {type(token).__name__}")
+        token = as_token(token)
         if token.handle != self._handle or not 0 <= token.shard < len(self._shards):
             raise StaleToken(
                 f"this token was issued by another queue handle (another queue, or before a reopen); "
@@ -757,15 +770,24 @@ class Queue(Generic[T]):
             raise
         return sh, slot, hdr
 
-    def ack(self, token: LeaseToken) -> None:
+    def ack(self, token: Lease[T] | LeaseToken) -> None:
         """Remove a leased row (and its body, for a var queue).
+
+        Parameters
+        ----------
+        token : Lease or LeaseToken
+            What :meth:`lease` returned for the row, or its ``token``.
 
         Raises
         ------
         StaleToken
             The token is from another handle, or the row was leased again, acked,
             nacked or dead-lettered since; nothing changes.
+        NotALease
+            ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
+        if type(token) is not LeaseToken:
+            token = as_token(token)
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
@@ -782,7 +804,8 @@ class Queue(Generic[T]):
                 self._token_shard(token)  # raises StaleToken, saying why
             raise self._stale(token, r == ABSENT)
 
-    def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:
+    def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
+             dead: bool = False) -> None:
         """Give a leased row back: ready again at ``now + backoff`` (or ``now + delay``),
         re-keyed; dead-lettered when its attempts reached ``max_attempts`` or ``dead=True``.
 
@@ -790,7 +813,10 @@ class Queue(Generic[T]):
         ------
         StaleToken
             As for :meth:`ack`; nothing changes.
+        NotALease
+            ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
+        token = as_token(token)
         now = self._check()
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")

@@ -54,7 +54,7 @@ from .errors import (
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
-from .queue import LeaseToken, Queue
+from .queue import Lease, LeaseToken, Queue, as_token
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -141,14 +141,17 @@ class Tx:
         self._steps.append(_Push(q, q._encode(payload), delay_ms, True))
         return self
 
-    def ack(self, queue: Queue[Any], token: LeaseToken) -> Tx:
+    def ack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken) -> Tx:
+        """Record an ack of a leased row (a ``Lease`` or its token; ``NotALease`` at this
+        call for anything else, Q30)."""
         self._open_step()
-        self._steps.append(_Settle(self._queue_arg(queue), token, True))
+        self._steps.append(_Settle(self._queue_arg(queue), as_token(token), True))
         return self
 
-    def nack(self, queue: Queue[Any], token: LeaseToken, *, delay: timedelta | float | None = None,
+    def nack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> Tx:
         self._open_step()
+        token = as_token(token)
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")
         delay_ms = None if delay is None else to_ms(delay, "delay")
