@@ -17,6 +17,7 @@ except ImportError as _e:  # pragma: no cover - exercised only on a broken insta
 from . import errors
 from ._fail import failpoints
 from .check import CheckReport, check
+from ._version import __version__
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
 from .errors import (
@@ -42,7 +43,6 @@ from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ArmdbError",
