@@ -39,7 +39,7 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
@@ -59,6 +59,7 @@ __all__ = [
     "EncryptionKeyRequired",
     "FixedConfig",
     "FormatError",
+    "Job",
     "Lease",
     "LeaseToken",
     "NotALease",
