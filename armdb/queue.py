@@ -108,6 +108,7 @@ _PROCESS_TAG = int.from_bytes(os.urandom(8), "big")
 _handle_ids = itertools.count(1)
 
 MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
+MAX_REMEMBERED = 100_000  # leases with their own timeout that extend() remembers per handle
 RETRY_LIST_CAP = 1024
 SWEEP_PERIOD = 1.0
 
@@ -248,6 +249,7 @@ class Queue(Generic[T]):
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
+        self._lease_timeouts: dict[tuple[int, int], int] = {}  # (id, epoch) -> ms: leases not of _lease_ms
         self._retention_ms = transitions.retention_ms(config)
         # Key, header and inline payload: the row image a settle reads and rewrites.
         self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
@@ -621,6 +623,8 @@ class Queue(Generic[T]):
             if not progressed:
                 break
         if self._payload is None:
+            if lease_ms != self._lease_ms and out:
+                self._remember_timeouts(out, lease_ms)
             return out
         leases: list[Lease[T]] = []
         decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
@@ -649,7 +653,63 @@ class Queue(Generic[T]):
             leases.append(new(Lease, (seq, payload, attempt, dl, token)))
         if poisoned:
             self._dead_letter_poisoned(poisoned)
+        if lease_ms != self._lease_ms and leases:
+            self._remember_timeouts(leases, lease_ms)
         return leases
+
+    def _remember_timeouts(self, leases: list[Any], lease_ms: int) -> None:
+        """Leases taken with a timeout other than the queue's: what ``extend`` without
+        ``by`` extends them by (Q29).  Bounded: past :data:`MAX_REMEMBERED` the oldest are
+        forgotten (such a lease is then extended by the queue's timeout)."""
+        with self._counter_lock:
+            timeouts = self._lease_timeouts
+            for lz in leases:
+                tok = lz.token
+                timeouts[(tok.seq, tok.epoch)] = lease_ms
+            while len(timeouts) > MAX_REMEMBERED:
+                del timeouts[next(iter(timeouts))]
+
+    def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
+        """Move a lease's deadline to ``now + by`` and return it (UTC) (Q29).
+
+        Works on an unexpired lease and on an expired one that nobody leased again; the
+        token stays valid.  A header update, crash-safe like a lease: after a reopen the
+        row's deadline is the last one an ``extend`` returned (or a later one).
+
+        Parameters
+        ----------
+        lease : Lease or LeaseToken
+        by : timedelta or float seconds, optional
+            Default: the lease timeout this lease was taken with.
+
+        Raises
+        ------
+        StaleToken
+            The row was leased again, acked, nacked or dead-lettered; nothing changes.
+        ConfigError
+            ``by`` is not positive.
+        NotALease
+            ``lease`` is neither a ``Lease`` nor a ``LeaseToken``.
+        """
+        token = as_token(lease)
+        now = self._check()
+        if by is None:
+            by_ms = self._lease_timeouts.get((token.seq, token.epoch), self._lease_ms)
+        else:
+            by_ms = to_ms(by, "by")
+            if by_ms <= 0:
+                raise ConfigError(f"by must be positive, at least 1 ms, got {by!r}")
+        deadline = now + by_ms
+        if deadline >= MAX_DUE_MS:
+            raise ConfigError(f"by reaches past the largest deadline armdb stores; got {by!r}")
+        sh = self._token_shard(token)
+        with sh.lock:
+            slot, _hdr = self._validate_locked(sh, token)
+            fixed = sh.fixed
+            image = transitions.extend(fixed.sf.body(slot, 0, self._row_size), deadline)
+            fixed.write(slot, image, ring_next(int(fixed.versions[slot])))
+            sh.live.set_deadline(token.due, token.seq, deadline)
+        return ms_to_datetime(deadline)
 
     def _dead_letter_poisoned(self, poisoned: list[tuple[LeaseToken, Exception]]) -> None:
         """Dead-letter, one by one, the rows this lease claimed but cannot hand out.
@@ -808,6 +868,8 @@ class Queue(Generic[T]):
         """
         if type(token) is not LeaseToken:
             token = as_token(token)
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
@@ -837,6 +899,8 @@ class Queue(Generic[T]):
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
         token = as_token(token)
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
         now = self._check()
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")

@@ -73,6 +73,14 @@ def nack(image: bytes, now: int, config: QueueConfig, delay_ms: int | None, dead
     return Moved(out, int.from_bytes(out[:8], "big"), outcome == NACK_DEAD)
 
 
+def extend(image: bytes, deadline: int) -> bytes:
+    """A leased row's image with its lease running until ``deadline`` (Q29): the state,
+    attempts and epoch stay, so the lease's token stays valid."""
+    state, flags, attempts, epoch, _deadline, payload_id, pushed = header_of(image)
+    due, seq = int.from_bytes(image[:8], "big"), int.from_bytes(image[8:16], "big")
+    return pack_row(due, seq, state, flags, attempts, epoch, deadline, payload_id, pushed, image[ROW_SIZE:])
+
+
 def redrive(image: bytes, due: int) -> Moved:
     """A dead row moved back (Q34): ready at ``due`` (keyed ``(due, id)``), its attempts
     reset to 0 and its dead-letter flags cleared; its id, epoch (so any old token stays
