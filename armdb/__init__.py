@@ -17,6 +17,7 @@ except ImportError as _e:  # pragma: no cover - exercised only on a broken insta
 from . import errors
 from ._fail import failpoints
 from .check import CheckReport, check
+from ._version import __version__
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
 from .errors import (
@@ -27,6 +28,7 @@ from .errors import (
     DbLocked,
     EncryptionKeyRequired,
     FormatError,
+    NotALease,
     PayloadTypeError,
     QueueAlreadyOpen,
     QueueFull,
@@ -37,11 +39,10 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .queue import Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ArmdbError",
@@ -58,8 +59,10 @@ __all__ = [
     "EncryptionKeyRequired",
     "FixedConfig",
     "FormatError",
+    "Job",
     "Lease",
     "LeaseToken",
+    "NotALease",
     "PayloadTypeError",
     "Queue",
     "QueueAlreadyOpen",

@@ -18,6 +18,8 @@ Progress bars go to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import shutil
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from . import _bench, _fs
+from ._version import __version__
 from ._term import ProgressBar, format_table
 from .check import check
 from .config import QueueConfig
@@ -258,20 +261,20 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(f"armdb stats: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
         return 1
     if not _fs.FS.writable(path):
-        return _stats_read_only(os.path.abspath(path))
+        return _stats_read_only(os.path.abspath(path), args)
     try:
         db = Db.open(path)
     except DbLocked as e:
         print(f"armdb stats: {e}", file=sys.stderr)
         return 1
     try:
-        _print_stats(db.path, db.clock(), "")
+        _print_stats(db.path, db.clock(), "", args.json)
     finally:
         db.shutdown()
     return 0
 
 
-def _stats_read_only(path: str) -> int:
+def _stats_read_only(path: str, args: argparse.Namespace) -> int:
     """Stats of a database in a directory this process cannot write (a read-only mount, a
     backup): read from the files as they are, without opening (and so recovering) it."""
     try:
@@ -280,14 +283,23 @@ def _stats_read_only(path: str) -> int:
         print(f"armdb stats: {e}", file=sys.stderr)
         return 1
     try:
-        _print_stats(path, time.time_ns() // 1_000_000, " (read-only directory: the files as stored, not recovered)")
+        _print_stats(path, time.time_ns() // 1_000_000, " (read-only directory: the files as stored, not recovered)",
+                     args.json)
     finally:
         lock.release()
     return 0
 
 
-def _print_stats(path: str, now_ms: int, note: str) -> None:
+def _print_stats(path: str, now_ms: int, note: str, as_json: bool = False) -> None:
     names = queue_names(path)
+    if as_json:
+        # One object keyed by queue name; len and dead_len as QueueStats names them.
+        out = {}
+        for name in names:
+            s = inspect_queue(path, name, now_ms)
+            out[name] = {"len": s.live, "dead_len": s.dead, **dataclasses.asdict(s)}
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return
     if not names:
         print(f"{path}: no queues{note}")
         return
@@ -343,6 +355,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m armdb", description="armdb command line")
+    parser.add_argument("--version", action="version", version=f"armdb {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small producer/worker pipeline")
@@ -352,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser("stats", help="print the stats of every queue in a database")
     stats.add_argument("dir", help="database directory")
+    stats.add_argument("--json", action="store_true",
+                       help="print one JSON object keyed by queue name (each with len, dead_len and the counts)")
     stats.set_defaults(func=_cmd_stats)
 
     chk = sub.add_parser("check", help="check every file of a database that is not open (read-only)")
@@ -383,6 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (``| head``): end quietly, as a tool killed by SIGPIPE
+        # would, and keep the interpreter from complaining when it flushes stdout.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
     except ArmdbError as e:
         print(f"armdb {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -50,9 +50,9 @@ from .layout import (  # noqa: F401
     validate_name,
 )
 from .maps import Map
-from .queue import Queue, QueueSpec, open_queue, start_queue_workers
+from .queue import Commits, Queue, QueueSpec, open_queue, start_queue_workers
 from .seqmap import SeqMap
-from .tx import Tx, commit_settle
+from .tx import Tx, commit_dead_rows, commit_settle
 from .txlog import TxLog
 
 if TYPE_CHECKING:
@@ -412,7 +412,7 @@ class Db:
         """Open (or create) the queue declared by ``spec`` (Q2).  See :class:`armdb.Queue`."""
         # A var queue's ack and nack are logged commits (Q14): the queue gets them from
         # here, the one module that knows both the queue and the transaction.
-        return open_queue(self, spec, config, commit_settle)
+        return open_queue(self, spec, config, Commits(commit_settle, commit_dead_rows))
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""

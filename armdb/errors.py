@@ -15,6 +15,7 @@ __all__ = [
     "DbLocked",
     "EncryptionKeyRequired",
     "FormatError",
+    "NotALease",
     "PayloadTypeError",
     "QueueAlreadyOpen",
     "QueueFull",
@@ -77,6 +78,11 @@ class StaleToken(ArmdbError):
 
 class PayloadTypeError(ArmdbError, TypeError):
     """A payload does not match the queue's declared payload type."""
+
+
+class NotALease(ArmdbError, TypeError):
+    """``ack``, ``nack`` or a transaction's settle was given something other than a
+    ``Lease`` or its ``LeaseToken`` (a wrong argument, never reported as ``StaleToken``)."""
 
 
 class EncryptionKeyRequired(ArmdbError):

@@ -212,13 +212,16 @@ def row_problems(rows: np.ndarray, shard_no: int, shard_count: int, var: bool, *
     return out
 
 
-def encode_meta(var: bool, fingerprint: str, shard_count: int, value_size: int) -> bytes:
-    """``queue.meta`` of a new queue (docs/format.md)."""
-    body = msgpack.packb(
-        {"var": var, "fingerprint": fingerprint, "shard_count": shard_count,
-         "key_size": KEY_SIZE, "value_size": value_size},
-        use_bin_type=True,
-    )
+def encode_meta(var: bool, fingerprint: str, shard_count: int, value_size: int,
+                layouts: list[list[list[str]]] | None = None, layout: int = 0) -> bytes:
+    """``queue.meta`` (docs/format.md); ``layouts`` and ``layout``: the payload class's
+    field lists over its history and the current one's index, once it changed (Q36)."""
+    fields: dict[str, Any] = {"var": var, "fingerprint": fingerprint, "shard_count": shard_count,
+                              "key_size": KEY_SIZE, "value_size": value_size}
+    if layouts:
+        fields["layouts"] = layouts
+        fields["layout"] = layout
+    body = msgpack.packb(fields, use_bin_type=True)
     raw = META_MAGIC + struct.pack("<II", META_VERSION, len(body)) + body
     return raw + struct.pack("<I", zlib.crc32(raw))
 
@@ -252,6 +255,17 @@ def decode_meta(raw: bytes, path: str) -> dict[str, Any]:
         raise FormatError(
             f"{damaged} (shard_count = {meta['shard_count']}, not 1 to {MAX_SHARD_COUNT}); restore it from a backup"
         )
+    if "layouts" in meta or "layout" in meta:
+        layouts, layout = meta.get("layouts"), meta.get("layout")
+        if not (
+            isinstance(layouts, list)
+            and 1 <= len(layouts) <= 1 << 16
+            and all(isinstance(lay, list) and all(
+                isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f) for f in lay
+            ) for lay in layouts)
+            and isinstance(layout, int) and not isinstance(layout, bool) and 0 <= layout < len(layouts)
+        ):
+            raise FormatError(f"{damaged} (its payload layouts); restore it from a backup")
     if meta["key_size"] != KEY_SIZE:
         raise FormatError(f"{damaged} (key_size = {meta['key_size']}, not {KEY_SIZE}); restore it from a backup")
     low, high = (HEADER_SIZE, HEADER_SIZE) if meta["var"] else (HEADER_SIZE + 1, HEADER_SIZE + MAX_FIXED_PAYLOAD)

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from ._pack import check_round_trip, packb
-from .errors import ConfigError, PayloadTypeError
+from .errors import ConfigError, PayloadTypeError, SchemaMismatch
 from .layout import PAYLOAD_SUFFIX, validate_name
 from .qrows import MAX_FIXED_PAYLOAD
 
@@ -121,7 +121,7 @@ def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
 
 
 _STRUCT_CODES = {"b": "b", "B": "B", "h": "h", "H": "H", "i": "i", "I": "I", "l": "q", "L": "Q", "q": "q",
-                 "Q": "Q", "e": "e", "f": "f", "d": "d", "?": "?"}
+                 "Q": "Q", "e": "e", "f": "f", "d": "d"}  # not "?": struct packs any object's truth value
 
 
 def _struct_for(dt: np.dtype) -> struct.Struct | None:
@@ -141,21 +141,42 @@ def _struct_for(dt: np.dtype) -> struct.Struct | None:
 
 
 class FixedCodec:
+    """A fixed queue's payload: one record (or scalar) of the queue's dtype, stored exactly
+    or refused (SPEC Q35).
+
+    A value that NumPy would convert with a loss (a float with a fractional part into an
+    integer field, an int out of range, a bytes or str longer than its field, a truthy
+    object into a bool) raises ``PayloadTypeError`` naming the field; a lossless
+    conversion (the int 6 into a float field, a shorter bytes that NumPy pads) is taken.
+    A Python float into a narrower float field (``f4``, ``f2``) is rounded to the nearest
+    value as NumPy assignment does; one that would overflow to infinity is refused.
+    """
+
     def __init__(self, dtype: np.dtype) -> None:
         self.dtype = dtype
         self.size = dtype.itemsize
         self._struct = _struct_for(dtype) if dtype.names is not None else None
         self._nfields = len(dtype.names) if dtype.names is not None else 0
+        # The struct fast path is exact for integer fields (struct refuses a float and
+        # checks the range) and for a float field given a float (struct refuses overflow);
+        # an int into a float field may not be exact, so it goes the checked way.
+        floats = _float_fields(dtype) if self._struct is not None else ()
+        self._float_at = floats[0] if len(floats) == 1 else -1  # the common case: one float field
+        self._floats = floats if len(floats) > 1 else ()
 
     def encode(self, value: Any) -> bytes:
         st = self._struct
-        if st is not None and type(value) is tuple and len(value) == self._nfields:
-            # Fast path for the common case; a value struct cannot take goes to NumPy,
-            # which gives the error message (or accepts what struct is strict about).
+        if (
+            st is not None
+            and type(value) is tuple
+            and len(value) == self._nfields
+            and (self._float_at < 0 or type(value[self._float_at]) is float)
+            and (not self._floats or all(type(value[i]) is float for i in self._floats))
+        ):
             try:
                 return st.pack(*value)
-            except struct.error:
-                pass
+            except (struct.error, OverflowError):
+                pass  # out of range: NumPy's path below says which field
         dt = self.dtype
         if isinstance(value, (np.void, np.generic)) and value.dtype == dt:
             return value.tobytes()
@@ -170,9 +191,91 @@ class FixedCodec:
         elif not _scalar_fits(value, dt):
             raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
         try:
-            return np.array(value, dtype=dt).tobytes()
+            with np.errstate(all="ignore"):  # an overflow is judged below, as a loss
+                arr = np.array(value, dtype=dt)
         except (ValueError, TypeError, OverflowError) as e:
-            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {e}") from None
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {_field_of(value, dt)}{e}") from None
+        problem = _loss(value, arr[()], dt, "")
+        if problem is not None:
+            raise PayloadTypeError(f"payload {value!r} does not fit dtype {dt}: {problem}; nothing was written")
+        return arr.tobytes()
+
+
+def _float_fields(dt: np.dtype) -> tuple[int, ...]:
+    """The positions of the float fields of a record that :func:`_struct_for` packs."""
+    return tuple(i for i, name in enumerate(dt.names or ()) if dt.fields[name][0].kind == "f")  # type: ignore[index]
+
+
+def _field_of(value: tuple, dt: np.dtype) -> str:
+    """``"field 'name': "`` for the first field of a record that NumPy cannot convert."""
+    if dt.names is None:
+        return ""
+    for name, v in zip(dt.names, value):
+        fdt = dt.fields[name][0]  # type: ignore[index]
+        try:
+            with np.errstate(all="ignore"):
+                stored = np.array(v, dtype=fdt)[()]
+        except (ValueError, TypeError, OverflowError):
+            return f"field {name!r}: "
+        if _loss(v, stored, fdt, name) is not None:  # NumPy takes alone what it refused in the record
+            return f"field {name!r}: "
+    return ""
+
+
+def _loss(given: Any, stored: Any, dt: np.dtype, where: str) -> str | None:
+    """What converting ``given`` to ``dt`` lost (``stored`` is what NumPy made of it), or
+    None when it is exact (or a float rounded into a narrower float field)."""
+    if dt.names is not None:
+        for name, g, s in zip(dt.names, given, stored, strict=True):
+            problem = _loss(g, s, dt.fields[name][0], f"{where}.{name}" if where else name)  # type: ignore[index]
+            if problem is not None:
+                return problem
+        return None
+    field = f"field {where!r}" if where else "the value"
+    if dt.subdtype is not None:
+        base, shape = dt.subdtype
+        if np.shape(given) != shape:
+            return f"{field} {given!r} is not an array of shape {shape}"
+        for g, s in zip(np.asarray(given, dtype=object).ravel(), np.asarray(stored).ravel(), strict=True):
+            problem = _loss(g, s, base, where)
+            if problem is not None:
+                return problem
+        return None
+    kind = dt.kind
+    if kind in "fc":
+        if isinstance(given, (float, complex, np.floating, np.complexfloating)):
+            if np.all(np.isfinite(given)) and not np.all(np.isfinite(stored)):
+                return f"{field} {given!r} overflows {dt}"
+            return None
+        # An int: exact or refused (Python compares a float with an int exactly; NumPy
+        # would round the int first, so 2**60 + 1 would equal its float).
+        exact = float(stored) == int(given) if kind == "f" and isinstance(given, (int, np.integer)) else stored == given
+        if not exact:
+            return f"{field} {given!r} is not exactly representable in {dt} (stored as {stored!r})"
+        return None
+    if kind in "iu":
+        if stored != given:
+            return f"{field} {given!r} is not an integer in the range of {dt} (stored as {stored!r})"
+        return None
+    if kind == "b":
+        if stored != given or not isinstance(given, (bool, np.bool_, int, np.integer)):
+            return f"{field} {given!r} is not a bool"
+        return None
+    if kind == "S":
+        if isinstance(given, str):
+            ok = given.isascii() and stored == given.encode("ascii").rstrip(b"\0")
+        else:
+            ok = isinstance(given, (bytes, np.bytes_)) and stored == bytes(given).rstrip(b"\0")
+        if not ok:
+            return f"{field} {given!r} does not fit {dt.itemsize} bytes (stored as {stored!r})"
+        return None
+    if kind == "U":
+        if not isinstance(given, str) or stored != given.rstrip("\0"):
+            return f"{field} {given!r} does not fit {dt.itemsize // 4} characters (stored as {stored!r})"
+        return None
+    if stored != given:  # datetime64, timedelta64 and the rest: equal after the round trip
+        return f"{field} {given!r} does not convert to {dt} exactly (stored as {stored!r})"
+    return None
 
 
 def _scalar_fits(value: Any, dt: np.dtype) -> bool:
@@ -227,6 +330,43 @@ class VarCodec:
             check_round_trip(value, raw, "payload")
         return raw
 
+    def use_layouts(self, layouts: list[Layout], current: int) -> None:
+        """Read bodies written under any of ``layouts`` (the payload class's field lists
+        over its history, SPEC Q36) and write new ones under ``layouts[current]``, which
+        is the class's own.  Layout 0's bodies carry no tag; a later layout's start with
+        :data:`LAYOUT_TAG` and its index (a dataclass body is otherwise a msgpack array,
+        whose first byte is never 0xd5)."""
+        if not self.is_dataclass or len(layouts) <= 1:
+            return
+        self._names = [[name for name, _type in layout] for layout in layouts]
+        self._current = current
+        self._prefix = b"" if current == 0 else LAYOUT_TAG + current.to_bytes(2, "big")
+        init = {f.name for f in dataclasses.fields(self.payload) if f.init}
+        self._init_fields = [f for f in self.fields if f in init]
+        self.decode = self._decode_layout  # type: ignore[method-assign]
+        encode = self.encode
+
+        def encode_tagged(value: Any) -> bytes:
+            return self._prefix + encode(value)
+
+        self.encode = encode_tagged  # type: ignore[method-assign]
+
+    def _decode_layout(self, raw: bytes) -> Any:
+        """:meth:`decode` for a queue whose class changed (:meth:`use_layouts`)."""
+        layout = 0
+        if raw[:2] == LAYOUT_TAG:
+            layout = int.from_bytes(raw[2:4], "big")
+            raw = raw[4:]
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if layout == self._current:
+            return self.payload(*obj)
+        if layout >= len(self._names) or not isinstance(obj, list):
+            raise PayloadTypeError(f"a stored body names payload layout {layout}, which this queue never had")
+        values = dict(zip(self._names[layout], obj))
+        # A field the row lacks takes the class's default; a stored field the class no
+        # longer has is dropped.
+        return self.payload(**{name: values[name] for name in self._init_fields if name in values})
+
     def _rebuild(self, obj: Any) -> Any:
         """A dataclass payload from its decoded field list, as :meth:`decode` builds it."""
         return self.payload(*obj)
@@ -241,6 +381,82 @@ class VarCodec:
         if self.payload is tuple:
             return tuple(obj)
         return obj
+
+
+# -- schema evolution of dataclass payloads (SPEC Q36) ---------------------------------------
+
+Layout = list[list[str]]  # [[field name, type name], ...] in the class's field order
+LAYOUT_TAG = b"\xd5\x01"  # msgpack fixext2 of type 1: the two bytes after it are a layout index
+MAX_LAYOUTS = 1 << 16
+
+
+def layout_of(payload: Any) -> Layout:
+    """The field names and type names of a dataclass payload, as its fingerprint lists them."""
+    hints = typing.get_type_hints(payload)
+    return [[f.name, _type_name(hints.get(f.name, f.type))] for f in dataclasses.fields(payload)]
+
+
+def layout_from_fingerprint(fingerprint: str) -> Layout | None:
+    """The layout a ``var:dataclass(...)`` fingerprint describes; None for another kind."""
+    if not (fingerprint.startswith("var:dataclass(") and fingerprint.endswith(")")):
+        return None
+    body = fingerprint[len("var:dataclass(") : -1]
+    out: Layout = []
+    depth, start = 0, 0
+    for i, ch in enumerate(body + ","):
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            item = body[start:i]
+            if item:
+                name, _, tp = item.partition(":")
+                out.append([name, tp])
+            start = i + 1
+    return out
+
+
+def evolve(name: str, stored_fingerprint: str, layouts: list[Layout] | None, payload: Any,
+           declared: str) -> tuple[list[Layout], int]:
+    """The layouts of a queue whose dataclass payload changed, and the index of the new
+    class's own (appended unless an earlier layout is the same), or ``SchemaMismatch``.
+
+    Compatible (SPEC Q36): adding a field with a default or ``default_factory``, removing
+    a field.  Not: changing a field's type (against any layout that had the field), adding
+    a field without a default, or changing the payload's kind."""
+    new_fp = _var_fingerprint(payload) if dataclasses.is_dataclass(payload) else None
+    stored = layout_from_fingerprint(stored_fingerprint)
+    if new_fp is None or stored is None:
+        raise SchemaMismatch(
+            f"queue {name!r} stores payload schema {stored_fingerprint} but was declared with "
+            f"{declared}; declare the original payload type (or use a new queue name)"
+        )
+    history = layouts if layouts else [stored]
+    new = layout_of(payload)
+    current = dict(map(tuple, stored))  # type: ignore[arg-type]
+    defaults = {f.name for f in dataclasses.fields(payload)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    for fname, tp in new:
+        for layout in history:
+            old = dict(map(tuple, layout)).get(fname)  # type: ignore[arg-type]
+            if old is not None and old != tp:
+                raise SchemaMismatch(
+                    f"queue {name!r}: payload schema changed incompatibly: field {fname!r} of "
+                    f"{payload.__name__} was stored as {old} and is now {tp}; declare the original payload "
+                    f"type, or add a new field instead of changing a field's type"
+                )
+        if fname not in current and fname not in defaults:
+            raise SchemaMismatch(
+                f"queue {name!r}: payload schema changed incompatibly: field {fname!r} was added to "
+                f"{payload.__name__} without a default, so rows stored before cannot be read; declare the "
+                f"original payload type, or give the field a default or a default_factory"
+            )
+    if new in history:
+        return history, history.index(new)
+    if len(history) >= MAX_LAYOUTS:
+        raise SchemaMismatch(f"queue {name!r} has had {MAX_LAYOUTS} payload layouts; use a new queue name")
+    return [*history, new], len(history)
 
 
 def _rebuilds_plainly(cls: type) -> bool:

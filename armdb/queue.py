@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -56,6 +57,7 @@ from .errors import (
     DbClosed,
     EncryptionKeyRequired,
     FormatError,
+    NotALease,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
@@ -79,7 +81,7 @@ from .qrows import (
     to_snapshot,
 )
 from .qrows import decode_meta as _decode_meta
-from .qspec import FixedCodec, QueueSpec, VarCodec, queue
+from .qspec import FixedCodec, QueueSpec, VarCodec, evolve, queue
 
 if TYPE_CHECKING:
     from .bitcask.store import BitcaskStore
@@ -90,9 +92,14 @@ log = logging.getLogger("armdb")
 
 T = TypeVar("T")
 
-# armdb.tx.commit_settle(queue, token, ack, delay_ms=None, dead=False, poisoned=False): the
-# logged settle of a var queue's row, handed in by Db.open_queue (armdb.tx sits above this module).
-Settle = Callable[..., None]
+class Commits(NamedTuple):
+    """The logged commits a queue runs, handed in by ``Db.open_queue`` (armdb.tx sits above
+    this module): ``settle(db, queue, token, ack, delay_ms=None, dead=False, poisoned=False)``,
+    a var queue's ack or nack (``armdb.tx.commit_settle``), and ``dead_rows(db, queue, ids,
+    redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``)."""
+
+    settle: Callable[..., None]
+    dead_rows: Callable[..., int]
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -101,6 +108,7 @@ _PROCESS_TAG = int.from_bytes(os.urandom(8), "big")
 _handle_ids = itertools.count(1)
 
 MAX_LEASE = 1_000_000  # rows one lease(n) call may ask for (docs/guide.md)
+MAX_REMEMBERED = 100_000  # leases with their own timeout that extend() remembers per handle
 RETRY_LIST_CAP = 1024
 SWEEP_PERIOD = 1.0
 
@@ -130,6 +138,32 @@ class Lease(NamedTuple, Generic[T]):
     attempt: int
     deadline: datetime
     token: LeaseToken
+
+
+class Job(NamedTuple, Generic[T]):
+    """One row as :meth:`Queue.peek` reads it (Q33): ``id``, ``state``
+    (:class:`State`), ``attempts``, ``due`` (UTC; for a dead row, when it was
+    dead-lettered) and ``payload`` (decoded; for a var row whose body cannot be decoded,
+    a poisoned one, its raw bytes)."""
+
+    id: int
+    state: State
+    attempts: int
+    due: datetime
+    payload: T
+
+
+def as_token(lease: object) -> LeaseToken:
+    """The token of a ``Lease`` or a ``LeaseToken`` itself (SPEC Q30); anything else is
+    ``NotALease``, never ``StaleToken``, so ``except StaleToken`` cannot hide a wrong
+    argument."""
+    if isinstance(lease, LeaseToken):
+        return lease
+    if isinstance(lease, Lease):
+        return lease.token
+    raise NotALease(
+        f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
+    )
 
 
 @dataclass(frozen=True)
@@ -201,7 +235,7 @@ class Queue(Generic[T]):
     ``due``, and the read-only ``stats`` and ``snapshot``.
     """
 
-    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig, commit_settle: Settle) -> None:
+    def __init__(self, db: Db, spec: QueueSpec, config: QueueConfig, commits: Commits) -> None:
         self._db = db
         self.spec = spec
         self.name = spec.name
@@ -215,10 +249,12 @@ class Queue(Generic[T]):
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
         self._lease_ms = int(round(config.lease_timeout * 1000))  # the default lease, in ms
+        self._lease_timeouts: dict[tuple[int, int], int] = {}  # (id, epoch) -> ms: leases not of _lease_ms
         self._retention_ms = transitions.retention_ms(config)
         # Key, header and inline payload: the row image a settle reads and rewrites.
         self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
-        self._commit_settle = commit_settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
+        self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
+        self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -262,12 +298,18 @@ class Queue(Generic[T]):
                     f"queue {self.name!r} was created as a {stored} queue and cannot be opened as a {given} "
                     f"queue; declare it as it was created"
                 )
-            if meta["fingerprint"] != self.spec.fingerprint:
-                raise SchemaMismatch(
-                    f"queue {self.name!r} stores payload schema {meta['fingerprint']} but was declared with "
-                    f"{self.spec.fingerprint}; declare the original payload type (or use a new queue name)"
-                )
             shard_count = int(meta["shard_count"])
+            layouts, layout = meta.get("layouts"), int(meta.get("layout", 0))
+            if meta["fingerprint"] != self.spec.fingerprint:
+                # A dataclass payload may have gained a defaulted field or lost one (Q36):
+                # the new layout joins the history before any body is written with it.
+                layouts, layout = evolve(self.name, meta["fingerprint"], layouts, self.spec.payload,
+                                         self.spec.fingerprint)
+                fs.write_file_atomic(meta_path, encode_meta(
+                    self.spec.var, self.spec.fingerprint, shard_count, int(meta["value_size"]), layouts, layout))
+            if layouts:
+                self._codec.use_layouts(layouts, layout)  # type: ignore[union-attr]
+                self._encode = self._codec.encode
             if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
                 raise ConfigError(
                     f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "
@@ -581,6 +623,8 @@ class Queue(Generic[T]):
             if not progressed:
                 break
         if self._payload is None:
+            if lease_ms != self._lease_ms and out:
+                self._remember_timeouts(out, lease_ms)
             return out
         leases: list[Lease[T]] = []
         decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
@@ -609,7 +653,63 @@ class Queue(Generic[T]):
             leases.append(new(Lease, (seq, payload, attempt, dl, token)))
         if poisoned:
             self._dead_letter_poisoned(poisoned)
+        if lease_ms != self._lease_ms and leases:
+            self._remember_timeouts(leases, lease_ms)
         return leases
+
+    def _remember_timeouts(self, leases: list[Any], lease_ms: int) -> None:
+        """Leases taken with a timeout other than the queue's: what ``extend`` without
+        ``by`` extends them by (Q29).  Bounded: past :data:`MAX_REMEMBERED` the oldest are
+        forgotten (such a lease is then extended by the queue's timeout)."""
+        with self._counter_lock:
+            timeouts = self._lease_timeouts
+            for lz in leases:
+                tok = lz.token
+                timeouts[(tok.seq, tok.epoch)] = lease_ms
+            while len(timeouts) > MAX_REMEMBERED:
+                del timeouts[next(iter(timeouts))]
+
+    def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
+        """Move a lease's deadline to ``now + by`` and return it (UTC) (Q29).
+
+        Works on an unexpired lease and on an expired one that nobody leased again; the
+        token stays valid.  A header update, crash-safe like a lease: after a reopen the
+        row's deadline is the last one an ``extend`` returned (or a later one).
+
+        Parameters
+        ----------
+        lease : Lease or LeaseToken
+        by : timedelta or float seconds, optional
+            Default: the lease timeout this lease was taken with.
+
+        Raises
+        ------
+        StaleToken
+            The row was leased again, acked, nacked or dead-lettered; nothing changes.
+        ConfigError
+            ``by`` is not positive.
+        NotALease
+            ``lease`` is neither a ``Lease`` nor a ``LeaseToken``.
+        """
+        token = as_token(lease)
+        now = self._check()
+        if by is None:
+            by_ms = self._lease_timeouts.get((token.seq, token.epoch), self._lease_ms)
+        else:
+            by_ms = to_ms(by, "by")
+            if by_ms <= 0:
+                raise ConfigError(f"by must be positive, at least 1 ms, got {by!r}")
+        deadline = now + by_ms
+        if deadline >= MAX_DUE_MS:
+            raise ConfigError(f"by reaches past the largest deadline armdb stores; got {by!r}")
+        sh = self._token_shard(token)
+        with sh.lock:
+            slot, _hdr = self._validate_locked(sh, token)
+            fixed = sh.fixed
+            image = transitions.extend(fixed.sf.body(slot, 0, self._row_size), deadline)
+            fixed.write(slot, image, ring_next(int(fixed.versions[slot])))
+            sh.live.set_deadline(token.due, token.seq, deadline)
+        return ms_to_datetime(deadline)
 
     def _dead_letter_poisoned(self, poisoned: list[tuple[LeaseToken, Exception]]) -> None:
         """Dead-letter, one by one, the rows this lease claimed but cannot hand out.
@@ -714,8 +814,7 @@ class Queue(Generic[T]):
     # -- settle (Q13, Q14) ------------------------------------------------------------------------
     def _token_shard(self, token: object) -> _Shard:
         """The shard a token points into, after the checks that need no lock (Q13)."""
-        if not isinstance(token, LeaseToken):
-            raise StaleToken(f"expected a LeaseToken from Queue.lease(), got {type(token).__name__}")
+        token = as_token(token)
         if token.handle != self._handle or not 0 <= token.shard < len(self._shards):
             raise StaleToken(
                 f"this token was issued by another queue handle (another queue, or before a reopen); "
@@ -751,15 +850,26 @@ class Queue(Generic[T]):
             raise
         return sh, slot, hdr
 
-    def ack(self, token: LeaseToken) -> None:
+    def ack(self, token: Lease[T] | LeaseToken) -> None:
         """Remove a leased row (and its body, for a var queue).
+
+        Parameters
+        ----------
+        token : Lease or LeaseToken
+            What :meth:`lease` returned for the row, or its ``token``.
 
         Raises
         ------
         StaleToken
             The token is from another handle, or the row was leased again, acked,
             nacked or dead-lettered since; nothing changes.
+        NotALease
+            ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
+        if type(token) is not LeaseToken:
+            token = as_token(token)
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
         self._check()
         if self._payload is not None:
             # Header removal and body delete share one log commit (Q14).
@@ -776,7 +886,8 @@ class Queue(Generic[T]):
                 self._token_shard(token)  # raises StaleToken, saying why
             raise self._stale(token, r == ABSENT)
 
-    def nack(self, token: LeaseToken, *, delay: timedelta | float | None = None, dead: bool = False) -> None:
+    def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
+             dead: bool = False) -> None:
         """Give a leased row back: ready again at ``now + backoff`` (or ``now + delay``),
         re-keyed; dead-lettered when its attempts reached ``max_attempts`` or ``dead=True``.
 
@@ -784,7 +895,12 @@ class Queue(Generic[T]):
         ------
         StaleToken
             As for :meth:`ack`; nothing changes.
+        NotALease
+            ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
+        token = as_token(token)
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
         now = self._check()
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")
@@ -970,6 +1086,106 @@ class Queue(Generic[T]):
             if not isinstance(first_error, DbClosed):  # a close raced the pass: nothing to report
                 log.warning("queue %s: retention failed: %s", self.name, first_error)
 
+    # -- inspection and dead letters (Q33, Q34) --------------------------------------------------------------
+    def peek(self, n: int = 10, *, dead: bool = False) -> list[Job[T]]:
+        """Read up to ``n`` rows without changing anything (Q33).
+
+        Parameters
+        ----------
+        n : int
+            How many rows, 1 to :data:`MAX_LEASE`.
+        dead : bool
+            Live rows in key order (due time, then id) when False; dead rows, oldest
+            dead-lettered first, when True.
+
+        Returns
+        -------
+        list of Job
+
+        Raises
+        ------
+        ConfigError
+            ``n`` is not an int in ``1..MAX_LEASE``, or ``dead`` is not a bool.
+        """
+        _check_count(n, "peek(n)")
+        if not isinstance(dead, bool):
+            raise ConfigError("dead must be True or False")
+        self._check()
+        found: list[tuple[int, int, int, bytes, int]] = []  # due, seq, state, attempts, payload or body key
+        for sh in self._shards:
+            with sh.lock:
+                sh.fixed.check_open()
+                due, seq, slot = (sh.dead if dead else sh.live).head(n)[:3]
+                rows = rows_of(sh.fixed.slots, np.asarray(slot, dtype=np.intp))
+                hdr = rows["header"]
+                for i, sl in enumerate(np.asarray(slot).tolist()):
+                    inline = b"" if self.spec.var else self._payload_bytes(sh, sl)
+                    found.append((int(due[i]), int(seq[i]), int(hdr["state"][i]), int(hdr["attempts"][i]), inline))
+        found.sort(key=lambda r: (r[0], r[1]))
+        jobs: list[Job[T]] = []
+        for due_word, seq_, state, attempts, inline in found[:n]:
+            at = transitions.dead_since(due_word) if dead else due_word
+            jobs.append(Job(seq_, State(state), attempts, ms_to_datetime(at), self._peek_payload(seq_, inline)))
+        return jobs
+
+    def _peek_payload(self, seq: int, inline: bytes) -> Any:
+        if not self.spec.var:
+            return np.frombuffer(inline, dtype=self.spec.dtype)[0]
+        assert self._payload is not None
+        raw = self._payload.get(body_key(seq))
+        if raw is None:
+            return None  # a body retention already removed (the row is going too)
+        try:
+            return self._codec.decode(raw)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - a poisoned body: show what is stored
+            return raw
+
+    def redrive(self, ids: Any = None, *, delay: timedelta | float | None = None) -> int:
+        """Move dead rows back to ready (Q34), in one commit.
+
+        Each row keeps its id and body, is due at ``now + delay`` and has its attempts
+        reset to 0; ids that are not dead rows of this queue are ignored.  After a crash
+        either every row the call moves is ready or none is.
+
+        Parameters
+        ----------
+        ids : iterable of int, optional
+            The rows to move; every dead row when None.
+        delay : timedelta or float seconds, optional
+            When they are due again (default: now).
+
+        Returns
+        -------
+        int
+            How many rows moved.
+
+        Raises
+        ------
+        QueueFull
+            The moved rows would pass ``max_depth``; nothing moves.
+        ConfigError
+            ``ids`` holds something other than ints, or ``delay`` is negative.
+        """
+        delay_ms = 0 if delay is None else to_ms(delay, "delay")
+        if delay_ms < 0:
+            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        return self._commit_dead(_id_set(ids), True, delay_ms)
+
+    def purge_dead(self, ids: Any = None) -> int:
+        """Delete dead rows and their bodies (Q34), in one commit; ids that are not dead
+        rows of this queue are ignored.  Returns how many were deleted.
+
+        Raises
+        ------
+        ConfigError
+            ``ids`` holds something other than ints.
+        """
+        return self._commit_dead(_id_set(ids), False, 0)
+
+    def _commit_dead(self, ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:
+        self._check()
+        return self._commit_dead_rows(self._db, self, ids, redrive, delay_ms)
+
     # -- inspection (Q26, Q27) ---------------------------------------------------------------------------
     def stats(self) -> QueueStats:
         """Counters and sizes of this queue (Q26)."""
@@ -1152,6 +1368,48 @@ class Queue(Generic[T]):
         plan.apply.append(lambda: self._settle_row(sh, tok.due, tok.seq, slot, moved, now, version,
                                                    nack=not poisoned))
 
+    def _tx_dead_rows(self, plan: Plan, ids: frozenset[int] | None, redrive: bool, delay_ms: int,
+                      now: int) -> int:
+        """Plan a redrive (or a purge) of the dead rows ``ids`` (every one: None), all this
+        queue's locks held; returns how many rows it moves.  ``QueueFull`` when a redrive
+        would pass ``max_depth`` (Q21, Q34)."""
+        picked: list[tuple[_Shard, int, int, int]] = []  # shard, dead key due, id, slot
+        for sh in self._shards:
+            due, seq, slot = sh.dead.to_arrays()[:3]
+            sel = np.ones(len(seq), dtype=bool) if ids is None else np.isin(seq, np.fromiter(ids, np.uint64, len(ids)))
+            for d, q, sl in zip(due[sel].tolist(), seq[sel].tolist(), slot[sel].tolist(), strict=True):
+                picked.append((sh, d, q, sl))
+        cap = self._max_depth
+        if redrive and cap is not None and picked:
+            live = sum(len(sh.live) for sh in self._shards)
+            if live + len(picked) > cap:
+                raise QueueFull(
+                    f"queue {self.name!r}: redriving {len(picked)} rows would leave {live + len(picked)} live rows, "
+                    f"above max_depth={cap}; nothing moved"
+                )
+        payload = self._payload
+        for sh, dkey, rid, slot in picked:
+            fixed = sh.fixed
+            version = ring_next(int(fixed.versions[slot]))
+            plan.add_fixed(fixed)
+            if redrive:
+                moved = transitions.redrive(fixed.sf.body(slot, 0, self._row_size), now + delay_ms)
+                plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, moved.image])
+                plan.apply.append(functools.partial(_apply_redrive, sh, dkey, rid, slot, moved, version))
+            else:
+                plan.rows.append(["F", self.name, fixed.index, slot, version, DELETED, b""])
+                plan.apply.append(functools.partial(_apply_purge, sh, dkey, rid, slot, version))
+                if payload is not None:
+                    key = body_key(rid)
+                    gsn = plan.gsn()
+                    plan.rows.append(["B", self.spec.payload_name, key, None, gsn])
+                    plan.add_bitcask(payload)
+                    plan.apply.append(functools.partial(payload.write_locked, key, None, gsn))
+        if not redrive:
+            for _sh, _d, rid, _sl in picked:
+                plan.apply.append(functools.partial(self._cache_drop, rid))
+        return len(picked)
+
     def _tx_count_payload_writes(self, n: int) -> None:
         with self._counter_lock:
             self._payload_writes += n
@@ -1166,7 +1424,39 @@ class Queue(Generic[T]):
         return f"<armdb.Queue {self.name!r} ({flavour})>"
 
 
-def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commit_settle: Settle) -> Queue[Any]:
+def _apply_redrive(sh: _Shard, dkey: int, rid: int, slot: int, moved: transitions.Moved, version: int) -> None:
+    sh.fixed.write(slot, moved.image, version)
+    sh.dead.remove(dkey, rid)
+    sh.live.insert(moved.due, rid, slot, 0)
+
+
+def _apply_purge(sh: _Shard, dkey: int, rid: int, slot: int, version: int) -> None:
+    sh.fixed.free(slot, version)
+    sh.dead.remove(dkey, rid)
+
+
+def _check_count(n: object, what: str) -> None:
+    if type(n) is not int or n < 1:
+        raise ConfigError(f"{what} needs an int n >= 1, got {n!r}")
+    if n > MAX_LEASE:
+        raise ConfigError(f"{what} takes at most {MAX_LEASE:,} rows per call, got {n:,}")
+
+
+def _id_set(ids: Any) -> frozenset[int] | None:
+    """Row ids given to redrive or purge_dead: None (every dead row), or ints."""
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ConfigError(f"ids must be an iterable of row ids (ints) or None, not {type(ids).__name__}")
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 < int(i) < 1 << 64:
+            raise ConfigError(f"ids must be row ids (positive ints), got {i!r}")
+        out.append(int(i))
+    return frozenset(out)
+
+
+def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commits: Commits) -> Queue[Any]:
     """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
     if not isinstance(spec, QueueSpec):
         raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
@@ -1182,7 +1472,7 @@ def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commit_settl
             )
         if spec.name in db._maps or spec.payload_name in db._maps:
             raise ConfigError(f"{spec.name!r} is open as a map; a name holds one collection")
-        q: Queue[Any] = Queue(db, spec, config, commit_settle)
+        q: Queue[Any] = Queue(db, spec, config, commits)
         try:
             q._open()
         except OSError as e:

@@ -54,7 +54,7 @@ from .errors import (
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
-from .queue import LeaseToken, Queue
+from .queue import Lease, LeaseToken, Queue, as_token
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -82,6 +82,17 @@ class _Settle:
     delay_ms: int | None = None
     dead: bool = False
     poisoned: bool = False  # dead-lettered by a lease that could not decode its body (not a nack)
+
+
+@dataclass(slots=True)
+class _DeadRows:
+    """A redrive (or a purge) of a queue's dead rows (Q34): one commit for all of them."""
+
+    queue: Queue[Any]
+    ids: frozenset[int] | None
+    redrive: bool
+    delay_ms: int
+    moved: int = 0
 
 
 @dataclass(slots=True)
@@ -141,14 +152,17 @@ class Tx:
         self._steps.append(_Push(q, q._encode(payload), delay_ms, True))
         return self
 
-    def ack(self, queue: Queue[Any], token: LeaseToken) -> Tx:
+    def ack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken) -> Tx:
+        """Record an ack of a leased row (a ``Lease`` or its token; ``NotALease`` at this
+        call for anything else, Q30)."""
         self._open_step()
-        self._steps.append(_Settle(self._queue_arg(queue), token, True))
+        self._steps.append(_Settle(self._queue_arg(queue), as_token(token), True))
         return self
 
-    def nack(self, queue: Queue[Any], token: LeaseToken, *, delay: timedelta | float | None = None,
+    def nack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> Tx:
         self._open_step()
+        token = as_token(token)
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")
         delay_ms = None if delay is None else to_ms(delay, "delay")
@@ -253,7 +267,7 @@ class Tx:
             if t is _Push and s.explicit:
                 ids.append(s.seq)
             # A push, and a nack that makes its row ready again, can end a wait (Q19).
-            if (t is _Push or (t is _Settle and not s.ack)) and s.queue not in notified:
+            if (t is _Push or (t is _Settle and not s.ack) or (t is _DeadRows and s.redrive)) and s.queue not in notified:
                 notified.append(s.queue)
                 s.queue._notify()
         return ids
@@ -309,7 +323,7 @@ class Tx:
                           sync_failed: bool = False) -> TxFailedAfterLog:
         """Fence the stores of a commit that was logged but not (fully) applied."""
         reason = f"a logged transaction failed to apply ({e}); reopen the database"
-        for q in {s.queue for s in steps if type(s) is _Push or type(s) is _Settle}:
+        for q in {s.queue for s in steps if type(s) in (_Push, _Settle, _DeadRows)}:
             q._tx_fence()  # Q25
         # Later writes to these stores would take versions and gsns that make
         # replay skip the logged rows: refuse them until the reopen replays.
@@ -415,6 +429,10 @@ class Tx:
         steps.extend(extra)
 
     def _plan(self, steps: list[Any], plan: Plan, now: int) -> None:
+        if len(steps) == 1 and type(steps[0]) is _DeadRows:
+            d = steps[0]
+            d.moved = d.queue._tx_dead_rows(plan, d.ids, d.redrive, d.delay_ms, now)
+            return
         if len(steps) == 1 and type(steps[0]) is _Settle:
             # A lone settle (Queue.ack/nack on a var queue): no push to cap, no second token.
             s = steps[0]
@@ -505,6 +523,22 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     else:
         ordered = list(locks.values())
     tx._commit_locked(Plan(db.seqmap), [_Settle(q, token, ack, delay_ms, dead, poisoned)], ordered, None)
+
+
+def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:
+    """``Queue.redrive`` and ``Queue.purge_dead`` (Q34): every chosen dead row of ``q``
+    moves in one logged commit, under all of the queue's locks (and its body store's, for
+    a purge), by the same :meth:`Tx._commit_locked`; returns how many moved."""
+    db.check_open()
+    if db.txlog.sealer is None and q._tx_encrypted():
+        raise _log_key_required()
+    tx = Tx(db)
+    tx._finished = True
+    locks: dict[str, threading.Lock] = {}
+    q._tx_all_locks(locks)
+    step = _DeadRows(q, ids, redrive, delay_ms)
+    tx._commit_locked(Plan(db.seqmap), [step], [locks[k] for k in sorted(locks)], None)
+    return step.moved
 
 
 def _log_key_required() -> EncryptionKeyRequired:

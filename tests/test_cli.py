@@ -249,3 +249,40 @@ def test_c3_bench_interleaves_repeats_within_a_workload() -> None:
     assert calls == ["a", "b", "a", "b", "c", "c"]
     assert [len(r.values) for r in results] == [2, 2, 2]
     assert progress[-1] == (6, 6)
+
+
+# -- C4: the command line speaks to users --------------------------------------------------------------
+
+
+def test_c4_version_matches_the_package(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"armdb {armdb.__version__}"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'version = "{armdb.__version__}"' in pyproject
+
+
+def test_c4_stats_json_is_one_object_keyed_by_queue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "db"
+    _make_db(path)
+    assert cli.main(["stats", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"pings"}
+    pings = out["pings"]
+    assert (pings["len"], pings["dead_len"], pings["ready"], pings["leased"], pings["delayed"]) == (10, 1, 7, 2, 1)
+    assert pings["flavour"] == "fixed" and pings["shards"] == 1
+
+
+def test_c4_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    _make_db(path)
+    # The reader is gone before the command writes a byte (it closes its end at once, and
+    # the child takes far longer to import armdb): no traceback, SIGPIPE's exit status.
+    p = subprocess.Popen([sys.executable, "-m", "armdb", "stats", str(path), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=child_env())
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    with p.stderr:
+        err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and err == b"", err

@@ -37,7 +37,7 @@ DOC = ROOT / "docs" / "architecture.md"
 LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["armdb.errors"]),
     ("kernels", ["armdb._core.*"]),
-    ("base", ["armdb._fail", "armdb._fs", "armdb._clock", "armdb.config", "armdb._pack", "armdb._crypto",
+    ("base", ["armdb._version", "armdb._fail", "armdb._fs", "armdb._clock", "armdb.config", "armdb._pack", "armdb._crypto",
               "armdb._crcshift", "armdb._syncmark"]),
     ("formats", ["armdb.layout", "armdb.qrows", "armdb.qspec", "armdb.mapcodec", "armdb.logformat",
                  "armdb.bitcask.format"]),

@@ -18,6 +18,7 @@ import armdb
 from armdb import Config, ConfigError, FixedConfig, QueueConfig, State
 from armdb.errors import (
     DbClosed,
+    NotALease,
     PayloadTypeError,
     QueueAlreadyOpen,
     QueueFull,
@@ -204,7 +205,7 @@ def test_q3_queue_collections_cannot_be_opened_as_maps(db, q):
     public = {n for n in dir(q) if not n.startswith("_")}
     assert public == {
         "push", "lease", "ack", "nack", "len", "dead_len", "next_delay", "wait_due_timeout", "due",
-        "stats", "snapshot", "name", "spec", "config",
+        "stats", "snapshot", "name", "spec", "config", "peek", "redrive", "purge_dead", "extend",
     }
 
 
@@ -506,7 +507,7 @@ def test_q13_token_from_other_queue_or_reopen(db_path, clock, flavour):
         (olz,) = other.lease()
         with pytest.raises(StaleToken, match="another queue handle"):
             q1.ack(olz.token)
-        with pytest.raises(StaleToken):
+        with pytest.raises(NotALease):  # a wrong argument, not a stale lease (Q30)
             q1.ack("not a token")  # type: ignore[arg-type]
     with armdb.Db.open(db_path, clock=clock) as d:
         q2 = d.open_queue(spec, cfg())
@@ -926,3 +927,36 @@ def test_d4_db_stats_and_sweep_expired_now(db, clock):
     clock.advance(2)
     db.sweep_expired_now()
     assert qq.dead_len() == 0 and db.stats()["jobs"].dead_len == 0
+
+
+# -- Q30: a Lease or its token; anything else is a wrong argument, never StaleToken ---------------
+
+
+def test_q30_ack_and_nack_take_a_lease_or_its_token(db, flavour):
+    kind = flavour
+    q = db.open_queue(FixedQ if kind == "fixed" else VarQ, cfg())
+    for _ in range(4):
+        q.push((1, 0) if kind == "fixed" else Job(1, "x"))
+    a, b, c, d = q.lease(4)
+    q.ack(a)  # the Lease itself
+    q.ack(b.token)
+    q.nack(c)
+    db.tx().ack(q, d).commit()
+    assert q.len() == 1 and q.stats().acks == 3 and q.stats().nacks == 1
+    with pytest.raises(StaleToken):  # a real stale lease is still StaleToken
+        q.ack(a)
+
+
+@pytest.mark.parametrize("bad", [None, 7, "token", {"id": 1}, (1, 2, 3, 4, 5)])
+def test_q30_a_wrong_argument_is_not_a_lease_never_stale_token(db, flavour, bad):
+    kind = flavour
+    q = db.open_queue(FixedQ if kind == "fixed" else VarQ, cfg())
+    q.push((1, 0) if kind == "fixed" else Job(1, "x"))
+    (lease,) = q.lease(1)
+    for call in (lambda: q.ack(bad), lambda: q.nack(bad), lambda: db.tx().ack(q, bad),
+                 lambda: db.tx().nack(q, bad)):
+        with pytest.raises(NotALease, match=r"expected a Lease \(or its LeaseToken") as info:
+            call()
+        assert isinstance(info.value, TypeError) and not isinstance(info.value, StaleToken)
+    q.ack(lease)  # nothing changed: the lease still holds
+    assert q.len() == 0

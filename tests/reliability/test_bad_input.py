@@ -46,6 +46,7 @@ from armdb.errors import (
     DbLocked,
     EncryptionKeyRequired,
     FormatError,
+    NotALease,
     PayloadTypeError,
     QueueAlreadyOpen,
     QueueFull,
@@ -85,6 +86,12 @@ class JobV2:  # same class name as far as the fingerprint cares: fields differ
     doc_id: int
     reason: str
     extra: int
+
+
+@dataclass
+class JobDocStr:  # a field's type changed: not a compatible change (SPEC Q36)
+    doc_id: str
+    reason: str
 
 
 FixedQ = armdb.queue("pings", payload=PING)
@@ -547,6 +554,7 @@ ROWS: list[R] = [
     R("q2_reopen_var_as_fixed", lambda w: w.db.open_queue(armdb.queue("sparev", payload=PING), cfg()), SchemaMismatch, r"created as a var queue"),
     R("q2_reopen_other_dtype", lambda w: w.db.open_queue(armdb.queue("spare", payload=np.dtype("<u8")), cfg()), SchemaMismatch, r"payload schema.*declare the original payload type"),
     R("q2_reopen_other_dataclass_fields", lambda w: w.db.open_queue(armdb.queue("sparev", payload=JobV2, var=True), cfg()), SchemaMismatch, r"declare the original payload type"),
+    R("q36_reopen_dataclass_field_type_changed", lambda w: w.db.open_queue(armdb.queue("sparev", payload=JobDocStr, var=True), cfg()), SchemaMismatch, r"field 'doc_id' of JobDocStr was stored as int and is now str"),
     R("q2_reopen_var_bytes_as_str", lambda w: w.db.open_queue(armdb.queue("sparev", payload=str, var=True), cfg()), SchemaMismatch, r"payload schema"),
     R("s5_queue_shard_count_changed", lambda w: w.db.open_queue(SpareQ, cfg(header_config=FixedConfig.balanced().shard_count(3).grow_step(64).build())), ConfigError, r"fixed at creation: leave it unset"),
     R("s9_map_shard_count_changed", lambda w: w.db.open_map("plainmap", Config.balanced().shard_count(4).build()), ConfigError, r"shard"),
@@ -574,6 +582,8 @@ ROWS: list[R] = [
     R("q1_fixed_push_negative_into_unsigned", lambda w: w.fq.push((-1, 0)), PayloadTypeError, r"does not fit dtype"),
     R("q1_fixed_push_str_field", lambda w: w.fq.push(("x", 0)), PayloadTypeError, r"does not fit dtype"),
     R("q1_fixed_push_overflow_field", lambda w: w.fq.push((2**64, 0)), PayloadTypeError, r"does not fit dtype"),
+    R("q35_fixed_push_fractional_into_int", lambda w: w.fq.push((6.7, 0)), PayloadTypeError, r"does not fit dtype.*field 'doc'"),
+    R("q35_fixed_push_np_int_wrapping", lambda w: w.fq.push((0, np.int64(2**33))), PayloadTypeError, r"does not fit dtype.*field 'flags'"),
     R("q1_scalar_push_float", lambda w: w.sq.push(1.5), PayloadTypeError, r"must be a matching scalar"),
     R("q1_scalar_push_str", lambda w: w.sq.push("1"), PayloadTypeError, r"must be a matching scalar"),
     R("q1_scalar_push_overflow", lambda w: w.sq.push(2**40), PayloadTypeError, r"does not fit dtype"),
@@ -618,10 +628,10 @@ ROWS: list[R] = [
     R("q9_lease_timeout_below_1ms", lambda w: w.fq.lease(3, lease_timeout=0.0004), ConfigError, r"lease_timeout.*(millisecond|1 ms|0\.001)"),
     R("q19_wait_due_timeout_str", lambda w: w.vq.wait_due_timeout("1"), ConfigError, r"timeout must be a datetime\.timedelta"),
     # -- tokens (Q13) ------------------------------------------------------------------------------------------------
-    R("q13_ack_none", lambda w: w.vq.ack(None), StaleToken, r"expected a LeaseToken from Queue\.lease\(\), got NoneType"),
-    R("q13_ack_int", lambda w: w.vq.ack(42), StaleToken, r"expected a LeaseToken.*got int"),
-    R("q13_ack_str", lambda w: w.vq.ack("token"), StaleToken, r"expected a LeaseToken.*got str"),
-    R("q13_nack_none", lambda w: w.fq.nack(None), StaleToken, r"expected a LeaseToken"),
+    R("q30_ack_none", lambda w: w.vq.ack(None), NotALease, r"expected a Lease \(or its LeaseToken.*from Queue\.lease\(\), got NoneType"),
+    R("q30_ack_int", lambda w: w.vq.ack(42), NotALease, r"expected a Lease.*got int"),
+    R("q30_ack_str", lambda w: w.vq.ack("token"), NotALease, r"expected a Lease.*got str"),
+    R("q30_nack_none", lambda w: w.fq.nack(None), NotALease, r"expected a Lease"),
     R("q13_ack_token_of_other_queue", lambda w: w.vq.ack(w.ftok), StaleToken, r"another queue handle.*lease the row again"),
     R("q13_fixed_ack_token_of_var_queue", lambda w: w.fq.ack(w.tok), StaleToken, r"another queue handle.*lease the row again"),
     R("q13_ack_token_from_before_reopen", lambda w: w.vq.ack(w.old), StaleToken, r"another queue handle \(another queue, or before a reopen\)"),
@@ -635,7 +645,7 @@ ROWS: list[R] = [
     R("q13_forged_due", lambda w: w.fq.ack(LeaseToken(w.ftok.handle, 0, w.ftok.due + 1, w.ftok.seq, w.ftok.epoch)), StaleToken, r"already acked|nothing changed"),
     R("t1_tx_ack_stale", lambda w: w.db.tx().ack(w.vq, w.acked).commit(), StaleToken, r"nothing (was written|changed)"),
     R("t1_tx_ack_twice", lambda w: w.db.tx().ack(w.vq, w.tok).ack(w.vq, w.tok).commit(), StaleToken, r"settled twice in one transaction; nothing was written"),
-    R("t1_tx_ack_none", lambda w: w.db.tx().ack(w.vq, None).commit(), StaleToken, r"expected a LeaseToken"),
+    R("t1_tx_ack_none", lambda w: w.db.tx().ack(w.vq, None).commit(), NotALease, r"expected a Lease"),
     R("t1_tx_ack_stale_with_push", lambda w: w.db.tx().push(w.vq, Job(9, "x")).ack(w.vq, w.relased).commit(), StaleToken, r"leased again"),
     # -- maps (D3) -----------------------------------------------------------------------------------------------------
     R("d3_map_key_float", lambda w: w.m.put(1.5, 1), PayloadTypeError, r"map keys are bytes, str or int, not float"),
