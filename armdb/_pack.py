@@ -17,18 +17,27 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from .errors import PayloadTypeError
 
 _tls = threading.local()
 
 
+def _plain(obj: Any) -> Any:
+    """msgpack's ``default``: a NumPy bool, int, float, bytes or str scalar is stored as
+    its Python value (a lease gives that back); anything else stays unstorable."""
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biufSU":
+        return obj.item()
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
 def packb(obj: Any) -> bytes:
-    """``msgpack.packb(obj, use_bin_type=True)``."""
+    """``msgpack.packb(obj, use_bin_type=True)``, NumPy scalars taken as their Python value."""
     try:
         packer = _tls.packer
     except AttributeError:
-        packer = _tls.packer = msgpack.Packer(use_bin_type=True)
+        packer = _tls.packer = msgpack.Packer(use_bin_type=True, default=_plain)
     return packer.pack(obj)  # type: ignore[no-any-return]
 
 

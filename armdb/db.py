@@ -32,7 +32,7 @@ from . import _fs
 from ._clock import Clock, checked_clock, system_clock
 from .bitcask import BitcaskStore
 from .config import Config, TxConfig
-from .errors import ConfigError, DbClosed, as_storage_error
+from .errors import ConfigError, DbClosed, ProcessBound, as_storage_error
 
 # The directory's names, db.meta and the lock moved to armdb.layout; these names stay
 # importable from here for the modules and tests that still import them from armdb.db.
@@ -106,7 +106,10 @@ def _after_fork_in_child() -> None:
             db._closed = True
             db._closed_why = (
                 f" (inherited across fork() from process {os.getppid()}: a Db belongs to the process "
-                f"that opened it, so open one in each worker process)"
+                f"that opened it, and a database has one owner at a time. Hand work to other processes "
+                f"through the owner: the owner pushes and leases, workers get payloads over a pipe or "
+                f"queue and report back (docs/operations.md, 'Processes'); do not Db.open the same "
+                f"directory in the workers, that fails with DbLocked while the owner runs)"
             )
     _OPEN.clear()
 
@@ -252,6 +255,13 @@ class Db:
                 s.sync()
             except Exception as e:  # poisoned stores refuse later writes themselves (S12)
                 log.warning("armdb: background sync of %s failed: %s", getattr(s, "directory", s), e)
+
+    def __reduce__(self) -> Any:
+        raise ProcessBound(
+            f"a Db cannot be pickled or sent to another process: a handle belongs to the process that "
+            f"opened the database. Send payloads (and ids) instead, and let the owning process lease and "
+            f"settle (docs/operations.md, 'Processes')"
+        )
 
     def __enter__(self) -> Db:
         return self

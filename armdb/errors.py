@@ -17,6 +17,7 @@ __all__ = [
     "FormatError",
     "NotALease",
     "PayloadTypeError",
+    "ProcessBound",
     "QueueAlreadyOpen",
     "QueueFull",
     "SchemaMismatch",
@@ -78,6 +79,11 @@ class StaleToken(ArmdbError):
 
 class PayloadTypeError(ArmdbError, TypeError):
     """A payload does not match the queue's declared payload type."""
+
+
+class ProcessBound(ArmdbError, TypeError):
+    """A ``Db``, ``Queue`` or ``Map`` handle was pickled (to send it to another process):
+    a handle belongs to the process that opened it."""
 
 
 class NotALease(ArmdbError, TypeError):

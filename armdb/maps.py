@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .bitcask import BitcaskStore
-from .errors import CorruptionError, StreamSourceRequiresTx
+from .errors import CorruptionError, ProcessBound, StreamSourceRequiresTx
 from .mapcodec import Key, decode_key, decode_value, encode_key, encode_value
 
 __all__ = ["Map", "decode_key", "decode_value", "encode_key", "encode_value"]
@@ -280,6 +280,13 @@ class Map:
                 "hits": c.hits,
                 "misses": c.misses,
             }
+
+    def __reduce__(self) -> Any:
+        raise ProcessBound(
+            f"a Map handle cannot be pickled or sent to another process: a handle belongs to the process that "
+            f"opened the database. Send payloads (and ids) instead, and let the owning process lease and "
+            f"settle (docs/operations.md, 'Processes')"
+        )
 
     def __repr__(self) -> str:
         return f"<armdb.Map {self.name!r}>"

@@ -184,9 +184,10 @@ class FixedCodec:
             return value.tobytes()
         if dt.names is not None:
             if not isinstance(value, tuple) or len(value) != len(dt.names):
+                got = f"a tuple of {len(value)}" if isinstance(value, tuple) else type(value).__name__
                 raise PayloadTypeError(
                     f"payload for dtype {dt} must be a record of that dtype or a tuple of "
-                    f"{len(dt.names)} fields, not {type(value).__name__}"
+                    f"{len(dt.names)} fields, not {got} (the fields: {', '.join(dt.names)})"
                 )
         elif not _scalar_fits(value, dt):
             raise PayloadTypeError(f"payload for dtype {dt} must be a matching scalar, not {value!r}")
@@ -315,6 +316,8 @@ class VarCodec:
                 )
             obj: Any = [getattr(value, f) for f in self.fields]
         else:
+            if self.payload is bytes and isinstance(value, (bytearray, memoryview)):
+                value = bytes(value)  # bytes-like: stored, and leased, as bytes
             if not self.any and not _is_instance(value, self.payload):
                 raise PayloadTypeError(
                     f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
@@ -323,12 +326,23 @@ class VarCodec:
         try:
             raw = packb(obj)
         except (TypeError, ValueError, OverflowError) as e:
-            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {e}") from None
+            raise PayloadTypeError(f"payload cannot be serialised with msgpack: {self._which_field(value)}{e}; store "
+                                   f"str, bytes, numbers, bools, None, lists and dicts of them") from None
         if self.rebuild_at_push:
             check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
         else:
             check_round_trip(value, raw, "payload")
         return raw
+
+    def _which_field(self, value: Any) -> str:
+        """``"field 'x' of Job holds a set: "`` for the first dataclass field msgpack refuses."""
+        for name in self.fields if self.is_dataclass else ():
+            v = getattr(value, name)
+            try:
+                packb(v)
+            except (TypeError, ValueError, OverflowError):
+                return f"field {name!r} of {self.payload.__name__} holds a {type(v).__name__}: "
+        return ""
 
     def use_layouts(self, layouts: list[Layout], current: int) -> None:
         """Read bodies written under any of ``layouts`` (the payload class's field lists

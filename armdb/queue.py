@@ -58,6 +58,7 @@ from .errors import (
     EncryptionKeyRequired,
     FormatError,
     NotALease,
+    ProcessBound,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
@@ -1418,6 +1419,13 @@ class Queue(Generic[T]):
         """A commit touching this queue failed after its log append: no retention until
         the reopen replays it (Q25)."""
         self._retention_paused = True
+
+    def __reduce__(self) -> Any:
+        raise ProcessBound(
+            f"a Queue handle cannot be pickled or sent to another process: a handle belongs to the process that "
+            f"opened the database. Send payloads (and ids) instead, and let the owning process lease and "
+            f"settle (docs/operations.md, 'Processes')"
+        )
 
     def __repr__(self) -> str:
         flavour = "var" if self.spec.var else "fixed"

@@ -618,3 +618,39 @@ def test_d8_crash_between_meta_tmp_write_and_rename_recovers(
         assert q.len() == 1
     report = check(db_path)
     assert report.ok, str(report)
+
+
+def test_d1_handles_cannot_be_pickled_and_say_why(tmp_path):
+    # Pickling a handle (to send it to a pool worker) failed on an RLock; it now says that
+    # a handle belongs to its process and what to do instead.
+    import pickle
+
+    import numpy as np
+
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(armdb.queue("jobs", payload=np.dtype("<u8")))
+        m = db.open_map("m")
+        for handle in (db, q, m):
+            with pytest.raises(armdb.ProcessBound, match="belongs to the process that opened the database"):
+                pickle.dumps(handle)
+        q.push(1)
+        (lz,) = q.lease()
+        assert pickle.loads(pickle.dumps(lz.token)) == lz.token  # tokens and payloads travel
+
+
+def test_d1_fork_message_points_at_the_owner_pattern(tmp_path):
+    import os
+
+    db = armdb.Db.open(tmp_path / "db")
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                db.open_map("m")
+            except armdb.DbClosed as e:
+                os._exit(0 if "owner" in str(e) and "DbLocked" in str(e) and "open one in each" not in str(e) else 3)
+            os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        db.close()

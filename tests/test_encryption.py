@@ -258,3 +258,15 @@ def test_s10_encrypted_compaction_and_reopen(tmp_path: Path) -> None:
     with pytest.raises(WrongKey):
         open_store(coll, key=OTHER)
     assert check_dir(str(coll)) == []
+
+
+def test_s10_wrong_key_message_names_the_collection(tmp_path):
+    # A wrong key is refused naming the collection it was given for.
+    from armdb import Config, Db
+    from armdb.errors import WrongKey
+
+    with Db.open(tmp_path / "db") as db:
+        db.open_map("secrets", Config.balanced().encryption_key(b"k" * 32).build())
+    with Db.open(tmp_path / "db") as db:
+        with pytest.raises(WrongKey, match="collection 'secrets'"):
+            db.open_map("secrets", Config.balanced().encryption_key(b"x" * 32).build())

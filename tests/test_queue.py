@@ -960,3 +960,40 @@ def test_q30_a_wrong_argument_is_not_a_lease_never_stale_token(db, flavour, bad)
         assert isinstance(info.value, TypeError) and not isinstance(info.value, StaleToken)
     q.ack(lease)  # nothing changed: the lease still holds
     assert q.len() == 0
+
+
+# -- payload errors that say what to do, and values users reasonably pass -------------------------------
+
+
+def test_q1_numpy_scalars_in_a_dataclass_are_taken_as_their_python_value(db):
+    @dataclass
+    class Stat:
+        n: int
+        x: float
+        ok: bool
+
+    q = db.open_queue(armdb.queue("stats_q", payload=Stat, var=True), cfg())
+    q.push(Stat(np.int64(7), np.float32(0.5), np.bool_(True)))
+    (lz,) = q.lease()
+    assert lz.payload == Stat(7, 0.5, True) and type(lz.payload.n) is int
+
+
+def test_q1_bytes_like_values_are_accepted_for_a_bytes_queue(db):
+    q = db.open_queue(armdb.queue("raw_q", payload=bytes, var=True), cfg())
+    q.push(bytearray(b"ab"))
+    q.push(memoryview(b"cd"))
+    assert sorted(lz.payload for lz in q.lease(2)) == [b"ab", b"cd"]
+
+
+def test_q1_payload_errors_name_the_field_and_the_shape(db):
+    @dataclass
+    class Doc:
+        id: int
+        tags: object
+
+    q = db.open_queue(armdb.queue("docs_q", payload=Doc, var=True), cfg())
+    with pytest.raises(PayloadTypeError, match=r"field 'tags' of Doc holds a set"):
+        q.push(Doc(1, {"a"}))
+    fq = db.open_queue(FixedQ, cfg())
+    with pytest.raises(PayloadTypeError, match=r"tuple of 2 fields, not a tuple of 3 \(the fields: doc, flags\)"):
+        fq.push((1, 2, 3))

@@ -35,6 +35,7 @@ from ..errors import (
     EncryptionKeyRequired,
     PayloadTypeError,
     StorageError,
+    WrongKey,
 )
 from ..seqmap import MAX_RESERVED
 from . import format as _format
@@ -204,7 +205,13 @@ class BitcaskStore:
                     f"Config.balanced().encryption_key(<the 32-byte key>)"
                 )
             self._sealer = Sealer(key)
-            self._sealer.verify(meta.check)
+            try:
+                self._sealer.verify(meta.check)
+            except WrongKey:
+                raise WrongKey(
+                    f"the encryption key given for collection {os.path.basename(self.directory)!r} is not the "
+                    f"key it was created with ({self.directory}); open it with the original key"
+                ) from None
         elif key is not None:
             raise ConfigError(
                 f"collection {self.directory!r} is not encrypted, but an encryption key was given; "

@@ -22,6 +22,7 @@ import collections
 import dis
 import hashlib
 import os
+import pickle
 import shutil
 import struct
 import subprocess
@@ -48,6 +49,7 @@ from armdb.errors import (
     FormatError,
     NotALease,
     PayloadTypeError,
+    ProcessBound,
     QueueAlreadyOpen,
     QueueFull,
     SchemaMismatch,
@@ -593,7 +595,8 @@ ROWS: list[R] = [
     R("q1_var_push_unencodable_field", lambda w: w.vq.push(Job(1, object())), PayloadTypeError, r"cannot be serialised with msgpack"),
     R("q1_var_push_huge_int_field", lambda w: w.vq.push(Job(2**70, "x")), PayloadTypeError, r"cannot be serialised with msgpack"),
     R("q1_bytes_push_str", lambda w: w.bq.push("text"), PayloadTypeError, r"must be of type bytes, not str"),
-    R("q1_bytes_push_bytearray", lambda w: w.bq.push(bytearray(b"x")), PayloadTypeError, r"must be of type bytes, not bytearray"),
+    R("q1_bytes_push_str", lambda w: w.bq.push("text"), PayloadTypeError, r"must be of type bytes, not str"),
+    R("d1_pickle_a_queue_handle", lambda w: pickle.dumps(w.fq), ProcessBound, r"belongs to the process that opened the database"),
     R("q1_any_push_object", lambda w: w.aq.push(object()), PayloadTypeError, r"cannot be serialised with msgpack"),
     R("q1_any_push_set", lambda w: w.aq.push({1, 2}), PayloadTypeError, r"cannot be serialised with msgpack"),
     R("q1_tx_push_wrong_type", lambda w: w.db.tx().push(w.vq, {"x": 1}), PayloadTypeError, r"instance.*Job|Job.*instance"),
