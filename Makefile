@@ -13,12 +13,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+# editable_mode=compat: a path entry in site-packages rather than an import hook, so
+# that type checkers (mypy, pyright) find armdb and its py.typed in this checkout.
+EDITABLE := --config-settings editable_mode=compat
+
 $(BASE): $(PY) $(SOURCES)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(EDITABLE) -e .
 	touch $(BASE)
 
 $(STAMP): $(BASE)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q $(EDITABLE) -e '.[test]'
 	touch $(STAMP)
 
 build: $(STAMP)
@@ -36,7 +40,7 @@ reliability: $(STAMP)
 
 # The asv suite once over (quick), then the side-by-side run against the peers (SPEC C3).
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q $(EDITABLE) -e '.[test,bench]'
 	cd asv_bench && $(abspath $(VENV))/bin/asv machine --yes > /dev/null
 	cd asv_bench && $(abspath $(VENV))/bin/asv run --python=same --quick
 	$(PY) -m armdb bench --quick

@@ -26,7 +26,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _fs
 from ._clock import Clock, checked_clock, system_clock
@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from .streams import SchemaRegistry
 
 log = logging.getLogger("armdb")
+
+T = TypeVar("T")
 
 FLUSH_PERIOD = 0.05
 
@@ -418,7 +420,7 @@ class Db:
             self._maps[name] = m
             return m
 
-    def open_queue(self, spec: QueueSpec, config: Any = None) -> Queue:
+    def open_queue(self, spec: QueueSpec[T], config: Any = None) -> Queue[T]:
         """Open (or create) the queue declared by ``spec`` (Q2).  See :class:`armdb.Queue`."""
         # A var queue's ack and nack are logged commits (Q14): the queue gets them from
         # here, the one module that knows both the queue and the transaction.

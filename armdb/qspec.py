@@ -16,7 +16,7 @@ import inspect
 import struct
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
 import msgpack
 import numpy as np
@@ -29,9 +29,13 @@ from .qrows import MAX_FIXED_PAYLOAD
 __all__ = ["QueueSpec", "queue"]
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class QueueSpec:
-    """A queue declaration made by :func:`queue` at import time."""
+class QueueSpec(Generic[T]):
+    """A queue declaration made by :func:`queue` at import time; generic in the payload
+    type, so that ``db.open_queue(spec)`` is a ``Queue[Job]`` to a type checker."""
 
     name: str
     payload: Any
@@ -87,7 +91,13 @@ def _type_name(tp: Any) -> str:
 _MSGPACK_TYPES = (bytes, str, int, float, bool, list, dict, tuple)
 
 
-def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec:
+@typing.overload
+def queue(name: str, *, payload: type[T], var: Literal[True]) -> QueueSpec[T]: ...
+@typing.overload
+def queue(name: str, *, payload: Any, var: Literal[False] = False) -> QueueSpec[np.void]: ...
+@typing.overload
+def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec[Any]: ...
+def queue(name: str, *, payload: Any, var: bool = False) -> QueueSpec[Any]:
     """Declare a queue (Q1).  Call once per queue, at import time.
 
     Parameters
