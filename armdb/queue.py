@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import html
 import itertools
 import logging
 import os
@@ -202,20 +203,43 @@ class QueueStats:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    # How Jupyter groups the fields: what is in the queue now, what happened since this
+    # open, and the files.  Sizes are shown in readable units.
+    _GROUPS = (
+        ("now", ("len", "ready", "leased", "delayed", "dead_len", "retention_retry_pending")),
+        ("since this open", ("pushes", "acks", "nacks", "dead_lettered", "poisoned", "expired_leases",
+                             "payload_writes", "repaired_on_open", "orphans_collected")),
+        ("files", ("shards", "slots_allocated", "version_vector_bytes", "header_file_logical_bytes",
+                   "header_file_physical_bytes", "compaction_bytes", "payload_compaction_bytes")),
+    )
+
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><th style='text-align:left'>{k}</th><td style='text-align:right'>{_fmt(v)}</td></tr>"
-            for k, v in self.to_dict().items()
-            if k != "name"
-        )
+        d = self.to_dict()
+        body = []
+        for title, names in self._GROUPS:
+            body.append(f"<tr><th colspan='2' style='text-align:left;padding-top:0.6em'>{title}</th></tr>")
+            for k in names:
+                v = _bytes(d[k]) if k.endswith("_bytes") else _fmt(d[k])
+                body.append(f"<tr><td style='text-align:left;padding-left:1.2em'>{k}</td>"
+                            f"<td style='text-align:right'>{v}</td></tr>")
         return (
-            f"<table><caption style='font-weight:bold'>queue {self.name}</caption>"
-            f"<thead><tr><th>stat</th><th>value</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"<table><caption style='font-weight:bold'>queue {html.escape(self.name)}</caption>"
+            f"<tbody>{''.join(body)}</tbody></table>"
         )
 
 
 def _fmt(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def _bytes(n: int) -> str:
+    """``12,582,912`` as ``12.0 MiB``: sizes in binary units, exact below 1 KiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n:,} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
 
 
 # -- the queue ---------------------------------------------------------------------------------
@@ -1249,6 +1273,16 @@ class Queue(Generic[T]):
                 parts.append(rows_of(sh.fixed.slots, slots))
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, ROW_DTYPE)
         return to_snapshot(rows)
+
+    def snapshot_frame(self) -> Any:
+        """:meth:`snapshot` as a ``pandas.DataFrame`` (Jupyter), with ``state`` a categorical
+        of the :class:`State` names (READY, LEASED, DEAD).  Needs pandas (the ``notebook``
+        extra); ``pandas.DataFrame(q.snapshot())`` is the same without the categorical."""
+        import pandas as pd  # optional, heavy: only this method needs it (the notebook extra)
+
+        df = pd.DataFrame(self.snapshot(), copy=False)
+        df["state"] = pd.Categorical.from_codes(df["state"], categories=[s.name for s in State])
+        return df
 
     # -- what a db.tx() commit calls (armdb.tx; private to armdb) ---------------------------------
     # A commit reaches a queue through these methods and the public ``name``, ``config``

@@ -96,13 +96,20 @@ def test_q26_stats_html_table(db: Db, clock: FakeClock) -> None:
     parser = _Table()
     parser.feed(stats._repr_html_())
     assert parser.caption == f"queue {Pings.name}"
-    table = {row[0]: row[1] for row in parser.rows}
-    assert all(len(row) == 2 for row in parser.rows)
+    # Grouped: what the queue holds now, the counters since this open (labelled so), the
+    # files; every stat once, sizes in readable units.
+    assert [row[0] for row in parser.rows if len(row) == 1] == ["now", "since this open", "files"]
+    table = {row[0]: row[1] for row in parser.rows if len(row) == 2}
     fields = [f.name for f in dataclasses.fields(QueueStats) if f.name != "name"]
-    assert [row[0] for row in parser.rows] == fields  # one row per stat, in field order
+    assert sorted(table) == sorted(fields) and len(parser.rows) == len(fields) + 3
     assert set(Q26_STATS) <= set(table)
     for name in fields:
-        assert table[name] == f"{getattr(stats, name):,}", name
+        value = getattr(stats, name)
+        if name.endswith("_bytes") and value >= 1024:
+            assert table[name].endswith(("KiB", "MiB", "GiB")), (name, table[name])
+        else:
+            assert table[name] in (f"{value:,}", f"{value:,} B"), name
+    assert table["header_file_logical_bytes"] == "12.2 MiB"  # 4096 + 100,000 slots of 128 bytes
     # The workload reached every state, so the table is not all zeros.
     assert (stats.ready, stats.leased, stats.delayed, stats.dead_len) == (6, 2, 2, 2)
     assert (stats.pushes, stats.acks, stats.nacks, stats.dead_lettered, stats.expired_leases) == (13, 1, 3, 2, 1)
@@ -188,3 +195,14 @@ def test_notebook_executes(tmp_path: Path) -> None:
     assert any("image/png" in d for d in data), "the chart was not drawn"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "live 30, dead 4" in text
+
+
+def test_q27_snapshot_frame_has_state_as_a_categorical(db: Db, clock: FakeClock) -> None:
+    q = _workload(db, clock)
+    df = q.snapshot_frame()
+    assert list(df.columns) == ["id", "state", "due", "attempts", "epoch", "deadline"]
+    assert str(df["state"].dtype) == "category"
+    assert list(df["state"].cat.categories) == ["READY", "LEASED", "DEAD"]
+    counts = df["state"].value_counts()
+    assert (counts["READY"], counts["LEASED"], counts["DEAD"]) == (8, 2, 2)
+    assert len(df) == len(q.snapshot())
