@@ -205,7 +205,7 @@ def test_q3_queue_collections_cannot_be_opened_as_maps(db, q):
     public = {n for n in dir(q) if not n.startswith("_")}
     assert public == {
         "push", "lease", "ack", "nack", "len", "dead_len", "next_delay", "wait_due_timeout", "due",
-        "stats", "snapshot", "name", "spec", "config", "peek", "redrive", "purge_dead", "extend",
+        "stats", "snapshot", "snapshot_frame", "name", "spec", "config", "peek", "redrive", "purge_dead", "extend",
     }
 
 
