@@ -284,6 +284,12 @@ def _loss(given: Any, stored: Any, dt: np.dtype, where: str) -> str | None:
         if not isinstance(given, str) or stored != given.rstrip("\0"):
             return f"{field} {given!r} does not fit {dt.itemsize // 4} characters (stored as {stored!r})"
         return None
+    if kind == "V":  # raw bytes: NumPy pads a shorter value with zeros and cuts a longer one
+        raw = given.tobytes() if isinstance(given, np.void) else bytes(given) if isinstance(
+            given, (bytes, bytearray, memoryview)) else None
+        if raw is None or len(raw) > dt.itemsize or bytes(stored.tobytes()) != raw.ljust(dt.itemsize, b"\0"):
+            return f"{field} {given!r} does not fit {dt.itemsize} raw bytes"
+        return None
     if stored != given:  # datetime64, timedelta64 and the rest: equal after the round trip
         return f"{field} {given!r} does not convert to {dt} exactly (stored as {stored!r})"
     return None

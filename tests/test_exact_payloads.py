@@ -85,6 +85,7 @@ def test_q35_float_into_a_narrower_float_field_is_rounded_not_refused(db):
         (np.dtype([("name", "<U4"), ("n", "u1")]), ("toolong", 1), ("four", 255)),
         (np.dtype([("v", "<i4", (3,))]), (([1, 2, 3.5],)), (([1, 2, 3],))),
         (np.dtype([("inner", [("a", "u1"), ("b", "<f8")]), ("c", "u1")]), ((256, 1.0), 1), ((255, 1.5), 0)),
+        (np.dtype([("raw", "V4"), ("n", "u1")]), (b"abcde", 1), (b"ab", 1)),  # raw bytes: padded, never cut
     ],
 )
 def test_q35_every_field_kind(dtype, bad, good):
