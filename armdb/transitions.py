@@ -22,7 +22,7 @@ from typing import NamedTuple
 from ._core import qrow as _rules
 from .config import QueueConfig
 from .errors import ConfigError
-from .qrows import DEAD_BIT, MAX_DUE_MS, header_of
+from .qrows import DEAD_BIT, MAX_DUE_MS, header_of, key_of
 
 # What a rule did (armdb/_core/qrow.pxd).
 LEASED = _rules.OUTCOMES["LEASED"]  # a ready row was leased
@@ -70,7 +70,7 @@ def nack(image: bytes, now: int, config: QueueConfig, delay_ms: int | None, dead
         # A due time at or past 2**63 is the dead key class: a ready row keyed there is
         # one the next open refuses (such a row was once written).
         raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {wait} ms")
-    return Moved(out, int.from_bytes(out[:8], "big"), outcome == NACK_DEAD)
+    return Moved(out, key_of(out)[0], outcome == NACK_DEAD)
 
 
 def dead_since(due: int) -> int:
