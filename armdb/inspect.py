@@ -74,9 +74,12 @@ def read_shard(raw: bytes, path: str) -> ShardRows:
             f"{path}: header page gives slot size {slot_size} for keys of {key_size} and values of "
             f"{value_size} bytes, which is not a queue shard's geometry; restore the file from a backup"
         )
-    whole = (len(raw) - HEADER_PAGE) // slot_size
+    whole = (len(raw) - HEADER_PAGE) // slot_size  # negative for a file cut inside its header page
     n = max(0, whole)
-    table = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size)
+    if n:
+        table = np.frombuffer(raw, dtype=np.uint8, offset=HEADER_PAGE, count=n * slot_size).reshape(n, slot_size)
+    else:
+        table = np.zeros((0, slot_size), dtype=np.uint8)
     status = slot_status(table)
     occ = np.flatnonzero(status == OCCUPIED)
     return ShardRows(slot_size, key_size, value_size, shard, n, raw[HEADER_PAGE + whole * slot_size :], table,

@@ -76,6 +76,11 @@ def pack_row(due: int, seq: int, state: int, flags: int, attempts: int, epoch: i
     return _KEY.pack(due, seq) + _HEADER.pack(state, flags, attempts, epoch, deadline, payload_id, pushed) + payload
 
 
+def key_of(image: bytes) -> tuple[int, int]:
+    """``(due, seq)``: the key of a row image (or of any bytes that start with one)."""
+    return _KEY.unpack_from(image)  # type: ignore[return-value]
+
+
 def header_of(image: bytes) -> tuple[int, int, int, int, int, int, int]:
     """``(state, flags, attempts, epoch, deadline, payload_id, pushed)`` of a row image."""
     return _HEADER.unpack_from(image, KEY_SIZE)  # type: ignore[return-value]

@@ -13,6 +13,11 @@ slots and two ordered indexes (``armdb._core.qindex.KeyIndex``), ``live`` (ready
 delayed and leased rows, with the lease deadline of each leased row) and ``dead``,
 with push, claim and ack of one row compiled.
 
+The row format is ``armdb.qrows``; every rule that changes a row (push, lease, nack,
+dead-letter, retention) is ``armdb.transitions``, whose definitions the compiled claim
+runs too.  ``db.tx()`` reaches a queue through the methods under "what a db.tx() commit
+calls" below; the layers are in docs/architecture.md.
+
 Lock policy: one lock per shard (``FixedShard.lock``) guards that shard's slots,
 its indexes and its counters.  The lease scan runs under the shard lock, with the
 GIL released while leases may have to be skipped; it skips unexpired leases without

@@ -55,7 +55,7 @@ from .fixed import (
 )
 from .layout import COLLECTIONS, PAYLOAD_SUFFIX, QUEUE_META, validate_name
 from .mapcodec import decode_key, decode_value
-from .qrows import ROW_DTYPE, decode_meta, row_problems
+from .qrows import ROW_DTYPE, decode_meta, key_of, row_problems
 from .seqmap import MAX_RESERVED
 
 if TYPE_CHECKING:
@@ -225,6 +225,8 @@ class LoggedSlot:
     where: str
 
 
+# Where a slot holds its row id: after the 8-byte slot header, at the row's "seq" field.
+_SEQ_AT = 8 + ROW_DTYPE.fields["seq"][1]  # type: ignore[index]
 # Slots read at a time when a shard's stored row ids are scanned (bounded memory).
 _SCAN_SLOTS = 16384
 
@@ -249,7 +251,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     versions = np.zeros(0, dtype=np.uint32)
     # The row ids the log writes into occupied slots (a superset of those it leaves), and
     # every stored slot that holds one of them: slot -> row id.
-    logged = {int.from_bytes(w.body[8:16], "big") for w in writes if w.status == OCCUPIED}
+    logged = {key_of(w.body)[1] for w in writes if w.status == OCCUPIED}
     logged_ids = np.array(sorted(logged), dtype=np.uint64)
     holders: dict[int, int] = {}
     if fs.exists(data_path):
@@ -265,7 +267,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
                 chunk = np.frombuffer(raw.ljust((hi - lo) * slot_size, b"\0"), dtype=np.uint8)
                 chunk = chunk.reshape(hi - lo, slot_size).copy()
                 _k.validate(chunk, versions[lo:hi], status[lo:hi])
-                ids = chunk[:, 16:24].copy().view(">u8").reshape(-1).astype(np.uint64)  # slot header, due, seq
+                ids = chunk[:, _SEQ_AT : _SEQ_AT + 8].copy().view(">u8").reshape(-1).astype(np.uint64)
                 for i in np.flatnonzero((status[lo:hi] == OCCUPIED) & np.isin(ids, logged_ids)).tolist():
                     holders[lo + i] = int(ids[i])
         finally:
@@ -291,7 +293,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
                 if st >= 0:
                     status[slot], versions[slot] = st, v[0]
                     holders.pop(slot, None)
-                    healed_id = int.from_bytes(bytes(one[0, 16:24]), "big")
+                    healed_id = key_of(bytes(one[0, 8:]))[1]  # after the 8-byte slot header
                     if st == OCCUPIED and healed_id in logged:
                         holders[slot] = healed_id
     # ... and never-written slots below the high-water mark become deleted (fill_holes).
@@ -315,7 +317,7 @@ def replay_conflicts(data_path: str, slot_size: int, writes: list[LoggedSlot], l
     for slot, (_, st, body, where) in sorted(state.items()):
         if where is None or st != OCCUPIED or body is None:
             continue
-        seq = int.from_bytes(body[8:16], "big")  # a queue row (qrows.ROW_DTYPE): due, then seq, big-endian
+        seq = key_of(body)[1]
         if seq in written:
             out.append((where, f"writes row id {seq} into slot {slot} while the log also writes it into slot "
                                f"{written[seq][0]}"))

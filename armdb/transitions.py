@@ -22,7 +22,7 @@ from typing import NamedTuple
 from ._core import qrow as _rules
 from .config import QueueConfig
 from .errors import ConfigError
-from .qrows import DEAD_BIT, MAX_DUE_MS, ROW_SIZE, State, header_of, pack_row
+from .qrows import DEAD_BIT, MAX_DUE_MS, ROW_SIZE, State, header_of, key_of, pack_row
 
 # What a rule did (armdb/_core/qrow.pxd).
 LEASED = _rules.OUTCOMES["LEASED"]  # a ready row was leased
@@ -70,14 +70,14 @@ def nack(image: bytes, now: int, config: QueueConfig, delay_ms: int | None, dead
         # A due time at or past 2**63 is the dead key class: a ready row keyed there is
         # one the next open refuses (such a row was once written).
         raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {wait} ms")
-    return Moved(out, int.from_bytes(out[:8], "big"), outcome == NACK_DEAD)
+    return Moved(out, key_of(out)[0], outcome == NACK_DEAD)
 
 
 def extend(image: bytes, deadline: int) -> bytes:
     """A leased row's image with its lease running until ``deadline`` (Q29): the state,
     attempts and epoch stay, so the lease's token stays valid."""
     state, flags, attempts, epoch, _deadline, payload_id, pushed = header_of(image)
-    due, seq = int.from_bytes(image[:8], "big"), int.from_bytes(image[8:16], "big")
+    due, seq = key_of(image)
     return pack_row(due, seq, state, flags, attempts, epoch, deadline, payload_id, pushed, image[ROW_SIZE:])
 
 
@@ -87,7 +87,7 @@ def redrive(image: bytes, due: int) -> Moved:
     stale), payload id, push time and inline payload are kept."""
     if due >= MAX_DUE_MS:
         raise ConfigError(f"the redrive time {due} ms reaches the dead key class; use a shorter delay")
-    seq = int.from_bytes(image[8:16], "big")
+    seq = key_of(image)[1]
     _state, _flags, _attempts, epoch, _deadline, payload_id, pushed = header_of(image)
     out = pack_row(due, seq, State.READY, 0, 0, epoch, 0, payload_id, pushed, image[ROW_SIZE:])
     return Moved(out, due, False)

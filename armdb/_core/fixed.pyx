@@ -23,7 +23,17 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-from armdb._core._util cimport load_u32, load_u64, store_u32, store_u64
+from armdb._core._util cimport load_le, load_u32, load_u64, store_u32, store_u64
+from armdb._core.qrow cimport (
+    AT_ATTEMPTS,
+    AT_DEADLINE,
+    AT_EPOCH,
+    AT_FLAGS,
+    AT_PAYLOAD_ID,
+    AT_PUSHED,
+    AT_STATE,
+    HEADER_SIZE,
+)
 from armdb.errors import DbClosed
 
 RING_BITS = 30
@@ -482,13 +492,14 @@ cdef class SlotFile:
 
     def header(self, Py_ssize_t i, Py_ssize_t off):
         """The queue row header at byte ``off`` of slot ``i``'s body: ``(state, flags,
-        attempts, epoch, deadline, payload_id, pushed)`` (``<BBHIqQq``)."""
+        attempts, epoch, deadline, payload_id, pushed)`` (the layout of qrow.pxd)."""
         self._alive()
-        if i < 0 or i >= self.slots.shape[0] or off < 0 or off > self.size - 8 - 32:
+        if i < 0 or i >= self.slots.shape[0] or off < 0 or off > self.size - 8 - HEADER_SIZE:
             raise IndexError(f"slot {i} out of range")
-        cdef const uint8_t* p = &self.slots[i, 8 + off]
-        return (p[0], p[1], <uint32_t>p[2] | (<uint32_t>p[3] << 8), load_u32(p + 4),
-                <int64_t>load_u64(p + 8), load_u64(p + 16), <int64_t>load_u64(p + 24))
+        cdef const uint8_t* p = &self.slots[i, 8 + off]  # the header: row offsets minus AT_STATE
+        return (p[0], p[AT_FLAGS - AT_STATE], <uint32_t>load_le(p + AT_ATTEMPTS - AT_STATE, 2),
+                load_u32(p + AT_EPOCH - AT_STATE), <int64_t>load_u64(p + AT_DEADLINE - AT_STATE),
+                load_u64(p + AT_PAYLOAD_ID - AT_STATE), <int64_t>load_u64(p + AT_PUSHED - AT_STATE))
 
     def body(self, Py_ssize_t i, Py_ssize_t off, Py_ssize_t n):
         """``n`` bytes of slot ``i``'s body from byte ``off``."""

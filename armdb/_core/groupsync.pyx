@@ -61,11 +61,9 @@ waiter whose record the sync did not cover gets it back.
 from libc.errno cimport EINTR, EIO, errno
 from libc.limits cimport LLONG_MAX
 
-
 from armdb._core._util cimport monotonic_ns
 from armdb._core.posix_sync cimport (
     CLOCK_MONOTONIC,
-    clock_gettime,
     pthread_cond_broadcast,
     pthread_cond_destroy,
     pthread_cond_init,
