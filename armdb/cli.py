@@ -401,9 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (``| head``): end quietly, as a tool killed by SIGPIPE
         # would, and keep the interpreter from complaining when it flushes stdout.
-        devnull = os.open(os.devnull, os.O_WRONLY)
+        devnull = _fs.FS.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _fs.FS.close(devnull)
         return 141
     except ArmdbError as e:
         print(f"armdb {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
