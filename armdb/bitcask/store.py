@@ -209,8 +209,8 @@ class BitcaskStore:
                 self._sealer.verify(meta.check)
             except WrongKey:
                 raise WrongKey(
-                    f"the encryption key given for collection {os.path.basename(self.directory)!r} is not the "
-                    f"key it was created with ({self.directory}); open it with the original key"
+                    f"the encryption key given for collection {os.path.basename(self.directory)!r} does not "
+                    f"match the key it was created with ({self.directory}); open it with the original key"
                 ) from None
         elif key is not None:
             raise ConfigError(
