@@ -2,21 +2,8 @@
 
 Keys are ``bytes``, ``str`` or ``int`` and keep their type: ``1``, ``"1"`` and
 ``b"1"`` are three different keys, and :meth:`Map.items` returns each as it was
-put.  On disk a key is one type tag byte followed by its bytes (armdb.mapcodec):
-
-======  =====================================================================
-tag     body
-======  =====================================================================
-``b``   the bytes as given
-``s``   the string as UTF-8
-``i``   the int as big-endian two's complement in ``(bit_length + 8) // 8``
-        bytes (so every int, negative or beyond 64 bits, has one encoding)
-======  =====================================================================
-
-``bool`` is refused as a key (it would silently become ``1``/``0``), as are
-``bytearray`` and other types.  Values are any object msgpack can encode
-(``use_bin_type=True``) and decode back; they decode with ``raw=False,
-strict_map_key=False``, so tuples come back as lists.  A value msgpack encodes but
+put; how keys and values are stored is :mod:`armdb.mapcodec`.  Values decode with
+``raw=False, strict_map_key=False``, so tuples come back as lists.  A value msgpack encodes but
 cannot decode (a dict with a tuple key) is refused at ``put``, so one bad value never
 breaks ``items()`` for the whole map.
 
