@@ -329,6 +329,9 @@ def test_s7_map_active_file_of_an_older_format_is_sealed_and_a_new_one_started(t
     snap, data, recs = _map_state(tmp_path, MAP_CFG, 5, clean=True)
     _as_version(data, version)
     before = data.read_bytes()
+    side = data.parent / _syncmark.MARK_NAME  # what an older armdb kept beside it
+    cell = _syncmark.cell(before[: bitcask.FILE_HEADER_SIZE], len(before), 3)
+    side.write_bytes(cell + cell)
     with Db.open(snap) as db:
         m = db.open_map("m", MAP_CFG)
         assert [m.get(i) for i in range(5)] == ["value %d" % i for i in range(5)]
@@ -340,6 +343,7 @@ def test_s7_map_active_file_of_an_older_format_is_sealed_and_a_new_one_started(t
     with Db.open(snap) as db:
         assert db.open_map("m", MAP_CFG).get(7) == "new"
     assert armdb.check(snap).ok
+    assert not side.exists()  # an older format's side file goes with its file's last appends
 
 
 def test_s7_map_format_2_mark_in_its_side_file_is_still_read(tmp_path):

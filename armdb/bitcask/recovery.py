@@ -547,4 +547,6 @@ def _apply_plan(host: _Host, plan: _ShardPlan) -> _Shard:
         # sealed, and appends go to a new file of the current format.
         sh.dirty = True
         host._rotate(sh)
+        # Only an active file is judged by its mark: the older file's side file is done with.
+        _syncmark.drop_side(sdir)
     return sh
