@@ -16,8 +16,8 @@ except ImportError as _e:  # pragma: no cover - exercised only on a broken insta
 
 from . import errors
 from ._fail import failpoints
+from ._version import __version__ as __version__
 from .check import CheckReport, check
-from ._version import __version__
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
 from .errors import (
@@ -43,7 +43,6 @@ from .errors import (
 from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
-
 
 __all__ = [
     "ArmdbError",

@@ -132,3 +132,9 @@ class MarkWriter:
         _fs.FS.pwrite(self.fd, cell(self.identity, mark, generation), AREA_OFFSET + (generation % 2) * CELL_SIZE)
         self.generation = generation
         self.mark = mark
+
+    def seal(self, end: int) -> None:
+        """At a clean close, once a sync covered the file up to ``end``: mark ``end`` and
+        sync the file again, so that any bad byte found in it later lies below its mark."""
+        self.write(end, force=True)
+        _fs.FS.fdatasync(self.fd)

@@ -371,9 +371,9 @@ def _check_log_dir(path: str) -> list[str]:
     findings: list[str] = []
     if not fs.exists(path):
         return findings
-    collections = os.path.join(os.path.dirname(path), "collections")
+    collections = os.path.join(os.path.dirname(path), COLLECTIONS)
     geometries: dict[str, replay.FixedGeometry] = {}
-    seq_path = os.path.join(os.path.dirname(path), "seqmap")
+    seq_path = os.path.join(os.path.dirname(path), SEQMAP_FILE)
     try:
         reserved = decode_seqmap(fs.read_file(seq_path), seq_path).get("gsn") if fs.exists(seq_path) else None
     except FormatError:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from . import _bench, _fs
-from ._version import __version__
 from ._term import ProgressBar, format_table
+from ._version import __version__
 from .check import check
 from .config import QueueConfig
 from .db import Db

@@ -260,9 +260,9 @@ class Db:
 
     def __reduce__(self) -> Any:
         raise ProcessBound(
-            f"a Db cannot be pickled or sent to another process: a handle belongs to the process that "
-            f"opened the database. Send payloads (and ids) instead, and let the owning process lease and "
-            f"settle (docs/operations.md, 'Processes')"
+            "a Db cannot be pickled or sent to another process: a handle belongs to the process that "
+            "opened the database. Send payloads (and ids) instead, and let the owning process lease and "
+            "settle (docs/operations.md, 'Processes')"
         )
 
     def __enter__(self) -> Db:

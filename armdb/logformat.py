@@ -25,7 +25,6 @@ closed database's files.
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zlib
@@ -34,7 +33,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from . import _fs, _syncmark
+from . import _syncmark
 from ._core import fixed as _k
 from ._crcshift import crc_shift
 from .errors import SALVAGE_HINT, CorruptionError, FormatError

@@ -464,12 +464,12 @@ def evolve(name: str, stored_fingerprint: str, layouts: list[Layout] | None, pay
         )
     history = layouts if layouts else [stored]
     new = layout_of(payload)
-    current = dict(map(tuple, stored))  # type: ignore[arg-type]
+    current = {fname: tp for fname, tp in stored}
     defaults = {f.name for f in dataclasses.fields(payload)
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     for fname, tp in new:
         for layout in history:
-            old = dict(map(tuple, layout)).get(fname)  # type: ignore[arg-type]
+            old = next((t for n, t in layout if n == fname), None)
             if old is not None and old != tp:
                 raise SchemaMismatch(
                     f"queue {name!r}: payload schema changed incompatibly: field {fname!r} of "

@@ -697,7 +697,8 @@ class Queue(Generic[T]):
                 tok = lz.token
                 timeouts[(tok.seq, tok.epoch)] = lease_ms
             while len(timeouts) > MAX_REMEMBERED:
-                del timeouts[next(iter(timeouts))]
+                # pop, not del: an ack or nack on another thread may forget the same one
+                timeouts.pop(next(iter(timeouts)), None)
 
     def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
         """Move a lease's deadline to ``now + by`` and return it (UTC) (Q29).
@@ -1141,7 +1142,7 @@ class Queue(Generic[T]):
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")
         self._check()
-        found: list[tuple[int, int, int, bytes, int]] = []  # due, seq, state, attempts, payload or body key
+        found: list[tuple[int, int, int, int, bytes]] = []  # due, id, state, attempts, inline payload
         for sh in self._shards:
             with sh.lock:
                 sh.fixed.check_open()
@@ -1414,10 +1415,13 @@ class Queue(Generic[T]):
         queue's locks held; returns how many rows it moves.  ``QueueFull`` when a redrive
         would pass ``max_depth`` (Q21, Q34)."""
         picked: list[tuple[_Shard, int, int, int]] = []  # shard, dead key due, id, slot
+        wanted = None if ids is None else np.fromiter(ids, np.uint64, len(ids))
         for sh in self._shards:
-            due, seq, slot = sh.dead.to_arrays()[:3]
-            sel = np.ones(len(seq), dtype=bool) if ids is None else np.isin(seq, np.fromiter(ids, np.uint64, len(ids)))
-            for d, q, sl in zip(due[sel].tolist(), seq[sel].tolist(), slot[sel].tolist(), strict=True):
+            dues, seqs, slots = sh.dead.to_arrays()[:3]
+            if wanted is not None:
+                sel = np.isin(seqs, wanted)
+                dues, seqs, slots = dues[sel], seqs[sel], slots[sel]
+            for d, q, sl in zip(dues.tolist(), seqs.tolist(), slots.tolist(), strict=True):
                 picked.append((sh, d, q, sl))
         cap = self._max_depth
         if redrive and cap is not None and picked:
@@ -1461,9 +1465,9 @@ class Queue(Generic[T]):
 
     def __reduce__(self) -> Any:
         raise ProcessBound(
-            f"a Queue handle cannot be pickled or sent to another process: a handle belongs to the process that "
-            f"opened the database. Send payloads (and ids) instead, and let the owning process lease and "
-            f"settle (docs/operations.md, 'Processes')"
+            "a Queue handle cannot be pickled or sent to another process: a handle belongs to the process that "
+            "opened the database. Send payloads (and ids) instead, and let the owning process lease and "
+            "settle (docs/operations.md, 'Processes')"
         )
 
     def __repr__(self) -> str:

@@ -59,8 +59,8 @@ from .bitcask.format import (
     _shard_dir,
     data_start,
 )
-from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .errors import CorruptionError, FormatError
+from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .logformat import (
     _NAME_RE,
     AREA_MARK_VERSION,

@@ -392,13 +392,7 @@ class Tx:
                 s.queue._tx_locks(locks, 0, s.token)  # a stale token adds none; the plan refuses it
         for q in stream_dest:
             q._tx_all_locks(locks)
-        n = len(locks)
-        if n == 1:
-            return list(locks.values())
-        if n == 2:  # the common commit (a var ack; a put and a push): one comparison
-            (ka, la), (kb, lb) = locks.items()
-            return [la, lb] if ka < kb else [lb, la]
-        return [locks[k] for k in sorted(locks)]
+        return _ordered(locks)
 
     def _expand_streams(self, steps: list[Any], registry: Any, plan: Plan) -> None:
         """Run the stream closures (under the locks) and append their pushes (T6)."""
@@ -510,35 +504,43 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
     not counted as a nack.
     """
-    db.check_open()
-    if db.txlog.sealer is None and q._tx_encrypted():
-        raise _log_key_required()
-    tx = Tx(db)
-    tx._finished = True
     locks: dict[str, threading.Lock] = {}
     q._tx_locks(locks, 0, token)  # none for a token of no shard of q: the plan refuses it as stale
-    if len(locks) == 2:  # a var queue's: its header shard and its body's payload shard
-        (ka, la), (kb, lb) = locks.items()
-        ordered = [la, lb] if ka < kb else [lb, la]
-    else:
-        ordered = list(locks.values())
-    tx._commit_locked(Plan(db.seqmap), [_Settle(q, token, ack, delay_ms, dead, poisoned)], ordered, None)
+    _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), locks)
 
 
 def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:
     """``Queue.redrive`` and ``Queue.purge_dead`` (Q34): every chosen dead row of ``q``
     moves in one logged commit, under all of the queue's locks (and its body store's, for
     a purge), by the same :meth:`Tx._commit_locked`; returns how many moved."""
+    locks: dict[str, threading.Lock] = {}
+    q._tx_all_locks(locks)
+    step = _DeadRows(q, ids, redrive, delay_ms)
+    _commit_queue_step(db, q, step, locks)
+    return step.moved
+
+
+def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: dict[str, threading.Lock]) -> None:
+    """Commit one step a queue runs by itself (a settle, a dead-row move) without the
+    builder: it emits no stream jobs, so there is no stream pass and no stream
+    destination to lock, and the same :meth:`Tx._commit_locked` logs and applies it."""
     db.check_open()
     if db.txlog.sealer is None and q._tx_encrypted():
         raise _log_key_required()
     tx = Tx(db)
     tx._finished = True
-    locks: dict[str, threading.Lock] = {}
-    q._tx_all_locks(locks)
-    step = _DeadRows(q, ids, redrive, delay_ms)
-    tx._commit_locked(Plan(db.seqmap), [step], [locks[k] for k in sorted(locks)], None)
-    return step.moved
+    tx._commit_locked(Plan(db.seqmap), [step], _ordered(locks), None)
+
+
+def _ordered(locks: dict[str, threading.Lock]) -> list[threading.Lock]:
+    """The locks in the global order: by shard directory (docs/transactions.md)."""
+    n = len(locks)
+    if n == 1:
+        return list(locks.values())
+    if n == 2:  # the common commit (a var ack; a put and a push): one comparison
+        (ka, la), (kb, lb) = locks.items()
+        return [la, lb] if ka < kb else [lb, la]
+    return [locks[k] for k in sorted(locks)]
 
 
 def _log_key_required() -> EncryptionKeyRequired:

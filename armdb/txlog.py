@@ -64,7 +64,6 @@ from .errors import (
     StorageError,
     WrongKey,
 )
-
 from .layout import META_FILE, DbMeta, check_meta, encode_meta
 
 # The log's file format lives in armdb.logformat.  The names imported as themselves
@@ -518,8 +517,7 @@ class TxLog:
                 return
             try:
                 fs.fdatasync(self._fd)
-                marks.write(self._end, force=True)
-                fs.fdatasync(self._fd)
+                marks.seal(self._end)
             except OSError as e:
                 log.warning("%s: could not seal the log's synced mark at close (%s)", self._path, e)
 

@@ -217,14 +217,9 @@ def _golden(tmp_path: Path, flavour: str) -> tuple[Path, list[int]]:
 
 
 CHILD = """
-import sys, armdb, numpy as np
-from dataclasses import dataclass
-@dataclass
-class Job:
-    doc: int
-spec = (armdb.queue("fq", payload=np.dtype([("doc", "<u8")])) if {flavour!r} == "fixed"
-        else armdb.queue("vq", payload=Job, var=True))
-Job.__module__ = "tests.test_dead_letters"
+import armdb
+from tests.test_dead_letters import FixedQ, VarQ
+spec = FixedQ if {flavour!r} == "fixed" else VarQ
 db = armdb.Db.open({path!r})
 q = db.open_queue(spec, armdb.QueueConfig.balanced().max_attempts(1).build())
 print("open", flush=True)

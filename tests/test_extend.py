@@ -26,8 +26,12 @@ class Job:
     doc: int
 
 
+FixedQ = armdb.queue("fq", payload=PING)
+VarQ = armdb.queue("vq", payload=Job, var=True)
+
+
 def open_q(db: Db, flavour: str, **kw):
-    spec = armdb.queue("fq", payload=PING) if flavour == "fixed" else armdb.queue("vq", payload=Job, var=True)
+    spec = FixedQ if flavour == "fixed" else VarQ
     b = QueueConfig.balanced().lease_timeout(timedelta(seconds=30))
     for k, v in kw.items():
         b = getattr(b, k)(v)
@@ -125,17 +129,11 @@ def test_q29_the_extended_deadline_survives_a_reopen(tmp_path: Path, flavour):
 
 
 CHILD = """
-import armdb, numpy as np
-from dataclasses import dataclass
-from datetime import timedelta
-@dataclass
-class Job:
-    doc: int
-spec = (armdb.queue("fq", payload=np.dtype([("doc", "<u8")])) if {flavour!r} == "fixed"
-        else armdb.queue("vq", payload=Job, var=True))
+import armdb
+from tests.test_extend import make, open_q
 db = armdb.Db.open({path!r})
-q = db.open_queue(spec, armdb.QueueConfig.balanced().lease_timeout(timedelta(seconds=30)).build())
-q.push((1,) if {flavour!r} == "fixed" else Job(1))
+q = open_q(db, {flavour!r})
+q.push(make({flavour!r}, 1))
 (lz,) = q.lease()
 print("id", lz.id, flush=True)
 by = 100

@@ -438,8 +438,7 @@ class BitcaskStore:
                 _fs.FS.fdatasync(act.fd)
                 sh.dirty = False
             sh.synced = act.size
-            sh.marks.write(act.size, force=True)
-            _fs.FS.fdatasync(act.fd)
+            sh.marks.seal(act.size)
         except OSError as e:
             log.warning("%s: could not seal the synced mark at close (%s)", act.path, e)
 

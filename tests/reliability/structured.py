@@ -38,6 +38,7 @@ from armdb import bitcask, txlog
 from armdb import fixed as _fixed
 from armdb._crypto import Sealer
 
+from ..marks import has_area
 from .bcd_workloads import KEY, LOG_KEY
 
 CASE_DIR = "@CASE@"
@@ -1539,7 +1540,7 @@ class SyncedMark(Crafter):
         return [
             f"{f}#{c}"
             for f in info.files
-            if f.endswith((".log", ".data")) and _has_mark_area(f, _read(info.root, f))
+            if f.endswith((".log", ".data")) and has_area(f, _read(info.root, f))
             for c in (0, 1)
         ]
 
@@ -1588,19 +1589,11 @@ class SyncedMark(Crafter):
 _MARK_AREA = 32  # where a marked file's mark area starts (armdb._syncmark.AREA_OFFSET)
 
 
-def _has_mark_area(rel: str, raw: bytes) -> bool:
-    if len(raw) < _MARK_AREA + 32:
-        return False
-    if rel.endswith(".log"):
-        return raw[:8] == txlog.FILE_MAGIC and struct.unpack_from("<I", raw, 8)[0] >= txlog.AREA_MARK_VERSION
-    return raw[:8] == bitcask.DATA_MAGIC and struct.unpack_from("<H", raw, 8)[0] >= bitcask.AREA_MARK_DATA_VERSION
-
-
 def _shift_marks(b: bytearray, off: int, delta: int) -> None:
     """Re-seal the synced mark of the file ``b`` after a record at ``off`` changed size by
     ``delta``: a mark past the record moves with the records it covered (else a shorter
     record would be refused as "the file ends below its synced mark", not judged)."""
-    if not delta or not _has_mark_area(".data", bytes(b[:64])):
+    if not delta or not has_area(".data", bytes(b[:64])):
         return
     digest = _digest8(bytes(b[:32]))
     for c in range(2):
