@@ -629,12 +629,6 @@ class FixedShard(_k.SlotStore):
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
 
-    def raise_sync_error(self) -> None:
-        """Raise a sync failure stashed by the last write (caller holds the lock)."""
-        e, self.sync_error = self.sync_error, None
-        if e is not None:
-            raise e
-
     def _wrote(self, slot: int) -> None:
         """Report a slot write (to a recording file system) and sync when one is due.
 

@@ -530,4 +530,7 @@ cdef class SlotStore:
         raise NotImplementedError
 
     cpdef raise_sync_error(self):
-        raise NotImplementedError
+        """Raise a sync failure kept by the last write, and forget it (caller holds the lock)."""
+        e, self.sync_error = self.sync_error, None
+        if e is not None:
+            raise e
