@@ -1738,14 +1738,11 @@ class Queue(Generic[T]):
         payload = self._payload
         if payload is not None:
             # The bodies first: logged before the headers, applied before them (Q15).
-            items: list[tuple[bytes, bytes | None, int]] = []
+            g0 = plan.gsns(n)
             pname = self.spec.payload_name
-            rows = plan.rows
-            for i, body in enumerate(payloads):
-                key = body_key(first + i)
-                gsn = plan.gsn()
-                rows.append(["B", pname, key, body, gsn])
-                items.append((key, body, gsn))
+            items: list[tuple[bytes, bytes | None, int]] = [
+                ((first + i).to_bytes(8, "big"), body, g0 + i) for i, body in enumerate(payloads)]  # qrows.body_key
+            plan.rows += [["B", pname, key, body, gsn] for key, body, gsn in items]
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
@@ -1802,13 +1799,11 @@ class Queue(Generic[T]):
         plan.packed.append((rows, bytes(buf)))
         payload = self._payload
         if payload is not None:
-            items: list[tuple[bytes, bytes | None, int]] = []
+            g0 = plan.gsns(len(seqs))
             pname = self.spec.payload_name
-            for seq in seqs.tolist():
-                key = body_key(seq)
-                gsn = plan.gsn()
-                plan.rows.append(["B", pname, key, None, gsn])
-                items.append((key, None, gsn))
+            items: list[tuple[bytes, bytes | None, int]] = [
+                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(seqs.tolist())]  # qrows.body_key
+            plan.rows += [["B", pname, key, None, gsn] for key, _, gsn in items]
             plan.add_bitcask(payload)
 
             def apply_deletes() -> None:
