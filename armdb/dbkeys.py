@@ -30,7 +30,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import _fs
+from . import _fs, logformat
 from ._crypto import KEY_LEN, Sealer
 from .bitcask.format import META_NAME, _decode_meta
 from .errors import ArmdbError, ConfigError, KeyFileError, WrongKey
@@ -80,9 +80,10 @@ def _parse_key(raw: bytes, path: str) -> bytes:
     how = _HOW.replace("FILE", path)
     if len(raw) == KEY_LEN:
         if all(0x20 <= b < 0x7F for b in raw):
+            kind = _looks_like(raw)
             raise KeyFileError(
-                f"the key file {path} holds 32 characters of text ({_looks_like(raw)}), not a key: a key is 32 "
-                f"random bytes or their hex or base64 form; {how}"
+                f"the key file {path} holds 32 characters of text{'' if kind == 'text' else f' ({kind})'}, not a "
+                f"key (a password is not a key): a key is 32 random bytes or their hex or base64 form; {how}"
             )
         return raw
     text = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
@@ -233,6 +234,12 @@ def resolve_keys(
             locked.append(name)
     checked = False
     if log_key is not None:
+        if not log_check and not _has_sealed_records(os.path.join(directory, logformat.DIR)):
+            # Nothing to judge it by; opening with it would make it the database's log key.
+            raise WrongKey(
+                f"the transaction log key given ({log_label}) is not a key of the database {directory}: it was "
+                f"never given a log key (db.meta records none and its log holds no sealed record); leave it out"
+            )
         if log_check:
             if not _opens(Sealer(log_key), log_check):
                 raise WrongKey(
@@ -255,6 +262,27 @@ def resolve_keys(
                 f"{directory} either; give the key its encrypted collections were created with"
             )
     return Keys(found, locked, log_key, checked, db_id)
+
+
+def _has_sealed_records(txlog_dir: str) -> bool:
+    """Whether a log file in ``txlog_dir`` holds a sealed record (a database from before
+    log key check values, whose log key only its records can tell)."""
+    fs = _fs.FS
+    if not fs.isdir(txlog_dir):
+        return False
+    for name in fs.listdir(txlog_dir):
+        if not logformat._NAME_RE.match(name):
+            continue
+        path = os.path.join(txlog_dir, name)
+        try:
+            raw = fs.read_file(path)
+            _number, version = logformat._file_header_fields(raw, path)
+        except (OSError, ArmdbError):
+            continue
+        recs, _end, _bad = logformat._records_at(raw, logformat.records_start(version))
+        if any(flags & logformat.FLAG_SEALED for _o, _t, flags, _b in recs):
+            return True
+    return False
 
 
 def _opens(sealer: Sealer, check: bytes) -> bool:
