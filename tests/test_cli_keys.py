@@ -426,3 +426,37 @@ def test_c4_help_texts_name_the_key_options(capsys: pytest.CaptureFixture[str]) 
         assert "openssl rand -hex 32" in " ".join(text.split())
         assert not re.search(r"\b[A-Z]\d+\b", text)  # no rule ids
 
+
+
+@pytest.mark.parametrize("where", ["keeping", "cutting"])
+def test_c4_salvage_with_the_key_killed_mid_cut_then_run_again(tmp_path: Path, clean: Path, where: str) -> None:  # SPEC C4
+    """SIGKILL while salvage keeps the tail (before the cut) or cuts the file: nothing is
+    lost, the file is whole or cut, and salvage run again finishes the job."""
+    f = vault_file(clean)
+    recs = _records(f)
+    off = recs[1][0] if len(recs) > 1 else recs[0][0]
+    _flip_with_crc(f, off, off + 20 + 14)
+    whole = f.read_bytes()
+    patched = "write_file_atomic" if where == "keeping" else "ftruncate"
+    code = f"""
+    import os, signal
+    import armdb
+    from armdb import _fs
+    def die(*a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _fs.FS.{patched} = die
+    armdb.salvage({str(clean)!r}, encryption_key={KEY!r})
+    """
+    r = run_child(code)
+    assert r.returncode == -9, r.stderr
+    # Killed before the cut: every record is as it was (the synced mark, bytes 32-63, may be cleared).
+    assert f.read_bytes()[64:] == whole[64:]
+    report = armdb.salvage(clean, encryption_key=KEY)
+    assert [c.offset for c in report.cuts] == [off]
+    assert f.read_bytes()[64:] == whole[64:off]
+    kept = clean / report.cuts[0].kept_as  # type: ignore[operator]
+    assert kept.read_bytes() == whole[off:]
+    assert armdb.check(clean, encryption_key=KEY).ok
+    with Db.open(clean) as db:
+        m = db.open_map("vault", Config.balanced().encryption_key(KEY).build())
+        assert m.get("a") == "SECRET-A" or off == recs[0][0]
