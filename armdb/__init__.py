@@ -41,7 +41,7 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .queue import Job, Lease, LeaseBatch, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
@@ -63,6 +63,7 @@ __all__ = [
     "Job",
     "KeyFileError",
     "Lease",
+    "LeaseBatch",
     "LeaseToken",
     "NotALease",
     "PayloadTypeError",
