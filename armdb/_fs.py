@@ -28,6 +28,7 @@ import errno
 import fcntl
 import mmap as _mmap
 import os
+import shutil
 import stat
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -241,6 +242,10 @@ class RealFS:
 
     def unlink(self, path: str) -> None:
         os.unlink(path)
+
+    def remove_tree(self, path: str) -> None:
+        """Delete the folder ``path`` and everything in it (a follower's restart of its copy)."""
+        shutil.rmtree(path)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

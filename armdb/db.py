@@ -28,11 +28,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import _fs
+from . import _fs, replication
 from ._clock import Clock, checked_clock, system_clock
 from .bitcask import BitcaskStore
 from .config import Config, TxConfig
-from .errors import ConfigError, DbClosed, ProcessBound, as_storage_error
+from .errors import ConfigError, DbClosed, ProcessBound, ReplicationError, as_storage_error
 
 # The directory's names, db.meta and the lock moved to armdb.layout; these names stay
 # importable from here for the modules and tests that still import them from armdb.db.
@@ -138,6 +138,7 @@ class Db:
         self._dirlock: DirLock | None = None
         self._waker: Any = None
         self._closed_why = ""  # why an operation finds the Db closed, when not close()
+        self._primary: replication.Primary | None = None  # db.replicate(): the stream's server
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -199,6 +200,10 @@ class Db:
         if fs.exists(self.path) and not fs.isdir(self.path):
             raise ConfigError(f"{self.path} exists and is not a directory; give armdb a directory path")
         if fs.isdir(self.path):
+            if replication.is_follower(self.path):
+                raise ReplicationError(
+                    f"{self.path} follows a primary; promote it (Db.follow(...).promote()) before opening it"
+                )
             self._refuse_foreign_directory()
         fs.makedirs(self.path)
         self._dirlock = DirLock(self.path)
@@ -330,6 +335,11 @@ class Db:
             self.seqmap.close()  # its write ahead ends before the directory lock is released
         except BaseException as e:
             errors.append(e)
+        if self._primary is not None:  # after the stores: their last writes reach the followers
+            try:
+                self._primary.stop()
+            except BaseException as e:
+                errors.append(e)
         if self._dirlock is not None:
             self._dirlock.release()
             self._dirlock = None
@@ -338,6 +348,65 @@ class Db:
             if isinstance(first, OSError):
                 raise as_storage_error(first, f"closing database {self.path!r}")
             raise first
+
+    # -- replication (docs/replication.md) ------------------------------------------------
+    def replicate(self, listen: tuple[str, int]) -> tuple[str, int]:
+        """Serve this database's writes to followers (``Db.follow``) on ``listen``.
+
+        Call it right after ``Db.open``, before opening any queue or map: from here on
+        every write of every store is recorded, in order, for the followers.
+
+        Parameters
+        ----------
+        listen : (str, int)
+            The address to listen on, e.g. ``("127.0.0.1", 7070)``; port 0 picks a free one.
+
+        Returns
+        -------
+        (str, int)
+            The address listened on.
+
+        Raises
+        ------
+        ConfigError
+            A collection is already open, the database already replicates, or the
+            address cannot be listened on.
+        """
+        with self._lock:
+            self.check_open()
+            if self._primary is not None:
+                raise ConfigError(f"{self.path} already replicates on {self._primary.address}")
+            if self._maps or self._queues or self._stores:
+                raise ConfigError("call db.replicate() right after Db.open, before opening any queue or map")
+            self._primary = replication.start_primary(self.path, self.txlog.db_id, listen)
+            return self._primary.address
+
+    def replication_status(self) -> dict[str, Any]:
+        """The primary's side: ``seq`` (the last recorded frame), ``followers`` connected,
+        ``address``, ``backlog_bytes``; ``{}`` when the database does not replicate.  After
+        ``close`` it still says where the stream ended."""
+        primary = self._primary
+        return {} if primary is None else primary.status()
+
+    @classmethod
+    def follow(cls, path: str | os.PathLike[str], *, primary: tuple[str, int]) -> replication.Follower:
+        """Make ``path`` a follower of the primary at ``primary`` (``db.replicate``).
+
+        A new directory first copies the primary's files; an existing follower resumes
+        from its persisted position.  ``follower.promote()`` turns it into a writable
+        ``Db``.
+
+        Raises
+        ------
+        ReplicationError
+            The address does not answer as an armdb primary, or ``path`` is a database
+            of its own.
+        ReplicaMismatch
+            The primary is another database than the one ``path`` follows.
+        ReplicationFrameError
+            The primary speaks another replication version, or sent a damaged frame.
+        """
+        return replication.Follower(os.fspath(path), primary, cls.open)
 
     def shutdown(self) -> None:
         """Close, then join the background threads (flusher, TTL sweeper, wake worker)."""

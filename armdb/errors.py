@@ -21,6 +21,10 @@ __all__ = [
     "ProcessBound",
     "QueueAlreadyOpen",
     "QueueFull",
+    "ReadOnly",
+    "ReplicaMismatch",
+    "ReplicationError",
+    "ReplicationFrameError",
     "SchemaMismatch",
     "StaleToken",
     "StorageError",
@@ -120,6 +124,26 @@ class TxFailedAfterLog(ArmdbError):
 class StreamSourceRequiresTx(ArmdbError):
     """A change-stream source map was written outside ``db.tx()``."""
 
+
+
+class ReadOnly(ArmdbError):
+    """A write reached a database that only follows a primary (R2): write to the primary,
+    or promote the follower first."""
+
+
+class ReplicationError(ArmdbError):
+    """Replication could not start or go on: the address does not answer as an armdb
+    primary, or the follower's directory is not a follower."""
+
+
+class ReplicaMismatch(ReplicationError):
+    """The primary is another database than the one this follower copies (its ``db.meta``
+    identity differs)."""
+
+
+class ReplicationFrameError(ReplicationError, CorruptionError):
+    """A replication frame failed its CRC, its length, its version or its sequence; nothing
+    of it was applied."""
 
 # -- raised when armdb's own bookkeeping breaks ---------------------------------------------------
 # Never caused by bad input, so not in __all__ (tests/reliability/test_bad_input.py gives every

@@ -1,0 +1,831 @@
+"""Replication (SPEC section 11, R1 and R3): a primary streams its file writes, a follower
+applies them and can be promoted.  The design and its guarantees: docs/replication.md.
+
+The stream is taken at one place, the file-system seam ``armdb._fs.FS``: while a database
+replicates, :class:`ReplicatingFS` (the plain file system plus a record of every change
+to a file under a replicating database's directory) is installed there, so every write
+of every store (FixedStore slots through ``MappedFile.wrote``, Bitcask and log
+``pwrite``, the atomic meta files, creations, renames, unlinks, truncations and
+allocations) is recorded inside the call that made it, in order.  The follower applies
+the same operations to the same relative paths, so its files are byte copies of the
+primary's, and opening them runs the normal crash recovery.
+
+Lock policy: ``Primary.cond`` guards the stream (sequence, backlog); it is taken inside
+the file-system call, under whatever store lock the writer holds, and never the other
+way round (a sender thread holds it only to copy frame references, never across a
+socket call).  ``Follower._lock`` guards the follower's files and state: the apply
+thread holds it for one batch of frames, ``promote``/``close`` take it to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import zlib
+from typing import Any
+
+import msgpack
+
+from . import _fs
+from .errors import (
+    ConfigError,
+    ReplicaMismatch,
+    ReplicationError,
+    ReplicationFrameError,
+)
+from .layout import LOCK_FILE, META_FILE, DirLock
+
+__all__ = ["STATE_FILE", "Follower", "Primary", "ReplicatingFS", "encode_frame", "start_primary"]
+
+LOG = logging.getLogger("armdb")
+
+MAGIC = "armdb-repl"
+VERSION = 1
+STATE_FILE = "replica.state"  # the follower's position (never replicated)
+_STATE_MAGIC = b"ARMREPL1"
+_HEAD = struct.Struct(">II")  # body length, crc32 of the body
+MAX_FRAME = 64 << 20  # a longer frame is not ours (a W frame holds at most CHUNK bytes)
+CHUNK = 1 << 20  # bytes per W frame of a snapshot
+BACKLOG_BYTES = 64 << 20  # frames a primary keeps for followers to resume from
+HEARTBEAT_S = 0.2  # an idle primary says where it is this often
+DEAD_PEER_S = 5.0  # a follower that heard nothing this long reconnects
+_NOT_REPLICATED = frozenset({LOCK_FILE, STATE_FILE})
+
+
+# -- frames ---------------------------------------------------------------------------------------
+def encode_frame(obj: Any) -> bytes:
+    """One frame: ``len: u32 BE``, ``crc32: u32 BE`` of the body, the msgpack body."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+class _Reader:
+    """Frames from a socket, through one buffer (a frame is never applied half read)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def fill(self) -> None:
+        data = self.sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        self.buf += data
+
+    def take(self) -> Any:
+        """The next complete frame, or ``None`` when the buffer holds none yet."""
+        if len(self.buf) < _HEAD.size:
+            return _NONE
+        n, crc = _HEAD.unpack_from(self.buf)
+        if n > MAX_FRAME:
+            raise ReplicationFrameError(f"a replication frame claims {n} bytes; this is not an armdb replication stream")
+        if len(self.buf) < _HEAD.size + n:
+            return _NONE
+        body = bytes(self.buf[_HEAD.size : _HEAD.size + n])
+        del self.buf[: _HEAD.size + n]
+        if zlib.crc32(body) != crc:
+            raise ReplicationFrameError("a replication frame failed its CRC; it was not applied, the follower resynchronises")
+        try:
+            return msgpack.unpackb(body, raw=False)
+        except Exception as e:  # msgpack raises several classes for garbage
+            raise ReplicationFrameError(f"a replication frame does not decode ({e}); it was not applied") from e
+
+    def frame(self) -> Any:
+        """The next frame, waiting for it."""
+        while True:
+            got = self.take()
+            if got is not _NONE:
+                return got
+            self.fill()
+
+
+_NONE: Any = object()
+
+
+def _safe_rel(rel: Any) -> str:
+    """A relative path from a frame, refused if it could leave the follower's directory."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or rel != os.path.normpath(rel) or rel.startswith(".."):
+        raise ReplicationFrameError(f"a replication frame names the path {rel!r}, which is not inside a database")
+    if rel in _NOT_REPLICATED:
+        raise ReplicationFrameError(f"a replication frame writes {rel!r}, which is never replicated")
+    return rel
+
+
+# -- the primary's side: the recording file system ------------------------------------------------
+class _RecordingMap(_fs.MappedFile):
+    """A memory map whose reported stores go to the stream (``FixedShard`` then reports
+    every slot write, and the compiled queue code calls its hook for each)."""
+
+    def __init__(self, fs: _fs.RealFS, fd: int, length: int, pub: Primary, rel: str) -> None:
+        super().__init__(fs, fd, length)
+        self._pub = pub
+        self._rel = rel
+
+    def wrote(self, offset: int, length: int) -> None:
+        view = self._view
+        if view is not None:
+            self._pub.record("W", self._rel, offset, bytes(view[offset : offset + length]))
+
+
+class ReplicatingFS(_fs.RealFS):
+    """The plain file system, plus a record of every change under a replicating root."""
+
+    def __init__(self) -> None:
+        self.roots: dict[str, Primary] = {}
+        self._fds: dict[int, tuple[Primary, str] | None] = {}
+
+    def _match(self, path: str) -> tuple[Primary, str] | None:
+        full = os.path.abspath(path)
+        for root, pub in self.roots.items():
+            if full.startswith(root + os.sep):
+                rel = full[len(root) + 1 :]
+                return None if rel in _NOT_REPLICATED else (pub, rel)
+        return None
+
+    def _of_fd(self, fd: int) -> tuple[Primary, str] | None:
+        try:
+            return self._fds[fd]
+        except KeyError:
+            pass
+        # A descriptor opened before replication started: ask the kernel its path.
+        try:
+            hit = self._match(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            hit = None
+        self._fds[fd] = hit
+        return hit
+
+    def open(self, path: str, flags: int, mode: int = _fs.FILE_MODE) -> int:
+        fd = super().open(path, flags, mode)
+        hit = self._match(path)
+        self._fds[fd] = hit
+        if hit is not None and flags & os.O_CREAT:
+            hit[0].record("C", hit[1], bool(flags & os.O_TRUNC))
+        return fd
+
+    def close(self, fd: int) -> None:
+        self._fds.pop(fd, None)
+        super().close(fd)
+
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> None:
+        super().pwrite(fd, data, offset)
+        hit = self._of_fd(fd)
+        if hit is not None:
+            hit[0].record("W", hit[1], offset, bytes(data))
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        super().ftruncate(fd, size)
+        hit = self._of_fd(fd)
+        if hit is not None:
+            hit[0].record("T", hit[1], size)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        super().fallocate(fd, offset, length)
+        hit = self._of_fd(fd)
+        if hit is not None and length > 0:
+            hit[0].record("A", hit[1], offset, length)
+
+    def rename(self, src: str, dst: str) -> None:
+        super().rename(src, dst)
+        a, b = self._match(src), self._match(dst)
+        if a is not None and b is not None and a[0] is b[0]:
+            a[0].record("R", a[1], b[1])
+            for fd, hit in list(self._fds.items()):  # an open descriptor now writes ``dst``
+                if hit == a:
+                    self._fds[fd] = b
+        elif b is not None:  # a file moved in from elsewhere: send its bytes
+            b[0].record_file(b[1])
+        elif a is not None:
+            a[0].record("U", a[1])
+
+    def unlink(self, path: str) -> None:
+        super().unlink(path)
+        hit = self._match(path)
+        if hit is not None:
+            hit[0].record("U", hit[1])
+
+    def makedirs(self, path: str) -> None:
+        super().makedirs(path)
+        hit = self._match(path)
+        if hit is not None:
+            hit[0].record("D", hit[1])
+
+    def mmap(self, fd: int, length: int) -> _fs.MappedFile:
+        hit = self._of_fd(fd)
+        if hit is None:
+            return super().mmap(fd, length)
+        return _RecordingMap(self, fd, length, hit[0], hit[1])
+
+
+_INSTALL = threading.Lock()
+
+
+def _install(pub: Primary) -> None:
+    with _INSTALL:
+        fs = _fs.FS
+        if not isinstance(fs, ReplicatingFS):
+            if type(fs) is not _fs.RealFS:
+                raise ConfigError(
+                    "replication needs armdb's own file system, and another one is installed (a test's); "
+                    "remove it before calling db.replicate()"
+                )
+            fs = ReplicatingFS()
+            _fs.FS = fs
+        for root in fs.roots:
+            if pub.root.startswith(root + os.sep) or root.startswith(pub.root + os.sep):
+                raise ConfigError(f"{pub.root} and {root} are nested; replicate databases in separate directories")
+        fs.roots[pub.root] = pub
+        fs._fds.clear()  # descriptors are looked up again (a cached "not ours" may now be ours)
+
+
+def _uninstall(pub: Primary) -> None:
+    with _INSTALL:
+        fs = _fs.FS
+        if isinstance(fs, ReplicatingFS):
+            fs.roots.pop(pub.root, None)
+            fs._fds.clear()
+            if not fs.roots:
+                _fs.FS = _fs.RealFS()
+
+
+# -- the primary's side: the stream and its connections --------------------------------------------
+class Primary:
+    """The stream of one replicating database and the server its followers connect to."""
+
+    def __init__(self, root: str, db_id: bytes, listen: tuple[str, int]) -> None:
+        self.root = os.path.abspath(root)
+        self.db_id = db_id
+        self.stream = os.urandom(16)
+        self.cond = threading.Condition(threading.Lock())
+        self.seq = 0  # the last recorded frame
+        self._frames: list[bytes] = []  # frames first_seq, first_seq + 1, ...
+        self._first = 1
+        self._bytes = 0
+        self.closed = False
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        try:
+            self._server = socket.create_server(listen)
+        except (OSError, TypeError, ValueError) as e:
+            raise ConfigError(f"cannot listen on {listen!r} ({e}); pass listen=(host, port) of a free local address") from e
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
+        self._server.settimeout(0.2)
+        self._accepter = threading.Thread(target=self._accept, name="armdb-replicate", daemon=True)
+
+    # -- recording (called inside the file-system calls) --
+    def record(self, op: str, *args: Any) -> None:
+        with self.cond:
+            self.seq += 1
+            frame = encode_frame([self.seq, op, *args])
+            self._frames.append(frame)
+            self._bytes += len(frame)
+            if self._bytes > BACKLOG_BYTES:
+                drop = max(1, len(self._frames) // 4)
+                self._bytes -= sum(len(f) for f in self._frames[:drop])
+                del self._frames[:drop]
+                self._first += drop
+            self.cond.notify_all()
+
+    def record_file(self, rel: str) -> None:
+        """A whole file as frames (a file renamed in from outside the directory)."""
+        for frame in _file_frames(self.root, rel):
+            self.record(*frame)
+
+    # -- serving --
+    def start(self) -> None:
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), name="armdb-replicate-conn", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self.cond:
+            self._conns.add(conn)
+        try:
+            conn.settimeout(DEAD_PEER_S)
+            hello = _Reader(conn).frame()
+            if not (isinstance(hello, dict) and hello.get("magic") == MAGIC):
+                return  # not a follower: say nothing
+            if hello.get("version") != VERSION:
+                conn.sendall(encode_frame({"magic": MAGIC, "version": VERSION, "error": "version"}))
+                return
+            seq = hello.get("seq")
+            with self.cond:
+                resume = (
+                    hello.get("stream") == self.stream
+                    and isinstance(seq, int)
+                    and self._first - 1 <= seq <= self.seq
+                )
+                start = seq if resume else self.seq
+            assert isinstance(start, int)
+            reply = {"magic": MAGIC, "version": VERSION, "db_id": self.db_id, "stream": self.stream,
+                     "mode": "resume" if resume else "snapshot", "seq": start}
+            conn.sendall(encode_frame(reply))
+            if hello.get("db_id") not in (None, self.db_id):
+                return  # the follower refuses us (ReplicaMismatch on its side)
+            if not resume:
+                self._send_snapshot(conn, start)
+            self._stream(conn, start)
+        except (OSError, ReplicationError) as e:
+            LOG.info("replication: a follower connection ended (%s)", e)
+        finally:
+            with self.cond:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _send_snapshot(self, conn: socket.socket, start: int) -> None:
+        """Every file of the directory as it is now (writes go on), then where the copy
+        ended; the frames after ``start`` make the copy consistent (docs/replication.md)."""
+        conn.sendall(encode_frame(["S", start]))
+        fs = _fs.FS
+        todo = [""]
+        while todo:
+            rel_dir = todo.pop()
+            full_dir = os.path.join(self.root, rel_dir) if rel_dir else self.root
+            try:
+                names = fs.listdir(full_dir)
+            except FileNotFoundError:
+                continue
+            if rel_dir:
+                conn.sendall(encode_frame(["D", rel_dir]))
+            for name in names:
+                rel = os.path.join(rel_dir, name) if rel_dir else name
+                if rel in _NOT_REPLICATED:
+                    continue
+                if fs.isdir(os.path.join(self.root, rel)):
+                    todo.append(rel)
+                    continue
+                for frame in _file_frames(self.root, rel):
+                    conn.sendall(encode_frame(frame))
+        with self.cond:
+            end = self.seq
+        conn.sendall(encode_frame(["E", end]))
+
+    def _stream(self, conn: socket.socket, cursor: int) -> None:
+        while True:
+            with self.cond:
+                if cursor == self.seq and not self.closed:
+                    self.cond.wait(HEARTBEAT_S)
+                if cursor < self._first - 1:
+                    raise ReplicationError("the follower fell behind the backlog; it will copy a snapshot")
+                lo = cursor + 1 - self._first
+                batch = self._frames[lo : lo + 4096]
+                cursor += len(batch)
+                head, closed = self.seq, self.closed
+            if batch:
+                conn.sendall(b"".join(batch))
+            elif closed:
+                return
+            else:
+                conn.sendall(encode_frame(["H", head, time.time()]))
+
+    def status(self) -> dict[str, Any]:
+        with self.cond:
+            return {"seq": self.seq, "followers": len(self._conns), "address": self.address,
+                    "backlog_bytes": self._bytes}
+
+    def stop(self) -> None:
+        """Stop accepting; connected followers get every recorded frame, then the end."""
+        _uninstall(self)
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        with contextlib.suppress(OSError):
+            self._server.close()
+        if self._accepter.is_alive():
+            self._accepter.join(2.0)
+        for t in list(self._threads):
+            t.join(5.0)
+
+
+def _file_frames(root: str, rel: str) -> Any:
+    """``C``, ``T`` and ``W`` frames (no sequence) that recreate one file; nothing if it is gone."""
+    fs = _fs.FS
+    try:
+        fd = fs.open(os.path.join(root, rel), os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        size = fs.size(fd)
+        yield ["C", rel, True]
+        yield ["T", rel, size]
+        for lo, hi in fs.data_extents(fd, 0, size):
+            pos = lo
+            while pos < hi:
+                data = fs.pread(fd, min(CHUNK, hi - pos), pos)
+                if not data:
+                    break
+                yield ["W", rel, pos, data]
+                pos += len(data)
+    finally:
+        fs.close(fd)
+
+
+def start_primary(root: str, db_id: bytes, listen: Any) -> Primary:
+    """Serve ``root``'s stream on ``listen`` (a ``(host, port)`` pair) and record from now on."""
+    if not (isinstance(listen, tuple) and len(listen) == 2 and isinstance(listen[0], str) and isinstance(listen[1], int)):
+        raise ConfigError(f"listen must be a (host, port) pair such as ('127.0.0.1', 7070), not {listen!r}")
+    pub = Primary(root, db_id, listen)
+    try:
+        _install(pub)
+    except BaseException:
+        pub._server.close()
+        raise
+    pub.start()
+    return pub
+
+
+# -- the follower's side ---------------------------------------------------------------------------
+def _encode_state(state: dict[str, Any]) -> bytes:
+    body = msgpack.packb(state, use_bin_type=True)
+    return _STATE_MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+
+
+def _decode_state(raw: bytes, path: str) -> dict[str, Any]:
+    if raw[:8] != _STATE_MAGIC or len(raw) < 12 or struct.unpack_from("<I", raw, 8)[0] != zlib.crc32(raw[12:]):
+        raise ReplicationError(f"{path} is damaged; delete the follower's directory and follow again (it copies a snapshot)")
+    state = msgpack.unpackb(raw[12:], raw=False)
+    if not isinstance(state, dict):
+        raise ReplicationError(f"{path} is damaged; delete the follower's directory and follow again")
+    return state
+
+
+def is_follower(path: str) -> bool:
+    """Whether ``path`` is a follower's directory (it must be promoted before it opens)."""
+    return _fs.FS.exists(os.path.join(path, STATE_FILE))
+
+
+class Follower:
+    """A directory that follows a primary (``Db.follow``); see docs/replication.md."""
+
+    def __init__(self, path: str, primary: tuple[str, int], opener: Any) -> None:
+        if not (isinstance(primary, tuple) and len(primary) == 2 and isinstance(primary[0], str)
+                and isinstance(primary[1], int)):
+            raise ConfigError(f"primary must be a (host, port) pair such as ('127.0.0.1', 7070), not {primary!r}")
+        fs = _fs.FS
+        self.path = os.path.abspath(path)
+        self.primary = primary
+        self._opener = opener
+        self._state_path = os.path.join(self.path, STATE_FILE)
+        if fs.exists(self.path) and not fs.isdir(self.path):
+            raise ConfigError(f"{self.path} exists and is not a directory; give a directory for the follower")
+        if fs.isdir(self.path) and not fs.exists(self._state_path):
+            left = [n for n in fs.listdir(self.path) if n != LOCK_FILE]
+            if META_FILE in left:
+                raise ReplicationError(
+                    f"{self.path} is a database of its own, not a follower; follow into a new, empty directory"
+                )
+            if left:
+                raise ConfigError(f"{self.path} is not empty and holds no follower; give a new, empty directory")
+        fs.makedirs(self.path)
+        self._dirlock: DirLock | None = DirLock(self.path)
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._touched: set[str] = set()
+        self._dirs_touched: set[str] = set()
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._end_seq: int | None = None  # a snapshot's end: consistent once applied
+        self.primary_seq = 0
+        self.last_error: BaseException | None = None
+        self.connected = False
+        self._behind_since: float | None = None
+        self.frames_applied = 0
+        try:
+            if fs.exists(self._state_path):
+                self.state = _decode_state(fs.read_file(self._state_path), self._state_path)
+            else:
+                self.state = {"db_id": None, "stream": None, "seq": 0, "complete": False}
+                self._save_state()
+            self._connect()  # the first connection raises what it meets
+        except BaseException:
+            self._close_files()
+            self._dirlock.release()
+            self._dirlock = None
+            raise
+        self._thread = threading.Thread(target=self._run, name="armdb-follow", daemon=True)
+        self._thread.start()
+
+    # -- connection --
+    def _connect(self) -> None:
+        host, port = self.primary
+        where = f"{host}:{port}"
+        try:
+            sock = socket.create_connection(self.primary, timeout=DEAD_PEER_S)
+        except OSError as e:
+            raise ReplicationError(f"cannot connect to the primary at {where} ({e}); start it with db.replicate()") from e
+        try:
+            st = self.state
+            sock.sendall(encode_frame({"magic": MAGIC, "version": VERSION, "db_id": st["db_id"],
+                                       "stream": st["stream"] if st["complete"] else None, "seq": st["seq"]}))
+            reader = _Reader(sock)
+            try:
+                reply = reader.frame()
+            except ReplicationFrameError as e:
+                raise ReplicationError(f"{where} does not answer as an armdb primary ({e})") from e
+            except OSError as e:
+                raise ReplicationError(f"{where} does not answer as an armdb primary ({e or type(e).__name__})") from e
+            if not (isinstance(reply, dict) and reply.get("magic") == MAGIC):
+                raise ReplicationError(f"{where} does not answer as an armdb primary")
+            if reply.get("version") != VERSION or reply.get("error") == "version":
+                raise ReplicationFrameError(
+                    f"the primary at {where} speaks replication version {reply.get('version')!r}, this armdb "
+                    f"speaks {VERSION}; run the same armdb version on both"
+                )
+            if st["db_id"] is not None and reply.get("db_id") != st["db_id"]:
+                raise ReplicaMismatch(
+                    f"the primary at {where} is another database than the one {self.path} follows; "
+                    "point the follower at its own primary, or follow into a new directory"
+                )
+            if reply.get("mode") not in ("resume", "snapshot") or not isinstance(reply.get("seq"), int):
+                raise ReplicationFrameError(f"the primary at {where} sent a hello this armdb cannot read")
+        except BaseException:
+            sock.close()
+            raise
+        self._mode = reply["mode"]
+        self._stream_id = reply["stream"]
+        self._db_id = reply["db_id"]
+        self._expect = reply["seq"] + 1
+        self._reader = reader
+        self._sock = sock
+        self.connected = True
+        self.last_error = None
+
+    def _run(self) -> None:
+        delay = 0.05
+        while not self._stop.is_set():
+            try:
+                if self._sock is None:
+                    self._connect()
+                    delay = 0.05
+                self._pump()
+            except ReplicaMismatch as e:
+                self.last_error = e
+                LOG.error("replication: %s", e)
+                self._drop()
+                return
+            except (OSError, ReplicationError) as e:
+                if self._stop.is_set():
+                    break
+                self.last_error = e
+                LOG.warning("replication: the connection to the primary broke (%s); reconnecting", e)
+                self._drop()
+                self._stop.wait(delay)
+                delay = min(2.0, delay * 2)
+        self._drop()
+
+    def _drop(self) -> None:
+        self.connected = False
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _pump(self) -> None:
+        """Read and apply frames until the connection ends or the follower stops."""
+        sock, reader = self._sock, self._reader
+        assert sock is not None
+        sock.settimeout(DEAD_PEER_S)
+        while not self._stop.is_set():
+            reader.fill()
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                applied = False
+                while True:
+                    frame = reader.take()
+                    if frame is _NONE:
+                        break
+                    applied |= self._frame(frame)
+                if applied:
+                    self._persist()
+
+    def _frame(self, frame: Any) -> bool:
+        """Apply one frame; whether it changed files.  A bad one raises before any change."""
+        if not isinstance(frame, list) or not frame:
+            raise ReplicationFrameError("a replication frame is not a list; it was not applied")
+        head = frame[0]
+        if isinstance(head, int):  # [seq, op, args...]
+            if head != self._expect:
+                raise ReplicationFrameError(
+                    f"replication frame {head} arrived where {self._expect} was next; it was not applied"
+                )
+            if len(frame) < 2:
+                raise ReplicationFrameError("a replication frame has no operation; it was not applied")
+            self._apply(frame[1], frame[2:])
+            self._expect += 1
+            self.state["seq"] = head
+            self.frames_applied += 1
+            return True
+        if head == "H":
+            if len(frame) >= 2 and isinstance(frame[1], int):
+                self.primary_seq = frame[1]
+            return False
+        if head == "S":
+            self._begin_snapshot()
+            return True
+        if head == "E":
+            if len(frame) != 2 or not isinstance(frame[1], int):
+                raise ReplicationFrameError("a snapshot end frame this armdb cannot read; it was not applied")
+            self._end_seq = frame[1]
+            return True
+        if self._end_seq is None and self.state.get("complete") is False and self._mode == "snapshot":
+            self._apply(head, frame[1:])  # a file image of the snapshot
+            return True
+        raise ReplicationFrameError(f"a replication frame of unknown kind {head!r}; it was not applied")
+
+    def _begin_snapshot(self) -> None:
+        if self._mode != "snapshot":
+            raise ReplicationFrameError("a snapshot arrived on a resumed stream; it was not applied")
+        self.state = {"db_id": self._db_id, "stream": self._stream_id, "seq": self._expect - 1, "complete": False}
+        self._save_state()
+        self._close_files()
+        fs = _fs.FS
+        for name in fs.listdir(self.path):
+            if name in _NOT_REPLICATED:
+                continue
+            full = os.path.join(self.path, name)
+            if fs.isdir(full):
+                fs.remove_tree(full)
+            else:
+                fs.unlink(full)
+        self._end_seq = None
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = _fs.FS.open(os.path.join(self.path, rel), os.O_RDWR | os.O_CREAT)
+            self._fds[rel] = fd
+        return fd
+
+    def _forget(self, rel: str) -> None:
+        fd = self._fds.pop(rel, None)
+        if fd is not None:
+            _fs.FS.close(fd)
+        self._touched.discard(rel)
+
+    def _apply(self, op: Any, args: list[Any]) -> None:
+        """One operation, checked whole before anything is written."""
+        fs = _fs.FS
+        try:
+            if op == "W":
+                rel, off, data = _safe_rel(args[0]), int(args[1]), args[2]
+                if not isinstance(data, bytes) or off < 0:
+                    raise TypeError
+                fs.pwrite(self._fd(rel), data, off)
+                self._touched.add(rel)
+            elif op == "T":
+                rel, size = _safe_rel(args[0]), int(args[1])
+                fs.ftruncate(self._fd(rel), size)
+                self._touched.add(rel)
+            elif op == "A":
+                rel, off, length = _safe_rel(args[0]), int(args[1]), int(args[2])
+                fs.fallocate(self._fd(rel), off, length)
+                self._touched.add(rel)
+            elif op == "C":
+                rel, trunc = _safe_rel(args[0]), bool(args[1])
+                self._forget(rel)
+                flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if trunc else 0)
+                self._fds[rel] = fs.open(os.path.join(self.path, rel), flags)
+                self._touched.add(rel)
+                self._dirs_touched.add(os.path.dirname(rel))
+            elif op == "R":
+                src, dst = _safe_rel(args[0]), _safe_rel(args[1])
+                self._forget(src)
+                self._forget(dst)
+                if fs.exists(os.path.join(self.path, src)):  # replayed after a restart: done already
+                    fs.rename(os.path.join(self.path, src), os.path.join(self.path, dst))
+                self._dirs_touched.add(os.path.dirname(dst))
+            elif op == "U":
+                rel = _safe_rel(args[0])
+                self._forget(rel)
+                with contextlib.suppress(FileNotFoundError):
+                    fs.unlink(os.path.join(self.path, rel))
+                self._dirs_touched.add(os.path.dirname(rel))
+            elif op == "D":
+                rel = _safe_rel(args[0])
+                fs.makedirs(os.path.join(self.path, rel))
+            else:
+                raise ReplicationFrameError(f"a replication frame of unknown operation {op!r}; it was not applied")
+        except (IndexError, TypeError, ValueError) as e:
+            raise ReplicationFrameError(f"a replication frame {op!r} has arguments this armdb cannot read") from e
+
+    def _persist(self) -> None:
+        """Make the applied frames durable, then the position that says so."""
+        fs = _fs.FS
+        for rel in sorted(self._touched):
+            fd = self._fds.get(rel)
+            if fd is not None:
+                fs.fsync(fd)
+        self._touched.clear()
+        for d in sorted(self._dirs_touched):
+            full = os.path.join(self.path, d) if d else self.path
+            if fs.isdir(full):
+                fs.fsync_dir(full)
+        self._dirs_touched.clear()
+        if self._end_seq is not None and self.state["seq"] >= self._end_seq:
+            self.state["complete"] = True
+            self._end_seq = None
+        self._save_state()
+
+    def _save_state(self) -> None:
+        _fs.FS.write_file_atomic(self._state_path, _encode_state(self.state))
+
+    def _close_files(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                _fs.FS.close(fd)
+        self._fds.clear()
+        self._touched.clear()
+
+    # -- public --
+    def status(self) -> dict[str, Any]:
+        """Where the follower is: ``connected``, ``applied_seq``, ``primary_seq`` (from the
+        primary's last heartbeat), ``frames_behind``, ``seconds_behind`` (0 when caught
+        up), ``snapshot_complete``, ``last_error``."""
+        applied = int(self.state["seq"])
+        behind = max(0, self.primary_seq - applied)
+        now = time.monotonic()
+        if behind == 0:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = now
+        return {
+            "connected": self.connected,
+            "applied_seq": applied,
+            "primary_seq": self.primary_seq,
+            "frames_behind": behind,
+            "seconds_behind": 0.0 if self._behind_since is None else now - self._behind_since,
+            "snapshot_complete": bool(self.state["complete"]),
+            "last_error": None if self.last_error is None else str(self.last_error),
+        }
+
+    def wait_applied(self, seq: int, timeout: float = 10.0) -> bool:
+        """Wait until frame ``seq`` is applied and the snapshot complete; ``False`` on timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.state["complete"] and self.state["seq"] >= seq:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Stop following; the directory stays a follower (follow it again to resume)."""
+        self._stop.set()
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self._thread is not threading.current_thread():
+            self._thread.join(10.0)
+        with self._lock:
+            if self._dirlock is None:
+                return
+            try:
+                if self._touched or self._dirs_touched:
+                    self._persist()
+            finally:
+                self._close_files()
+                self._dirlock.release()
+                self._dirlock = None
+
+    def promote(self, **open_kwargs: Any) -> Any:
+        """Stop following and open the directory as a writable database (R3).
+
+        Raises
+        ------
+        ReplicationError
+            The first copy of the primary's files is not complete: there is nothing
+            consistent to open yet.
+        """
+        self.close()
+        if not self.state["complete"]:
+            raise ReplicationError(
+                f"{self.path} has not finished copying the primary's files, so it holds no consistent "
+                "database; follow until status()['snapshot_complete'] is True"
+            )
+        fs = _fs.FS
+        fs.unlink(self._state_path)
+        fs.fsync_dir(self.path)
+        return self._opener(self.path, **open_kwargs)
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
