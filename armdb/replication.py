@@ -24,9 +24,11 @@ import logging
 import os
 import socket
 import struct
+import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -34,13 +36,14 @@ import msgpack
 from . import _fs
 from .errors import (
     ConfigError,
+    ReadOnly,
     ReplicaMismatch,
     ReplicationError,
     ReplicationFrameError,
 )
 from .layout import LOCK_FILE, META_FILE, DirLock
 
-__all__ = ["STATE_FILE", "Follower", "Primary", "ReplicatingFS", "encode_frame", "start_primary"]
+__all__ = ["STATE_FILE", "Follower", "Primary", "ReadOnlyDb", "ReplicatingFS", "encode_frame", "start_primary"]
 
 LOG = logging.getLogger("armdb")
 
@@ -824,8 +827,155 @@ class Follower:
         fs.fsync_dir(self.path)
         return self._opener(self.path, **open_kwargs)
 
+    def copy_to(self, dest: str | os.PathLike[str]) -> None:
+        """Copy the follower's files, at a frame boundary, into ``dest`` (a new directory)
+        and recover them there: ``dest`` is then a normal, closed database (a backup,
+        or a place for ``armdb.check``) while the follower goes on following.
+
+        Raises
+        ------
+        ReplicationError
+            The first copy of the primary's files is not complete yet.
+        ConfigError
+            ``dest`` exists.
+        """
+        dest = os.path.abspath(os.fspath(dest))
+        fs = _fs.FS
+        if fs.exists(dest):
+            raise ConfigError(f"{dest} exists; copy_to() makes a new directory")
+        with self._lock:  # no frame is half applied while the files are read
+            if not self.state["complete"]:
+                raise ReplicationError(
+                    f"{self.path} has not finished copying the primary's files; "
+                    "wait until status()['snapshot_complete'] is True"
+                )
+            _copy_tree(self.path, dest)
+        self._opener(dest).close()  # the copy is a crash image: recover it once
+
+    @contextlib.contextmanager
+    def reader(self, **open_kwargs: Any) -> Iterator[ReadOnlyDb]:
+        """A read-only database of the follower's contents now (R2): ``stats``, queues'
+        ``peek``, ``snapshot``, ``len``, maps' ``get`` and ``items`` work, every write
+        raises ``ReadOnly``.  It reads a private copy (:meth:`copy_to`), deleted at the
+        end of the block; the follower goes on following meanwhile."""
+        tmp = tempfile.mkdtemp(prefix="armdb-follower-")
+        try:
+            dest = os.path.join(tmp, "db")
+            self.copy_to(dest)
+            db = self._opener(dest, **open_kwargs)
+            try:
+                yield ReadOnlyDb(db, self.path)
+            finally:
+                db.close()
+        finally:
+            _fs.FS.remove_tree(tmp)
+
     def __enter__(self) -> Follower:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copy_tree(src: str, dest: str) -> None:
+    """Copy a database directory (holes of sparse files kept), without its lock and state."""
+    fs = _fs.FS
+    fs.makedirs(dest)
+    for name in fs.listdir(src):
+        if name in _NOT_REPLICATED:
+            continue
+        s, d = os.path.join(src, name), os.path.join(dest, name)
+        if fs.isdir(s):
+            _copy_tree(s, d)
+            continue
+        rfd = fs.open(s, os.O_RDONLY)
+        try:
+            wfd = fs.open(d, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            try:
+                size = fs.size(rfd)
+                fs.ftruncate(wfd, size)
+                for lo, hi in fs.data_extents(rfd, 0, size):
+                    pos = lo
+                    while pos < hi:
+                        data = fs.pread(rfd, min(CHUNK, hi - pos), pos)
+                        if not data:
+                            break
+                        fs.pwrite(wfd, data, pos)
+                        pos += len(data)
+            finally:
+                fs.close(wfd)
+        finally:
+            fs.close(rfd)
+
+
+# -- the read-only view of a follower (R2) ---------------------------------------------------------
+def _refuse(what: str, where: str) -> ReadOnly:
+    return ReadOnly(f"{what} writes, and this is a read-only view of the follower {where}; "
+                    "write to the primary, or promote the follower first")
+
+
+class _ReadOnlyHandle:
+    """A collection handle that forwards only the calls in ``READS``."""
+
+    READS: frozenset[str] = frozenset()
+
+    def __init__(self, inner: Any, where: str) -> None:
+        self._inner = inner
+        self._where = where
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self.READS:
+            return getattr(self._inner, name)
+        raise _refuse(f"{type(self._inner).__name__}.{name}", self._where)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __repr__(self) -> str:
+        return f"<read-only {self._inner!r}>"
+
+
+class ReadOnlyQueue(_ReadOnlyHandle):
+    """A queue of a follower: inspection only."""
+
+    READS = frozenset({"name", "config", "len", "dead_len", "peek", "snapshot", "snapshot_frame", "stats",
+                       "next_delay"})
+
+
+class ReadOnlyMap(_ReadOnlyHandle):
+    """A map of a follower: ``get``, ``in``, ``len``, ``items`` only."""
+
+    READS = frozenset({"name", "get", "items", "keys", "values", "stats", "__contains__"})
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._inner
+
+
+class ReadOnlyDb:
+    """What :meth:`Follower.reader` yields: a database whose every write raises ``ReadOnly``."""
+
+    def __init__(self, db: Any, where: str) -> None:
+        self._db = db
+        self._where = where
+
+    def _exists(self, name: str) -> None:
+        if not _fs.FS.isdir(self._db.collection_dir(name)):
+            raise _refuse(f"opening {name!r}, which the primary does not have,", self._where)
+
+    def open_queue(self, spec: Any, config: Any = None) -> ReadOnlyQueue:
+        self._exists(spec.name)
+        return ReadOnlyQueue(self._db.open_queue(spec, config), self._where)
+
+    def open_map(self, name: str, config: Any = None) -> ReadOnlyMap:
+        self._exists(name)
+        return ReadOnlyMap(self._db.open_map(name, config), self._where)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._db.stats())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _refuse(f"Db.{name}", self._where)

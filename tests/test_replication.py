@@ -257,3 +257,34 @@ def _diff(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
             diffs = [i for i in range(min(len(x), len(y))) if x[i] != y[i]]
             out.append(f"{k}: len {len(x)} vs {len(y)}, first diffs {diffs[:5]} last {diffs[-3:]}")
     return out
+
+
+# SPEC R2
+def test_r2_reader_reads_and_refuses_every_write(primary: Primary, tmp_path: Path, clock: FakeClock) -> None:
+    follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
+    try:
+        primary.load(0, 12)
+        settle(primary, follower)
+        with follower.reader(clock=clock, schema=schema()) as r:
+            fixed = r.open_queue(Fixed, cfg())
+            assert len(fixed) == len(primary.fixed)
+            assert [j.id for j in fixed.peek(5)] == [j.id for j in primary.fixed.peek(5)]
+            assert fixed.snapshot().tolist() == primary.fixed.snapshot().tolist()
+            assert fixed.stats().ready == primary.fixed.stats().ready
+            plain = r.open_map("plain")
+            assert plain.get(11) == {"v": 11} and 11 in plain and len(plain) == len(primary.plain)
+            assert set(r.stats()) >= {"fixedq", "plain"}
+            for write in (lambda: fixed.push(1), lambda: fixed.lease(1), lambda: plain.put(1, 2),
+                          lambda: plain.delete(11), lambda: r.tx(), lambda: r.sweep_expired_now(),
+                          lambda: r.open_map("not_on_primary")):
+                with pytest.raises(armdb.ReadOnly, match="read-only view of the follower"):
+                    write()
+            assert isinstance(armdb.ReadOnly("x"), armdb.ArmdbError)
+        # copy_to: a consistent, closed copy that armdb.check accepts (SPEC D6 on a follower)
+        follower.copy_to(tmp_path / "copy")
+        report = armdb.check(tmp_path / "copy")
+        assert report.ok, report.findings
+        with pytest.raises(armdb.ConfigError, match="exists"):
+            follower.copy_to(tmp_path / "copy")
+    finally:
+        follower.close()
