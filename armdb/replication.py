@@ -80,6 +80,13 @@ class _Reader:
             raise ConnectionError("the peer closed the connection")
         self.buf += data
 
+    def take_ready(self) -> bool:
+        """Whether a complete frame (or a length no frame has) is buffered."""
+        if len(self.buf) < _HEAD.size:
+            return False
+        n = _HEAD.unpack_from(self.buf)[0]
+        return n > MAX_FRAME or len(self.buf) >= _HEAD.size + n
+
     def take(self) -> Any:
         """The next complete frame, or ``None`` when the buffer holds none yet."""
         if len(self.buf) < _HEAD.size:
@@ -605,7 +612,8 @@ class Follower:
         assert sock is not None
         sock.settimeout(DEAD_PEER_S)
         while not self._stop.is_set():
-            reader.fill()
+            if not reader.take_ready():  # frames left over from the hello go first
+                reader.fill()
             with self._lock:
                 if self._stop.is_set():
                     return

@@ -80,7 +80,7 @@ def files(root: Path) -> dict[str, bytes]:
     for d, _, names in os.walk(root):
         for n in names:
             rel = os.path.relpath(os.path.join(d, n), root)
-            if rel not in ("LOCK", "replica.state"):
+            if rel not in ("LOCK", "replica.state", "replica.state.tmp"):
                 out[rel] = Path(d, n).read_bytes()
     return out
 

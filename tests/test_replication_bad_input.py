@@ -1,0 +1,206 @@
+"""Bad input to replication (R1, R6): a port that is not an armdb primary, a primary of
+another database, damaged or hostile frames, a directory that is a database of its own.
+Each raises or records a clear ``armdb.errors`` class, and nothing is applied."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import armdb
+from armdb.replication import MAGIC, VERSION, encode_frame
+
+from .test_replication import LOCAL, Primary, settle
+from .test_replication import primary as primary  # noqa: F401 (a fixture)
+
+
+class FakePrimary:
+    """A loopback server that answers each connection with ``script(conn)``."""
+
+    def __init__(self, script: Callable[[socket.socket], None]) -> None:
+        self.sock = socket.create_server(LOCAL)
+        self.address = self.sock.getsockname()[:2]
+        self.script = script
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(4096)  # the follower's hello
+                    self.script(conn)
+                    time.sleep(0.3)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[[Callable[[socket.socket], None]], FakePrimary]]:
+    made: list[FakePrimary] = []
+
+    def make(script: Callable[[socket.socket], None]) -> FakePrimary:
+        made.append(FakePrimary(script))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def hello(**over: Any) -> bytes:
+    h = {"magic": MAGIC, "version": VERSION, "db_id": b"x" * 16, "stream": b"s" * 16, "mode": "snapshot", "seq": 0}
+    h.update(over)
+    return encode_frame(h)
+
+
+def applied(path: Path) -> list[str]:
+    """What the follower wrote beyond its own lock and position files."""
+    return sorted(n for n in os.listdir(path) if n not in ("LOCK", "replica.state"))
+
+
+def wait_error(follower: Any, text: str) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        err = follower.status()["last_error"] or ""
+        if text in err:
+            return
+        time.sleep(0.01)
+    raise AssertionError(follower.status())
+
+
+# SPEC R1 (bad input): a port that speaks something else
+def test_r1_a_port_that_is_not_an_armdb_primary(tmp_path: Path, fake: Any) -> None:
+    http = fake(lambda c: c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"))
+    with pytest.raises(armdb.ReplicationError, match="does not answer as an armdb primary"):
+        armdb.Db.follow(tmp_path / "f", primary=http.address)
+    assert applied(tmp_path / "f") == []
+    closer = fake(lambda c: None)  # accepts, then hangs up
+    with pytest.raises(armdb.ReplicationError, match="does not answer as an armdb primary"):
+        armdb.Db.follow(tmp_path / "f", primary=closer.address)
+    msgpack_but_not_ours = fake(lambda c: c.sendall(encode_frame({"hello": "world"})))
+    with pytest.raises(armdb.ReplicationError, match="does not answer as an armdb primary"):
+        armdb.Db.follow(tmp_path / "f", primary=msgpack_but_not_ours.address)
+    free = socket.create_server(LOCAL)
+    port = free.getsockname()[1]
+    free.close()
+    with pytest.raises(armdb.ReplicationError, match="cannot connect to the primary"):
+        armdb.Db.follow(tmp_path / "f", primary=("127.0.0.1", port))
+    with pytest.raises(armdb.ConfigError, match="primary must be"):
+        armdb.Db.follow(tmp_path / "f", primary="127.0.0.1:7070")  # type: ignore[arg-type]
+    assert applied(tmp_path / "f") == []
+
+
+# SPEC R6 (bad input): a frame of an unknown version
+def test_r6_a_primary_of_another_replication_version(tmp_path: Path, fake: Any) -> None:
+    future = fake(lambda c: c.sendall(hello(version=VERSION + 1)))
+    with pytest.raises(armdb.ReplicationFrameError, match="replication version"):
+        armdb.Db.follow(tmp_path / "f", primary=future.address)
+    assert applied(tmp_path / "f") == []
+
+
+# SPEC R6: a frame whose CRC fails is never applied; the follower drops the connection
+def test_r6_a_frame_with_a_bad_crc_is_not_applied(tmp_path: Path, fake: Any) -> None:
+    def script(c: socket.socket) -> None:
+        c.sendall(hello() + encode_frame(["S", 0]))
+        frame = bytearray(encode_frame(["D", "collections"]))
+        frame[-1] ^= 0x40  # one bit of the body flipped: the CRC no longer matches
+        c.sendall(bytes(frame))
+
+    bad = fake(script)
+    follower = armdb.Db.follow(tmp_path / "f", primary=bad.address)
+    try:
+        wait_error(follower, "CRC")
+        assert applied(tmp_path / "f") == []
+        assert not follower.status()["snapshot_complete"]
+        with pytest.raises(armdb.ReplicationError, match="not finished copying"):
+            follower.promote()
+    finally:
+        follower.close()
+    assert isinstance(armdb.ReplicationFrameError("x"), armdb.CorruptionError)
+
+
+# SPEC R6: a length that no frame has, a path outside the directory, a frame out of order
+@pytest.mark.parametrize(
+    ("payload", "text"),
+    [
+        (struct.pack(">II", 1 << 31, 0), "claims"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["W", "../evil", 0, b"x"]), "not inside a database"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["W", "/etc/evil", 0, b"x"]), "not inside a database"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["C", "LOCK", True]), "never replicated"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["E", 0]) + encode_frame([2, "D", "x"]), "where 1 was next"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["Z", "x"]), "unknown"),
+        (hello() + encode_frame(["S", 0]) + encode_frame(["W", "x"]), "cannot read"),
+    ],
+)
+def test_r6_hostile_frames_are_refused(tmp_path: Path, fake: Any, payload: bytes, text: str) -> None:
+    if payload.startswith(struct.pack(">II", 1 << 31, 0)):
+        srv = fake(lambda c: c.sendall(payload))
+        with pytest.raises(armdb.ReplicationError, match="does not answer as an armdb primary"):
+            armdb.Db.follow(tmp_path / "f", primary=srv.address)
+        assert applied(tmp_path / "f") == []
+        return
+    srv = fake(lambda c: c.sendall(payload))
+    follower = armdb.Db.follow(tmp_path / "f", primary=srv.address)
+    try:
+        wait_error(follower, text)
+    finally:
+        follower.close()
+    assert applied(tmp_path / "f") == []
+    assert not (tmp_path / "evil").exists()
+
+
+# SPEC R1 (bad input): a primary of another database
+def test_r1_a_primary_of_another_database_is_refused(tmp_path: Path, primary: Primary, clock: Any) -> None:
+    follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
+    primary.load(0, 5)
+    settle(primary, follower)
+    follower.close()
+    before = {p: p.read_bytes() for p in (tmp_path / "f").rglob("*") if p.is_file() and p.name != "LOCK"}
+    other = Primary(tmp_path / "other", clock)
+    try:
+        with pytest.raises(armdb.ReplicaMismatch, match="another database"):
+            armdb.Db.follow(tmp_path / "f", primary=other.address)
+    finally:
+        other.db.close()
+    after = {p: p.read_bytes() for p in (tmp_path / "f").rglob("*") if p.is_file() and p.name != "LOCK"}
+    assert after == before  # nothing applied
+
+
+# SPEC R1 (bad input): a directory that is a database of its own, or holds something else
+def test_r1_a_normal_database_cannot_become_a_follower(tmp_path: Path, primary: Primary) -> None:
+    armdb.Db.open(tmp_path / "mine").close()
+    with pytest.raises(armdb.ReplicationError, match="database of its own"):
+        armdb.Db.follow(tmp_path / "mine", primary=primary.address)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    with pytest.raises(armdb.ConfigError, match="not empty"):
+        armdb.Db.follow(tmp_path / "junk", primary=primary.address)
+    assert armdb.check(tmp_path / "mine").ok
+
+
+# SPEC R6: a state file that fails its CRC is refused, not guessed
+def test_r6_a_damaged_position_file_is_refused(tmp_path: Path, primary: Primary) -> None:
+    follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
+    follower.close()
+    state = tmp_path / "f" / "replica.state"
+    raw = bytearray(state.read_bytes())
+    raw[-1] ^= 1
+    state.write_bytes(bytes(raw))
+    with pytest.raises(armdb.ReplicationError, match="damaged"):
+        armdb.Db.follow(tmp_path / "f", primary=primary.address)
