@@ -24,8 +24,10 @@ import hashlib
 import os
 import pickle
 import shutil
+import socket
 import struct
 import subprocess
+import threading
 import typing
 import zlib
 from collections.abc import Callable
@@ -54,12 +56,19 @@ from armdb.errors import (
     ProcessBound,
     QueueAlreadyOpen,
     QueueFull,
+    ReadOnly,
+    ReplicaMismatch,
+    ReplicationError,
+    ReplicationFrameError,
     SchemaMismatch,
     StaleToken,
     StorageError,
     StreamSourceRequiresTx,
     WrongKey,
 )
+from armdb.replication import MAGIC as REPL_MAGIC
+from armdb.replication import VERSION as REPL_VERSION
+from armdb.replication import _encode_state, encode_frame
 from armdb.streams import SchemaRegistry
 
 from .. import marks
@@ -377,6 +386,58 @@ def foreign_dir(w: World) -> Path:
     d.mkdir(exist_ok=True)
     (d / "notes.txt").write_text("not a database\n")
     return d
+
+
+# -- replication (R1, R2): a loopback server that answers one hello, and follower directories ------
+def fake_primary(w: World, **hello: Any) -> tuple[str, int]:
+    """A server on loopback that answers every connection with one hello frame."""
+    reply = {"magic": REPL_MAGIC, "version": REPL_VERSION, "db_id": b"P" * 16, "stream": b"s" * 16,
+             "mode": "resume", "seq": 0}
+    reply.update(hello)
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.recv(4096)
+                    conn.sendall(encode_frame(reply))
+                    conn.recv(1)  # until the follower hangs up
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    w.extra.setdefault("cleanup", []).append(srv.close)
+    return srv.getsockname()[:2]
+
+
+def follower_dir(w: World, db_id: bytes, *, with_db: bool = False) -> Path:
+    """A follower's directory beside the world's database (its copy complete), following ``db_id``."""
+    d = w.path.parent / "follower"
+    if with_db:
+        armdb.Db.open(d).close()
+    d.mkdir(exist_ok=True)
+    (d / "replica.state").write_bytes(_encode_state({"db_id": db_id, "stream": b"s" * 16, "seq": 0, "complete": True}))
+    return d
+
+
+def follow_then(w: World, path: Path, address: tuple[str, int], then: Callable[[Any], Any] | None = None) -> Any:
+    try:
+        f = armdb.Db.follow(path, primary=address)
+        try:
+            if then is not None:
+                with f.reader() as r:
+                    return then(r)
+        finally:
+            f.close()
+        return f
+    finally:
+        for close in w.extra.pop("cleanup", []):
+            close()
 
 
 def open_with_clock(w: World, clock: Callable[[], Any]) -> armdb.Db:
@@ -814,6 +875,17 @@ ROWS: list[R] = [
       prep=forge_marker, check=False),
     R("t5_map_record_gsn_at_the_top", lambda w: w.db.open_map("plainmap"), CorruptionError, r"gsn",
       prep=lambda w: append_plainmap_record(w, (1 << 60) - 1), check=False),
+    # -- replication (R1, R2): a follower's bad inputs ------------------------------------------------
+    R("r1_follow_a_database_of_its_own", lambda w: armdb.Db.follow(w.path, primary=("127.0.0.1", 9)), ReplicationError,
+      r"is a database of its own, not a follower"),
+    R("r1_follow_a_primary_of_another_database", lambda w: follow_then(w, follower_dir(w, b"F" * 16), fake_primary(w)),
+      ReplicaMismatch, r"another database than the one"),
+    R("r1_follow_a_primary_of_another_version",
+      lambda w: follow_then(w, w.path.parent / "newf", fake_primary(w, version=REPL_VERSION + 1)),
+      ReplicationFrameError, r"replication version"),
+    R("r2_write_to_a_followers_reader",
+      lambda w: follow_then(w, follower_dir(w, b"P" * 16, with_db=True), fake_primary(w), lambda r: r.tx()),
+      ReadOnly, r"read-only view of the follower .* promote the follower first"),
 ]
 
 #: Error classes no bad *input* can cause (raised by storage faults and interrupted commits);
