@@ -51,7 +51,7 @@ MAGIC = "armdb-repl"
 VERSION = 1
 STATE_FILE = "replica.state"  # the follower's position (never replicated)
 _STATE_MAGIC = b"ARMREPL1"
-_HEAD = struct.Struct(">II")  # body length, crc32 of the body
+_HEAD = struct.Struct(">III")  # body length, crc32 of the body, crc32 of the first 8 bytes
 MAX_FRAME = 64 << 20  # a longer frame is not ours (a W frame holds at most CHUNK bytes)
 CHUNK = 1 << 20  # bytes per W frame of a snapshot
 BACKLOG_BYTES = 64 << 20  # frames a primary keeps for followers to resume from
@@ -62,9 +62,11 @@ _NOT_REPLICATED = frozenset({LOCK_FILE, STATE_FILE})
 
 # -- frames ---------------------------------------------------------------------------------------
 def encode_frame(obj: Any) -> bytes:
-    """One frame: ``len: u32 BE``, ``crc32: u32 BE`` of the body, the msgpack body."""
+    """One frame: ``len: u32 BE``, ``crc32: u32 BE`` of the body, ``crc32: u32 BE`` of
+    those 8 bytes (a damaged length is refused at once, not waited for), the msgpack body."""
     body = msgpack.packb(obj, use_bin_type=True)
-    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+    head = struct.pack(">II", len(body), zlib.crc32(body))
+    return head + struct.pack(">I", zlib.crc32(head)) + body
 
 
 class _Reader:
@@ -84,14 +86,18 @@ class _Reader:
         """Whether a complete frame (or a length no frame has) is buffered."""
         if len(self.buf) < _HEAD.size:
             return False
-        n = _HEAD.unpack_from(self.buf)[0]
-        return n > MAX_FRAME or len(self.buf) >= _HEAD.size + n
+        n, _, hcrc = _HEAD.unpack_from(self.buf)
+        return n > MAX_FRAME or hcrc != zlib.crc32(bytes(self.buf[:8])) or len(self.buf) >= _HEAD.size + n
 
     def take(self) -> Any:
         """The next complete frame, or ``None`` when the buffer holds none yet."""
         if len(self.buf) < _HEAD.size:
             return _NONE
-        n, crc = _HEAD.unpack_from(self.buf)
+        n, crc, hcrc = _HEAD.unpack_from(self.buf)
+        if hcrc != zlib.crc32(bytes(self.buf[:8])):
+            raise ReplicationFrameError(
+                "a replication frame header failed its CRC; it was not applied, the follower resynchronises"
+            )
         if n > MAX_FRAME:
             raise ReplicationFrameError(f"a replication frame claims {n} bytes; this is not an armdb replication stream")
         if len(self.buf) < _HEAD.size + n:
@@ -278,6 +284,7 @@ class Primary:
         self._bytes = 0
         self.closed = False
         self._conns: set[socket.socket] = set()
+        self._streaming: set[socket.socket] = set()  # past the hello and the snapshot: drained at stop
         self._threads: list[threading.Thread] = []
         try:
             self._server = socket.create_server(listen)
@@ -318,13 +325,13 @@ class Primary:
                 continue
             except OSError:
                 return
+            with self.cond:
+                self._conns.add(conn)
             t = threading.Thread(target=self._serve, args=(conn,), name="armdb-replicate-conn", daemon=True)
             self._threads.append(t)
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with self.cond:
-            self._conns.add(conn)
         try:
             conn.settimeout(DEAD_PEER_S)
             hello = _Reader(conn).frame()
@@ -349,12 +356,17 @@ class Primary:
                 return  # the follower refuses us (ReplicaMismatch on its side)
             if not resume:
                 self._send_snapshot(conn, start)
+            with self.cond:
+                if self.closed:
+                    return
+                self._streaming.add(conn)
             self._stream(conn, start)
         except (OSError, ReplicationError) as e:
             LOG.info("replication: a follower connection ended (%s)", e)
         finally:
             with self.cond:
                 self._conns.discard(conn)
+                self._streaming.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
 
@@ -374,6 +386,8 @@ class Primary:
             if rel_dir:
                 conn.sendall(encode_frame(["D", rel_dir]))
             for name in names:
+                if self.closed:
+                    raise ReplicationError("the primary closed during a snapshot; the follower will copy again")
                 rel = os.path.join(rel_dir, name) if rel_dir else name
                 if rel in _NOT_REPLICATED:
                     continue
@@ -419,8 +433,19 @@ class Primary:
             self._server.close()
         if self._accepter.is_alive():
             self._accepter.join(2.0)
+        with self.cond:  # a connection still in its hello or snapshot gets nothing more
+            idle = [c for c in self._conns if c not in self._streaming]
+        for c in idle:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 5.0  # streaming followers get the frames recorded so far
         for t in list(self._threads):
-            t.join(5.0)
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self.cond:
+            stuck = list(self._conns)
+        for c in stuck:  # a follower that does not read: cut
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
 
 
 def _file_frames(root: str, rel: str) -> Any:
@@ -516,6 +541,8 @@ class Follower:
         self.connected = False
         self._behind_since: float | None = None
         self.frames_applied = 0
+        self.refused_frames = 0  # frames refused (CRC, length, version, order): never applied
+        self.connections = 0  # successful handshakes, the first included
         try:
             if fs.exists(self._state_path):
                 self.state = _decode_state(fs.read_file(self._state_path), self._state_path)
@@ -574,6 +601,7 @@ class Follower:
         self._reader = reader
         self._sock = sock
         self.connected = True
+        self.connections += 1
         self.last_error = None
 
     def _run(self) -> None:
@@ -592,6 +620,8 @@ class Follower:
             except (OSError, ReplicationError) as e:
                 if self._stop.is_set():
                     break
+                if isinstance(e, ReplicationFrameError):
+                    self.refused_frames += 1
                 self.last_error = e
                 LOG.warning("replication: the connection to the primary broke (%s); reconnecting", e)
                 self._drop()
@@ -768,7 +798,8 @@ class Follower:
     def status(self) -> dict[str, Any]:
         """Where the follower is: ``connected``, ``applied_seq``, ``primary_seq`` (from the
         primary's last heartbeat), ``frames_behind``, ``seconds_behind`` (0 when caught
-        up), ``snapshot_complete``, ``last_error``."""
+        up), ``snapshot_complete``, ``last_error``, ``connections`` (handshakes so far)
+        and ``refused_frames`` (damaged or out-of-order frames, never applied)."""
         applied = int(self.state["seq"])
         behind = max(0, self.primary_seq - applied)
         now = time.monotonic()
@@ -784,6 +815,8 @@ class Follower:
             "seconds_behind": 0.0 if self._behind_since is None else now - self._behind_since,
             "snapshot_complete": bool(self.state["complete"]),
             "last_error": None if self.last_error is None else str(self.last_error),
+            "connections": self.connections,
+            "refused_frames": self.refused_frames,
         }
 
     def wait_applied(self, seq: int, timeout: float = 10.0) -> bool:

@@ -9,6 +9,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,15 @@ def hello(**over: Any) -> bytes:
     h = {"magic": MAGIC, "version": VERSION, "db_id": b"x" * 16, "stream": b"s" * 16, "mode": "snapshot", "seq": 0}
     h.update(over)
     return encode_frame(h)
+
+
+def _head(n: int, crc: int) -> bytes:
+    h = struct.pack(">II", n, crc)
+    return h + struct.pack(">I", zlib.crc32(h))
+
+
+HUGE = _head(1 << 31, 0)  # a header that is sound but announces a length no frame has
+BAD_HEAD = _head(10, 0)[:-1] + b"\x00"  # a header whose own CRC fails
 
 
 def applied(path: Path) -> list[str]:
@@ -139,7 +149,8 @@ def test_r6_a_frame_with_a_bad_crc_is_not_applied(tmp_path: Path, fake: Any) -> 
 @pytest.mark.parametrize(
     ("payload", "text"),
     [
-        (struct.pack(">II", 1 << 31, 0), "claims"),
+        (HUGE, "claims"),
+        (BAD_HEAD, "header failed its CRC"),
         (hello() + encode_frame(["S", 0]) + encode_frame(["W", "../evil", 0, b"x"]), "not inside a database"),
         (hello() + encode_frame(["S", 0]) + encode_frame(["W", "/etc/evil", 0, b"x"]), "not inside a database"),
         (hello() + encode_frame(["S", 0]) + encode_frame(["C", "LOCK", True]), "never replicated"),
@@ -149,7 +160,7 @@ def test_r6_a_frame_with_a_bad_crc_is_not_applied(tmp_path: Path, fake: Any) -> 
     ],
 )
 def test_r6_hostile_frames_are_refused(tmp_path: Path, fake: Any, payload: bytes, text: str) -> None:
-    if payload.startswith(struct.pack(">II", 1 << 31, 0)):
+    if payload in (HUGE, BAD_HEAD):
         srv = fake(lambda c: c.sendall(payload))
         with pytest.raises(armdb.ReplicationError, match="does not answer as an armdb primary"):
             armdb.Db.follow(tmp_path / "f", primary=srv.address)
