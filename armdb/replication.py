@@ -239,6 +239,7 @@ class ReplicatingFS(_fs.RealFS):
 
 
 _INSTALL = threading.Lock()
+_PLAIN: list[_fs.RealFS] = []  # the file system ReplicatingFS replaced, put back by the last stop
 
 
 def _install(pub: Primary) -> None:
@@ -250,6 +251,7 @@ def _install(pub: Primary) -> None:
                     "replication needs armdb's own file system, and another one is installed (a test's); "
                     "remove it before calling db.replicate()"
                 )
+            _PLAIN[:] = [fs]
             fs = ReplicatingFS()
             _fs.FS = fs
         for root in fs.roots:
@@ -266,7 +268,7 @@ def _uninstall(pub: Primary) -> None:
             fs.roots.pop(pub.root, None)
             fs._fds.clear()
             if not fs.roots:
-                _fs.FS = _fs.RealFS()
+                _fs.FS = _PLAIN.pop() if _PLAIN else _fs.RealFS()
 
 
 # -- the primary's side: the stream and its connections --------------------------------------------
@@ -517,6 +519,9 @@ class Follower:
         self.primary = primary
         self._opener = opener
         self._state_path = os.path.join(self.path, STATE_FILE)
+        self._root = self.path  # where frames are applied: the staging copy during a re-copy
+        self._staging = self.path + ".resync"
+        _finish_swap(self.path, self._staging)
         if fs.exists(self.path) and not fs.isdir(self.path):
             raise ConfigError(f"{self.path} exists and is not a directory; give a directory for the follower")
         if fs.isdir(self.path) and not fs.exists(self._state_path):
@@ -536,6 +541,7 @@ class Follower:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._end_seq: int | None = None  # a snapshot's end: consistent once applied
+        self._new_state: dict[str, Any] = {}  # the staging copy's position during a re-copy
         self.primary_seq = 0
         self.last_error: BaseException | None = None
         self.connected = False
@@ -670,7 +676,7 @@ class Follower:
                 raise ReplicationFrameError("a replication frame has no operation; it was not applied")
             self._apply(frame[1], frame[2:])
             self._expect += 1
-            self.state["seq"] = head
+            self._applying["seq"] = head
             self.frames_applied += 1
             return True
         if head == "H":
@@ -685,32 +691,68 @@ class Follower:
                 raise ReplicationFrameError("a snapshot end frame this armdb cannot read; it was not applied")
             self._end_seq = frame[1]
             return True
-        if self._end_seq is None and self.state.get("complete") is False and self._mode == "snapshot":
+        if self._end_seq is None and self._applying.get("complete") is False and self._mode == "snapshot":
             self._apply(head, frame[1:])  # a file image of the snapshot
             return True
         raise ReplicationFrameError(f"a replication frame of unknown kind {head!r}; it was not applied")
 
     def _begin_snapshot(self) -> None:
+        """A new copy.  A follower that holds a complete copy keeps it (promotable, and
+        what restarts resume from) and builds the new one beside it, in ``<path>.resync``,
+        swapped in once consistent (:meth:`_swap`); a follower without one starts over."""
         if self._mode != "snapshot":
             raise ReplicationFrameError("a snapshot arrived on a resumed stream; it was not applied")
-        self.state = {"db_id": self._db_id, "stream": self._stream_id, "seq": self._expect - 1, "complete": False}
-        self._save_state()
         self._close_files()
         fs = _fs.FS
-        for name in fs.listdir(self.path):
-            if name in _NOT_REPLICATED:
-                continue
-            full = os.path.join(self.path, name)
-            if fs.isdir(full):
-                fs.remove_tree(full)
-            else:
-                fs.unlink(full)
+        new = {"db_id": self._db_id, "stream": self._stream_id, "seq": self._expect - 1, "complete": False}
+        if self.state["complete"] or self._root != self.path:
+            if fs.exists(self._staging):
+                fs.remove_tree(self._staging)
+            fs.makedirs(self._staging)
+            self._root = self._staging
+            self._new_state = new
+        else:
+            self.state = new
+            self._save_state()
+            for name in fs.listdir(self.path):
+                if name in _NOT_REPLICATED:
+                    continue
+                full = os.path.join(self.path, name)
+                if fs.isdir(full):
+                    fs.remove_tree(full)
+                else:
+                    fs.unlink(full)
         self._end_seq = None
+
+    @property
+    def _applying(self) -> dict[str, Any]:
+        """The position of the copy frames go to (the staging copy's during a re-copy)."""
+        return self._new_state if self._root != self.path else self.state
+
+    def _swap(self) -> None:
+        """The re-copy is consistent: it replaces the follower's copy.  A crash at any
+        point leaves either copy whole (:func:`_finish_swap` completes or undoes it)."""
+        fs = _fs.FS
+        self._close_files()
+        fs.write_file_atomic(os.path.join(self._staging, STATE_FILE), _encode_state(self._new_state))
+        old = self.path + ".old"
+        if fs.exists(old):
+            fs.remove_tree(old)
+        assert self._dirlock is not None
+        fs.rename(self.path, old)
+        fs.rename(self._staging, self.path)
+        fs.fsync_dir(os.path.dirname(self.path))
+        lock = self._dirlock
+        self._dirlock = DirLock(self.path)
+        lock.release()
+        fs.remove_tree(old)
+        self.state = self._new_state
+        self._root = self.path
 
     def _fd(self, rel: str) -> int:
         fd = self._fds.get(rel)
         if fd is None:
-            fd = _fs.FS.open(os.path.join(self.path, rel), os.O_RDWR | os.O_CREAT)
+            fd = _fs.FS.open(os.path.join(self._root, rel), os.O_RDWR | os.O_CREAT)
             self._fds[rel] = fd
         return fd
 
@@ -742,25 +784,25 @@ class Follower:
                 rel, trunc = _safe_rel(args[0]), bool(args[1])
                 self._forget(rel)
                 flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if trunc else 0)
-                self._fds[rel] = fs.open(os.path.join(self.path, rel), flags)
+                self._fds[rel] = fs.open(os.path.join(self._root, rel), flags)
                 self._touched.add(rel)
                 self._dirs_touched.add(os.path.dirname(rel))
             elif op == "R":
                 src, dst = _safe_rel(args[0]), _safe_rel(args[1])
                 self._forget(src)
                 self._forget(dst)
-                if fs.exists(os.path.join(self.path, src)):  # replayed after a restart: done already
-                    fs.rename(os.path.join(self.path, src), os.path.join(self.path, dst))
+                if fs.exists(os.path.join(self._root, src)):  # replayed after a restart: done already
+                    fs.rename(os.path.join(self._root, src), os.path.join(self._root, dst))
                 self._dirs_touched.add(os.path.dirname(dst))
             elif op == "U":
                 rel = _safe_rel(args[0])
                 self._forget(rel)
                 with contextlib.suppress(FileNotFoundError):
-                    fs.unlink(os.path.join(self.path, rel))
+                    fs.unlink(os.path.join(self._root, rel))
                 self._dirs_touched.add(os.path.dirname(rel))
             elif op == "D":
                 rel = _safe_rel(args[0])
-                fs.makedirs(os.path.join(self.path, rel))
+                fs.makedirs(os.path.join(self._root, rel))
             else:
                 raise ReplicationFrameError(f"a replication frame of unknown operation {op!r}; it was not applied")
         except (IndexError, TypeError, ValueError) as e:
@@ -775,14 +817,18 @@ class Follower:
                 fs.fsync(fd)
         self._touched.clear()
         for d in sorted(self._dirs_touched):
-            full = os.path.join(self.path, d) if d else self.path
+            full = os.path.join(self._root, d) if d else self._root
             if fs.isdir(full):
                 fs.fsync_dir(full)
         self._dirs_touched.clear()
-        if self._end_seq is not None and self.state["seq"] >= self._end_seq:
-            self.state["complete"] = True
+        if self._end_seq is not None and self._applying["seq"] >= self._end_seq:
+            self._applying["complete"] = True
             self._end_seq = None
-        self._save_state()
+            if self._root != self.path:
+                self._swap()
+                return
+        if self._root == self.path:
+            self._save_state()
 
     def _save_state(self) -> None:
         _fs.FS.write_file_atomic(self._state_path, _encode_state(self.state))
@@ -798,7 +844,8 @@ class Follower:
     def status(self) -> dict[str, Any]:
         """Where the follower is: ``connected``, ``applied_seq``, ``primary_seq`` (from the
         primary's last heartbeat), ``frames_behind``, ``seconds_behind`` (0 when caught
-        up), ``snapshot_complete``, ``last_error``, ``connections`` (handshakes so far)
+        up), ``snapshot_complete``, ``recopying`` (a new copy is being built beside the
+        complete one), ``last_error``, ``connections`` (handshakes so far)
         and ``refused_frames`` (damaged or out-of-order frames, never applied)."""
         applied = int(self.state["seq"])
         behind = max(0, self.primary_seq - applied)
@@ -814,16 +861,20 @@ class Follower:
             "frames_behind": behind,
             "seconds_behind": 0.0 if self._behind_since is None else now - self._behind_since,
             "snapshot_complete": bool(self.state["complete"]),
+            "recopying": self._root != self.path,
             "last_error": None if self.last_error is None else str(self.last_error),
             "connections": self.connections,
             "refused_frames": self.refused_frames,
         }
 
     def wait_applied(self, seq: int, timeout: float = 10.0) -> bool:
-        """Wait until frame ``seq`` is applied and the snapshot complete; ``False`` on timeout."""
+        """Wait until frame ``seq`` of the current stream is applied to a complete copy;
+        ``False`` on timeout."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.state["complete"] and self.state["seq"] >= seq:
+            st = self.state
+            if (self._root == self.path and st["complete"] and st["stream"] == self._stream_id
+                    and st["seq"] >= seq):
                 return True
             time.sleep(0.01)
         return False
@@ -845,6 +896,9 @@ class Follower:
                     self._persist()
             finally:
                 self._close_files()
+                if self._root != self.path:  # an unfinished re-copy: the complete copy stays
+                    _fs.FS.remove_tree(self._staging)
+                    self._root = self.path
                 self._dirlock.release()
                 self._dirlock = None
 
@@ -916,6 +970,22 @@ class Follower:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _finish_swap(path: str, staging: str) -> None:
+    """Complete or undo a swap of a re-copy that a crash interrupted (``Follower._swap``):
+    the staging copy replaces the follower's only once it holds a complete state."""
+    fs = _fs.FS
+    old = path + ".old"
+    if not fs.exists(path):
+        done = os.path.join(staging, STATE_FILE)
+        if fs.exists(done) and _decode_state(fs.read_file(done), done).get("complete"):
+            fs.rename(staging, path)
+        elif fs.exists(old):
+            fs.rename(old, path)
+    for leftover in (staging, old):
+        if fs.exists(leftover) and fs.exists(path):
+            fs.remove_tree(leftover)
 
 
 def _copy_tree(src: str, dest: str) -> None:

@@ -5,6 +5,7 @@ Each raises or records a clear ``armdb.errors`` class, and nothing is applied.""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import threading
@@ -17,9 +18,10 @@ from typing import Any
 import pytest
 
 import armdb
-from armdb.replication import MAGIC, VERSION, encode_frame
+from armdb.layout import check_meta
+from armdb.replication import MAGIC, VERSION, _encode_state, _finish_swap, encode_frame
 
-from .test_replication import LOCAL, Primary, settle
+from .test_replication import LOCAL, Primary, contents, schema, settle
 from .test_replication import primary as primary  # noqa: F401 (a fixture)
 
 
@@ -215,3 +217,62 @@ def test_r6_a_damaged_position_file_is_refused(tmp_path: Path, primary: Primary)
     state.write_bytes(bytes(raw))
     with pytest.raises(armdb.ReplicationError, match="damaged"):
         armdb.Db.follow(tmp_path / "f", primary=primary.address)
+
+
+# SPEC R1, R3, R6: a re-copy is built beside the complete copy, which stays promotable
+def test_r6_a_recopy_cut_short_leaves_the_complete_copy_promotable(tmp_path: Path, primary: Primary,
+                                                                    clock: Any) -> None:
+    follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
+    primary.load(0, 10)
+    settle(primary, follower)
+    primary.db.close()
+    settle(primary, follower)
+    follower.close()
+    db_id = check_meta((tmp_path / "primary" / "db.meta").read_bytes(), "db.meta").db_id
+
+    def restarted_primary_that_dies_mid_copy(c: socket.socket) -> None:
+        c.sendall(hello(db_id=db_id, stream=b"n" * 16) + encode_frame(["S", 0]) + encode_frame(["D", "collections"])
+                  + encode_frame(["C", "db.meta", True]) + encode_frame(["T", "db.meta", 0]))
+
+    fake_p = FakePrimary(restarted_primary_that_dies_mid_copy)
+    try:
+        f2 = armdb.Db.follow(tmp_path / "f", primary=fake_p.address)
+        end = time.monotonic() + 10
+        while not f2.status()["recopying"]:
+            assert time.monotonic() < end, f2.status()
+            time.sleep(0.01)
+        assert (tmp_path / "f.resync" / "db.meta").stat().st_size == 0  # the new copy, half built
+        db = f2.promote(clock=clock, schema=schema())
+    finally:
+        fake_p.close()
+    try:
+        got = contents(db)
+    finally:
+        db.close()
+    assert not (tmp_path / "f.resync").exists()
+    want = armdb.Db.open(tmp_path / "primary", clock=clock, schema=schema())
+    try:
+        assert got == contents(want)
+    finally:
+        want.close()
+
+
+# SPEC R6: a crash in the middle of swapping a re-copy in leaves one whole copy
+@pytest.mark.parametrize("crash_after", ["first_rename", "before_rename"])
+def test_r6_an_interrupted_swap_is_finished_or_undone(tmp_path: Path, primary: Primary, crash_after: str) -> None:
+    follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
+    primary.load(0, 3)
+    settle(primary, follower)
+    follower.close()
+    f, staging, old = tmp_path / "f", tmp_path / "f.resync", tmp_path / "f.old"
+    shutil.copytree(f, staging)
+    marker = {"db_id": b"x", "stream": b"new!" * 4, "seq": 0, "complete": True}
+    (staging / "replica.state").write_bytes(_encode_state(marker))
+    if crash_after == "first_rename":
+        f.rename(old)  # the crash came between the two renames: the complete re-copy wins
+    else:
+        (staging / "replica.state").unlink()  # not yet marked complete: it is dropped
+    _finish_swap(str(f), str(staging))
+    assert f.is_dir() and not staging.exists() and not old.exists()
+    state = (f / "replica.state").read_bytes()
+    assert (b"new!" in state) == (crash_after == "first_rename")
