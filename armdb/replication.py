@@ -156,7 +156,9 @@ class ReplicatingFS(_fs.RealFS):
         self._fds: dict[int, tuple[Primary, str] | None] = {}
 
     def _match(self, path: str) -> tuple[Primary, str] | None:
-        full = os.path.abspath(path)
+        if not self.roots:
+            return None
+        full = os.path.realpath(path)  # as /proc/self/fd names it: symbolic links resolved
         for root, pub in self.roots.items():
             if full.startswith(root + os.sep):
                 rel = full[len(root) + 1 :]
@@ -276,7 +278,7 @@ class Primary:
     """The stream of one replicating database and the server its followers connect to."""
 
     def __init__(self, root: str, db_id: bytes, listen: tuple[str, int]) -> None:
-        self.root = os.path.abspath(root)
+        self.root = os.path.realpath(root)
         self.db_id = db_id
         self.stream = os.urandom(16)
         self.cond = threading.Condition(threading.Lock())

@@ -288,3 +288,21 @@ def test_r2_reader_reads_and_refuses_every_write(primary: Primary, tmp_path: Pat
             follower.copy_to(tmp_path / "copy")
     finally:
         follower.close()
+
+
+# SPEC R1: a primary opened through a symbolic link streams every file too
+def test_r1_primary_opened_through_a_symlink(tmp_path: Path, clock: FakeClock) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    p = Primary(tmp_path / "link" / "primary", clock)
+    follower = armdb.Db.follow(tmp_path / "f", primary=p.address)
+    try:
+        p.load(0, 10)
+        settle(p, follower)
+        p.db.close()
+        settle(p, follower)
+        d = _diff(files(tmp_path / "f"), files(tmp_path / "real" / "primary"))
+        assert not d, "\n".join(d)
+    finally:
+        follower.close()
+        p.db.shutdown()
