@@ -219,11 +219,20 @@ class TxConfig:
     durable: bool = False
     log_encryption_key: bytes | None = field(default=None, repr=False)
     checkpoint_bytes: int = 4 << 20
+    replicas: int = 0  # followers that must have a durable commit on disk first (R4)
 
     def __post_init__(self) -> None:
         _bool(self.durable, "durable")
         _key(self.log_encryption_key, "log_encryption_key")
         _int(self.checkpoint_bytes, "checkpoint_bytes", 4096)
+        _int(self.replicas, "replicas", 0)
+
+    def sync_replicas(self, n: int) -> TxConfig:
+        """This configuration, with durable commits returning only once ``n`` followers
+        (``Db.follow``) have them on disk; 0 turns it off.  A durable commit then waits,
+        as long as it takes, for the followers of a database that replicates
+        (``db.replicate``); a database that does not replicate waits for none."""
+        return dataclasses.replace(self, replicas=n)
 
 
 # -- queues -----------------------------------------------------------------------

@@ -288,6 +288,7 @@ class Primary:
         self._bytes = 0
         self.closed = False
         self._conns: set[socket.socket] = set()
+        self._acked: dict[socket.socket, int] = {}  # what each follower has on disk (R4)
         self._streaming: set[socket.socket] = set()  # past the hello and the snapshot: drained at stop
         self._threads: list[threading.Thread] = []
         try:
@@ -338,7 +339,8 @@ class Primary:
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(DEAD_PEER_S)
-            hello = _Reader(conn).frame()
+            reader = _Reader(conn)
+            hello = reader.frame()
             if not (isinstance(hello, dict) and hello.get("magic") == MAGIC):
                 return  # not a follower: say nothing
             if hello.get("version") != VERSION:
@@ -364,6 +366,8 @@ class Primary:
                 if self.closed:
                     return
                 self._streaming.add(conn)
+            threading.Thread(target=self._read_acks, args=(conn, reader), name="armdb-replicate-acks",
+                             daemon=True).start()
             self._stream(conn, start)
         except (OSError, ReplicationError) as e:
             LOG.info("replication: a follower connection ended (%s)", e)
@@ -371,6 +375,7 @@ class Primary:
             with self.cond:
                 self._conns.discard(conn)
                 self._streaming.discard(conn)
+                self._acked.pop(conn, None)
             with contextlib.suppress(OSError):
                 conn.close()
 
@@ -421,6 +426,32 @@ class Primary:
                 return
             else:
                 conn.sendall(encode_frame(["H", head, time.time()]))
+
+    def _read_acks(self, conn: socket.socket, reader: _Reader) -> None:
+        """A follower's ``["A", seq]`` frames: it has every frame through ``seq`` on disk."""
+        try:
+            while True:
+                try:
+                    frame = reader.frame()
+                except TimeoutError:
+                    continue  # an idle follower sends no acks
+                if isinstance(frame, list) and len(frame) == 2 and frame[0] == "A" and isinstance(frame[1], int):
+                    with self.cond:
+                        if conn in self._streaming:
+                            self._acked[conn] = frame[1]
+                            self.cond.notify_all()
+        except (OSError, ReplicationError):
+            with self.cond:
+                self._acked.pop(conn, None)
+                self.cond.notify_all()
+
+    def wait_replicated(self, n: int) -> None:
+        """Wait until ``n`` followers have every frame recorded so far on disk (or the
+        primary stops: a closing database confirms nothing more)."""
+        with self.cond:
+            target = self.seq
+            while not self.closed and sum(1 for s in self._acked.values() if s >= target) < n:
+                self.cond.wait(0.5)
 
     def status(self) -> dict[str, Any]:
         with self.cond:
@@ -831,6 +862,10 @@ class Follower:
                 return
         if self._root == self.path:
             self._save_state()
+            sock = self._sock
+            if sock is not None and self.state["complete"]:
+                with contextlib.suppress(OSError):  # a broken link shows in the next read
+                    sock.sendall(encode_frame(["A", self.state["seq"]]))  # on disk: the primary may count it
 
     def _save_state(self) -> None:
         _fs.FS.write_file_atomic(self._state_path, _encode_state(self.state))

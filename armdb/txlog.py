@@ -428,6 +428,14 @@ class TxLog:
         every committer whose record it did not cover raise ``StorageError``, so
         no commit whose record the failed sync should have covered is applied.
         """
+        self._sync_local(end)
+        primary = self.db._primary
+        if primary is not None and self.db.tx_config.replicas:
+            # Replicated ahead too (R4): the followers hold the record before any row of
+            # it is applied, so a promoted follower replays it.  Waits as long as it takes.
+            primary.wait_replicated(self.db.tx_config.replicas)
+
+    def _sync_local(self, end: int) -> None:
         group = self._group
         if group.synced >= end:
             return  # a sync that started after our append already finished

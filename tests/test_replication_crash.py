@@ -181,3 +181,62 @@ def test_r6_follower_killed_resumes_and_converges(tmp_path: Path) -> None:
 def test_r6_follower_killed_resumes_and_converges_20_rounds(tmp_path: Path) -> None:
     for seed in range(200, 220):
         _kill_follower_round(tmp_path, seed)
+
+
+DURABLE_PRIMARY = """
+import armdb
+db = armdb.Db.open({path!r}, tx_config=armdb.TxConfig(durable=True).sync_replicas(1))
+addr = db.replicate(listen=("127.0.0.1", 0))
+print("PORT", addr[1], flush=True)
+m = db.open_map("m")
+i = 0
+while True:
+    with db.tx() as tx:
+        tx.put(m, i, i)
+    print("C", i, flush=True)  # the durable commit returned
+    i += 1
+"""
+
+
+def _sync_replica_round(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    ppath, fpath = tmp_path / f"sp{seed}", tmp_path / f"sf{seed}"
+    proc = spawn_child(DURABLE_PRIMARY.format(path=str(ppath)), env=child_env())
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("PORT"), line + (proc.stderr.read() if proc.stderr else "")
+    follower = armdb.Db.follow(fpath, primary=("127.0.0.1", int(line.split()[1])))
+    returned: list[int] = []
+    try:
+        want = rng.randint(5, 60)
+        while len(returned) < want:
+            got = proc.stdout.readline()
+            assert got.startswith("C"), got
+            returned.append(int(got.split()[1]))
+    finally:
+        out, _ = kill_and_read(proc)
+    returned += [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("C ")]
+    time.sleep(0.05)
+    db = follower.promote()
+    try:
+        m = db.open_map("m")
+        missing = [i for i in returned if m.get(i) != i]
+        assert not missing, missing  # SPEC R4: every durable commit that returned is on the follower
+    finally:
+        db.close()
+    assert armdb.check(fpath).ok
+
+
+# SPEC R4, R6
+@pytest.mark.crash
+def test_r4_sync_replicas_every_returned_durable_commit_survives_promotion(tmp_path: Path) -> None:
+    for seed in range(_rounds(2)):
+        _sync_replica_round(tmp_path, seed)
+
+
+# SPEC R4, R6
+@pytest.mark.slow
+@pytest.mark.crash
+def test_r4_sync_replicas_20_rounds(tmp_path: Path) -> None:
+    for seed in range(400, 420):
+        _sync_replica_round(tmp_path, seed)
