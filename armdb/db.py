@@ -305,6 +305,8 @@ class Db:
             if self._closed:
                 return
             self._closed = True
+            if self._primary is not None:
+                self._primary.release()  # commits waiting for followers (R4) return: we close
             for w in self._workers:
                 w.stop()
             queues = list(self._queues.values())

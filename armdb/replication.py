@@ -287,6 +287,7 @@ class Primary:
         self._first = 1
         self._bytes = 0
         self.closed = False
+        self.released = False  # wait_replicated returns at once (closing)
         self._conns: set[socket.socket] = set()
         self._acked: dict[socket.socket, int] = {}  # what each follower has on disk (R4)
         self._streaming: set[socket.socket] = set()  # past the hello and the snapshot: drained at stop
@@ -450,8 +451,14 @@ class Primary:
         primary stops: a closing database confirms nothing more)."""
         with self.cond:
             target = self.seq
-            while not self.closed and sum(1 for s in self._acked.values() if s >= target) < n:
+            while not self.released and sum(1 for s in self._acked.values() if s >= target) < n:
                 self.cond.wait(0.5)
+
+    def release(self) -> None:
+        """Stop making commits wait for followers (the database is closing)."""
+        with self.cond:
+            self.released = True
+            self.cond.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self.cond:
@@ -462,7 +469,7 @@ class Primary:
         """Stop accepting; connected followers get every recorded frame, then the end."""
         _uninstall(self)
         with self.cond:
-            self.closed = True
+            self.closed = self.released = True
             self.cond.notify_all()
         with contextlib.suppress(OSError):
             self._server.close()

@@ -4,6 +4,7 @@ copies a snapshot when new, and promotes into a writable database.  docs/replica
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,38 @@ def test_r1_primary_opened_through_a_symlink(tmp_path: Path, clock: FakeClock) -
     finally:
         follower.close()
         p.db.shutdown()
+
+
+# SPEC R4: with no follower a durable commit waits; a follower that catches up releases it,
+# and closing the primary releases a waiting commit instead of hanging
+def test_r4_a_durable_commit_waits_for_a_follower(tmp_path: Path) -> None:
+    db = armdb.Db.open(tmp_path / "p", tx_config=armdb.TxConfig(durable=True).sync_replicas(1))
+    address = db.replicate(listen=LOCAL)
+    m = db.open_map("m")
+    done = threading.Event()
+
+    def commit() -> None:
+        with db.tx() as tx:
+            tx.put(m, "k", 1)
+        done.set()
+
+    t = threading.Thread(target=commit)
+    t.start()
+    assert not done.wait(0.5)  # no follower yet: the commit waits
+    follower = armdb.Db.follow(tmp_path / "f", primary=address)
+    try:
+        assert done.wait(10), follower.status()
+        t.join()
+        t2 = threading.Thread(target=commit)
+        follower.close()  # the only follower goes away: the next durable commit waits ...
+        t2.start()
+        done.clear()
+        assert not done.wait(0.3)
+        db.close()  # ... until the primary closes
+        t2.join(10)
+        assert not t2.is_alive()
+    finally:
+        follower.close()
+        db.close()
+    with pytest.raises(armdb.ConfigError, match="replicas must be at least 0"):
+        armdb.TxConfig().sync_replicas(-1)
