@@ -47,6 +47,7 @@ from ..queue import Lease, LeaseToken, as_token
 from ..streams import Change, SchemaRegistry
 from . import schema
 from .queue import PgQueue
+from .schema import one
 
 log = logging.getLogger("armdb")
 
@@ -133,7 +134,7 @@ class PgDb:
                 conn.execute(schema_mod.bootstrap(namespace)[-1], (str(schema_mod.FORMAT_VERSION),))
                 row = conn.execute(schema_mod.read_version(namespace)).fetchone()
                 try:
-                    version = int(row[0])
+                    version = int(row[0]) if row is not None else -1
                 except (TypeError, ValueError):
                     raise FormatError(f"namespace {namespace!r}: armdb_meta.format_version is {row!r}, not a "
                                       f"number; the table was changed by hand: restore it") from None
@@ -200,7 +201,7 @@ class PgDb:
         sealer = Sealer(key) if key is not None else None
         if row is None:
             check = sealer.key_check() if sealer is not None else None
-            cid = c.execute(schema_mod.insert_collection(ns), (name, kind, var, fingerprint, check)).fetchone()[0]
+            cid = one(c.execute(schema_mod.insert_collection(ns), (name, kind, var, fingerprint, check)))[0]
             return int(cid), None, sealer, True
         cid, stored_kind, _var, _fp, _layouts, _layout, key_check = row
         if stored_kind != kind:
@@ -505,7 +506,7 @@ class PgMap:
 
     def __len__(self) -> int:
         with self._db._conn() as c:
-            return int(c.execute(self._sql.count).fetchone()[0])
+            return int(one(c.execute(self._sql.count))[0])
 
     def items(self) -> Iterator[tuple[Any, Any]]:
         with self._db._conn() as c:
@@ -721,7 +722,7 @@ class PgTx:
         for q, (pushes, acks) in net.items():
             cap = q.config.max_depth
             if cap is not None and pushes > acks:
-                live = c.execute(q._sql.count_live).fetchone()[0]
+                live = one(c.execute(q._sql.count_live))[0]
                 if live - acks + pushes > cap:
                     raise QueueFull(f"queue {q.name!r}: this transaction would leave {live - acks + pushes} live "
                                     f"rows, above max_depth={cap}; nothing was written")

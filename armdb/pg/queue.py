@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -30,11 +30,12 @@ from .. import transitions
 from .._clock import ms_to_datetime, to_ms, to_seconds
 from .._crypto import Sealer
 from ..config import QueueConfig
-from ..errors import ConfigError, DbClosed, ProcessBound, QueueFull, StaleToken
+from ..errors import ConfigError, DbClosed, PayloadTypeError, ProcessBound, QueueFull, StaleToken
 from ..qrows import DEAD_BIT, MAX_DUE_MS, SNAPSHOT_DTYPE, State, header_of, key_of, pack_row
 from ..qspec import FixedCodec, QueueSpec, VarCodec
 from ..queue import MAX_LEASE, Job, Lease, LeaseToken, QueueStats, as_token
 from . import schema
+from .schema import one
 
 if TYPE_CHECKING:
     import psycopg
@@ -181,14 +182,14 @@ class PgQueue(Generic[T]):
         cap = self.config.max_depth
         with self._db._conn() as c:
             if cap is not None:
-                live = c.execute(self._sql.count_live).fetchone()[0]
+                live = one(c.execute(self._sql.count_live))[0]
                 if live >= cap:
                     raise self._full(live, 1)
             rid = None
             if self._sealer is not None:
-                rid = c.execute(self._sql.next_ids, (self._sql.seq, 1)).fetchone()[0]
+                rid = one(c.execute(self._sql.next_ids, (self._sql.seq, 1)))[0]
                 body = self._stored(rid, body)
-            row = c.execute(self._sql.push, self._push_params(rid, delay_ms, body)).fetchone()
+            row = one(c.execute(self._sql.push, self._push_params(rid, delay_ms, body)))
         self._count("pushes")
         if self.spec.var:
             self._count("payload_writes")
@@ -199,31 +200,48 @@ class PgQueue(Generic[T]):
                 "attempts": _PUSH_ATTEMPTS, "epoch": _PUSH_EPOCH, "deadline": _PUSH_DEADLINE, "payload": body,
                 "chan": self._channel}
 
-    def push_many(self, payloads: Iterable[T], *, delay: timedelta | float | None = None) -> list[int]:
-        """Push a sequence in one commit, all or nothing (Q31); ids increase in input order."""
+    def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
+        """Push a sequence in one commit, all or nothing (Q31); ids increase in input order.
+        A fixed queue also takes a 1-D NumPy array of its dtype and then returns a
+        ``uint64`` array of ids.  ``PayloadTypeError`` (naming the payload) or ``QueueFull``
+        (judged on the whole batch): nothing is written."""
         self._check()
         delay_ms = self._delay_ms(delay)
-        if isinstance(payloads, np.ndarray) and not self.spec.var and payloads.dtype == self.spec.dtype:
-            bodies = [r.tobytes() for r in payloads]
+        as_array = isinstance(payloads, np.ndarray) and not self.spec.var
+        if as_array:
+            arr = typing.cast(np.ndarray, payloads)
+            if arr.ndim != 1 or arr.dtype != self.spec.dtype:
+                raise PayloadTypeError(
+                    f"queue {self.name!r} stores {self.spec.dtype}; push_many got an array of {arr.dtype} with shape "
+                    f"{arr.shape}: give a 1-D array of the queue's dtype")
+            bodies = [r.tobytes() for r in np.ascontiguousarray(arr)]
         else:
-            bodies = [self._encode(p) for p in payloads]
-        if not bodies:
-            return []
+            if isinstance(payloads, (str, bytes, bytearray, memoryview, dict)) or not isinstance(payloads, Iterable):
+                raise PayloadTypeError(f"push_many takes a sequence of payloads (e.g. a list), not "
+                                       f"{type(payloads).__name__}; push one payload with push()")
+            bodies = []
+            for i, p in enumerate(payloads):
+                try:
+                    bodies.append(self._encode(p))
+                except PayloadTypeError as e:
+                    raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
         if len(bodies) > MAX_PUSH_MANY:
             raise ConfigError(f"push_many takes at most {MAX_PUSH_MANY:,} payloads per call, got {len(bodies):,}")
-        with self._db._conn() as c, c.transaction():
-            ids = self._insert_many(c, bodies, delay_ms)
-        self._count("pushes", len(ids))
-        if self.spec.var:
-            self._count("payload_writes", len(ids))
-        return ids
+        ids: list[int] = []
+        if bodies:
+            with self._db._conn() as c, c.transaction():
+                ids = self._insert_many(c, bodies, delay_ms)
+            self._count("pushes", len(ids))
+            if self.spec.var:
+                self._count("payload_writes", len(ids))
+        return np.array(ids, dtype=np.uint64) if as_array else ids
 
     def _insert_many(self, c: psycopg.Connection[Any], bodies: list[bytes], delay_ms: int,
                      judge_cap: bool = True) -> list[int]:
         """Insert rows in the caller's transaction; ids in input order."""
         cap = self.config.max_depth
         if judge_cap and cap is not None:
-            live = c.execute(self._sql.count_live).fetchone()[0]
+            live = one(c.execute(self._sql.count_live))[0]
             if live + len(bodies) > cap:
                 raise self._full(live, len(bodies))
         ids: list[int | None] = [None] * len(bodies)
@@ -310,6 +328,15 @@ class PgQueue(Generic[T]):
                 while len(self._lease_timeouts) > 100_000:
                     self._lease_timeouts.pop(next(iter(self._lease_timeouts)), None)
         return leases
+
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> PgLeaseBatch[T]:
+        """Lease like :meth:`lease` and return the leases as a :class:`PgLeaseBatch` of
+        arrays (Q32)."""
+        leases = self.lease(n, lease_timeout=lease_timeout)
+        payloads: Any = [lz.payload for lz in leases]
+        if not self.spec.var:
+            payloads = np.array(payloads, dtype=self.spec.dtype) if leases else np.empty(0, self.spec.dtype)
+        return PgLeaseBatch(self.name, leases, payloads)
 
     def _move_dead(self, c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
         """Move rows ``(id, dead_ms, flags, attempts, epoch, deadline, pushed, payload)``
@@ -430,7 +457,7 @@ class PgQueue(Generic[T]):
         """Live rows: ready, delayed and leased."""
         self._check_open()
         with self._db._conn() as c:
-            return int(c.execute(self._sql.count_live).fetchone()[0])
+            return int(one(c.execute(self._sql.count_live))[0])
 
     def __len__(self) -> int:
         return self.len()
@@ -438,7 +465,7 @@ class PgQueue(Generic[T]):
     def dead_len(self) -> int:
         self._check_open()
         with self._db._conn() as c:
-            return int(c.execute(self._sql.count_dead).fetchone()[0])
+            return int(one(c.execute(self._sql.count_dead))[0])
 
     def _check_open(self) -> None:
         if self._closed or self._db.closed:
@@ -446,7 +473,7 @@ class PgQueue(Generic[T]):
 
     def _next(self) -> tuple[int | None, int]:
         with self._db._conn() as c:
-            t, now = c.execute(self._sql.next_visible).fetchone()
+            t, now = one(c.execute(self._sql.next_visible))
         return (None if t is None else int(t)), int(now)
 
     def next_delay(self) -> timedelta | None:
@@ -560,10 +587,10 @@ class PgQueue(Generic[T]):
                 return 0
             cap = self.config.max_depth
             if cap is not None:
-                live = c.execute(self._sql.count_live).fetchone()[0]
+                live = one(c.execute(self._sql.count_live))[0]
                 if live + len(rows) > cap:
                     raise self._full(live, len(rows))
-            now = c.execute(self._sql.now).fetchone()[0]
+            now = one(c.execute(self._sql.now))[0]
             cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
             for rid, dead_ms, flags, attempts, epoch, deadline, pushed, payload in rows:
                 image = pack_row(DEAD_BIT | dead_ms, rid, State.DEAD, flags, attempts, epoch, deadline, rid, pushed)
@@ -588,7 +615,7 @@ class PgQueue(Generic[T]):
         (shards, slots, header file sizes, compaction) are 0: PostgreSQL keeps the rows."""
         self._check_open()
         with self._db._conn() as c:
-            ready, leased, delayed, dead = c.execute(self._sql.stats).fetchone()
+            ready, leased, delayed, dead = one(c.execute(self._sql.stats))
         with self._lock:
             k = dict(self._counts)
         return QueueStats(
@@ -629,6 +656,40 @@ class PgQueue(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<armdb.pg.PgQueue {self.name!r} ({'var' if self.spec.var else 'fixed'})>"
+
+
+class PgLeaseBatch(Generic[T]):
+    """Leases taken by one :meth:`PgQueue.lease_batch` call (Q32): ``len``, iteration and
+    ``batch[i]`` give ``Lease`` objects; ``ids`` (``uint64``), ``attempts`` (``uint16``),
+    ``deadlines`` (``datetime64[ms]``) and ``payloads`` (a structured array of the dtype
+    for a fixed queue, a list for a var queue), in key order.  Give it to ``ack_many``."""
+
+    __slots__ = ("_leases", "_queue", "attempts", "deadlines", "ids", "payloads")
+
+    def __init__(self, queue: str, leases: list[Lease[T]], payloads: Any) -> None:
+        self._queue = queue
+        self._leases = leases
+        self.ids = np.array([lz.id for lz in leases], dtype=np.uint64)
+        self.attempts = np.array([lz.attempt for lz in leases], dtype=np.uint16)
+        self.deadlines = np.array([int(lz.deadline.timestamp() * 1000) for lz in leases],
+                                  dtype=np.int64).astype("datetime64[ms]")
+        self.payloads = payloads
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __getitem__(self, i: int) -> Lease[T]:
+        return self._leases[i]
+
+    def __iter__(self) -> Iterator[Lease[T]]:
+        return iter(self._leases)
+
+    @property
+    def tokens(self) -> list[LeaseToken]:
+        return [lz.token for lz in self._leases]
+
+    def __repr__(self) -> str:
+        return f"<PgLeaseBatch of {len(self)} leases from queue {self._queue!r}>"
 
 
 def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:

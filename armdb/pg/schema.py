@@ -35,7 +35,14 @@ parameters.  Times are milliseconds since the Unix epoch from the server's clock
 
 from __future__ import annotations
 
+from typing import Any
+
+import psycopg
 from psycopg import sql
+
+from ..errors import FormatError
+
+Query = sql.SQL | sql.Composed  # what Connection.execute takes
 
 FORMAT_VERSION = 1
 MAX_IDENT = 63
@@ -63,13 +70,13 @@ def quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def ident(namespace: str, table: str) -> sql.Composed:
+def ident(namespace: str, table: str) -> sql.Identifier:
     return sql.Identifier(namespace, table)
 
 
 # -- the namespace ------------------------------------------------------------------------
 
-def bootstrap(ns: str) -> list[sql.Composable]:
+def bootstrap(ns: str) -> list[Query]:
     """Statements that create the namespace and its two tables (idempotent)."""
     n = sql.Identifier(ns)
     return [
@@ -86,31 +93,31 @@ def bootstrap(ns: str) -> list[sql.Composable]:
     ]
 
 
-def lock_namespace(ns: str) -> tuple[sql.Composable, tuple[str]]:
+def lock_namespace(ns: str) -> tuple[Query, tuple[str]]:
     """Serialise the DDL of concurrent first opens (a transaction-level advisory lock)."""
     return sql.SQL("SELECT pg_advisory_xact_lock(hashtext(%s))"), ("armdb.ns:" + ns,)
 
 
-def read_version(ns: str) -> sql.Composable:
+def read_version(ns: str) -> Query:
     return sql.SQL("SELECT value FROM {}.armdb_meta WHERE key = 'format_version'").format(sql.Identifier(ns))
 
 
-def find_collection(ns: str) -> sql.Composable:
+def find_collection(ns: str) -> Query:
     return sql.SQL("SELECT id, kind, var, fingerprint, layouts, layout, key_check FROM {}.armdb_collections "
                    "WHERE name = %s").format(sql.Identifier(ns))
 
 
-def insert_collection(ns: str) -> sql.Composable:
+def insert_collection(ns: str) -> Query:
     return sql.SQL("INSERT INTO {}.armdb_collections (name, kind, var, fingerprint, key_check) "
                    "VALUES (%s, %s, %s, %s, %s) RETURNING id").format(sql.Identifier(ns))
 
 
-def update_layouts(ns: str) -> sql.Composable:
+def update_layouts(ns: str) -> Query:
     return sql.SQL("UPDATE {}.armdb_collections SET fingerprint = %s, layouts = %s, layout = %s "
                    "WHERE id = %s").format(sql.Identifier(ns))
 
 
-def set_key_check(ns: str) -> sql.Composable:
+def set_key_check(ns: str) -> Query:
     return sql.SQL("UPDATE {}.armdb_collections SET key_check = %s WHERE id = %s").format(sql.Identifier(ns))
 
 
@@ -124,7 +131,7 @@ DEAD_COLUMNS = [("id", "bigint"), ("dead_ms", "bigint"), ("flags", "smallint"), 
 MAP_COLUMNS = [("k", "bytea"), ("v", "bytea")]
 
 
-def columns_of() -> sql.Composable:
+def columns_of() -> Query:
     return sql.SQL(
         "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
         "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace s ON s.oid = c.relnamespace "
@@ -132,14 +139,14 @@ def columns_of() -> sql.Composable:
     )
 
 
-def _cols(cols: list[tuple[str, str]], pk: str) -> sql.Composable:
+def _cols(cols: list[tuple[str, str]], pk: str) -> Query:
     return sql.SQL(", ").join(
         sql.SQL("{} {} NOT NULL{}").format(sql.Identifier(c), sql.SQL(t), sql.SQL(" PRIMARY KEY" if c == pk else ""))
         for c, t in cols
     )
 
 
-def create_queue(ns: str, live: str, dead: str, seq: str) -> list[sql.Composable]:
+def create_queue(ns: str, live: str, dead: str, seq: str) -> list[Query]:
     """The tables, indexes and sequence of one queue.  Autovacuum runs on the live table
     after 1% of its rows changed (not the default 20%): leases and acks churn it."""
     vac = sql.SQL(" WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01, "
@@ -157,7 +164,7 @@ def create_queue(ns: str, live: str, dead: str, seq: str) -> list[sql.Composable
     ]
 
 
-def create_map(ns: str, table: str) -> list[sql.Composable]:
+def create_map(ns: str, table: str) -> list[Query]:
     return [sql.SQL("CREATE TABLE IF NOT EXISTS {} (").format(ident(ns, table)) + _cols(MAP_COLUMNS, "k")
             + sql.SQL(")")]
 
@@ -268,7 +275,16 @@ class MapSQL:
         self.items = sql.SQL("SELECT k, v FROM {M} ORDER BY k").format(**f)
 
 
-def key_lock() -> sql.Composable:
+def key_lock() -> Query:
     """A transaction-level advisory lock on one key of a stream source map, so that two
     commits writing the key see each other's value as ``old`` (T6)."""
     return sql.SQL("SELECT pg_advisory_xact_lock(%s, hashtext(encode(%s::bytea, 'hex')))")
+
+
+def one(cur: psycopg.Cursor[Any]) -> tuple[Any, ...]:
+    """The one row a statement returns (an aggregate, a RETURNING of one row)."""
+    row = cur.fetchone()
+    if row is None:
+        raise FormatError("a statement that always returns a row returned none; the armdb tables were changed "
+                          "by hand: restore them from a backup")
+    return tuple(row)
