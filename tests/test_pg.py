@@ -291,3 +291,25 @@ def test_wait_rechecks_without_notifications(db: Any) -> None:
     start = time.monotonic()
     assert q.wait_due_timeout(5) is True
     assert 0.3 <= time.monotonic() - start < 2
+
+
+def test_oversized_payload_and_key_are_refused(db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SPEC G1 (bad input: a payload over the size limit, a key PostgreSQL cannot index); nothing written
+    import armdb.pg.queue as pgq
+
+    q = db.open_queue(armdb.queue("pg_big", payload=bytes, var=True))
+    monkeypatch.setattr(pgq, "MAX_BODY", 1000)
+    with pytest.raises(ConfigError) as e:
+        q.push(b"x" * 2000)
+    assert "above the limit" in str(e.value)
+    with pytest.raises(ConfigError):
+        q.push_many([b"ok", b"x" * 2000])
+    with pytest.raises(ConfigError):
+        db.tx().push(q, b"x" * 2000)
+    assert q.len() == 0
+    m = db.open_map("pg_keys")
+    with pytest.raises(ConfigError):
+        m.put("k" * 5000, 1)
+    with pytest.raises(ConfigError):
+        db.tx().put(m, b"k" * 5000, 1)
+    assert ("k" * 5000) not in m and len(m) == 0

@@ -54,6 +54,8 @@ log = logging.getLogger("armdb")
 __all__ = ["PgDb", "PgMap", "PgTx", "connect"]
 
 DEFAULT_POOL_SIZE = 4
+# A map key is a btree index entry, which PostgreSQL caps near 2,700 bytes.
+MAX_MAP_KEY = 2000
 
 
 def _storage_error(e: BaseException, what: str) -> StorageError:
@@ -447,6 +449,14 @@ class _Listener(threading.Thread):
 # -- maps ------------------------------------------------------------------------------------------
 
 
+def _map_key(key: Any) -> bytes:
+    raw = encode_key(key)
+    if len(raw) > MAX_MAP_KEY:
+        raise ConfigError(f"map key of {len(raw):,} bytes is longer than the {MAX_MAP_KEY:,} bytes a PostgreSQL "
+                          f"map key may have; hash long keys (e.g. hashlib.sha256(key).digest())")
+    return raw
+
+
 class PgMap:
     """A map on PostgreSQL: ``get``, ``put``, ``delete``, ``in``, ``len``, ``items`` (D3);
     keys keep their type (armdb.mapcodec), values are msgpack (sealed when encrypted)."""
@@ -478,27 +488,27 @@ class PgMap:
                 f"commit with it")
 
     def get(self, key: Any, default: Any = None) -> Any:
-        raw_key = encode_key(key)
+        raw_key = _map_key(key)
         with self._db._conn() as c:
             row = c.execute(self._sql.get, (raw_key,)).fetchone()
         return default if row is None else self._value(raw_key, row[0])
 
     def put(self, key: Any, value: Any) -> None:
         self._direct_write_check()
-        raw_key = encode_key(key)
+        raw_key = _map_key(key)
         raw = self._seal(raw_key, encode_value(value))
         with self._db._conn() as c:
             c.execute(self._sql.put, (raw_key, raw))
 
     def delete(self, key: Any) -> bool:
         self._direct_write_check()
-        raw_key = encode_key(key)
+        raw_key = _map_key(key)
         with self._db._conn() as c:
             return c.execute(self._sql.delete, (raw_key,)).rowcount > 0
 
     def __contains__(self, key: object) -> bool:
         try:
-            raw_key = encode_key(key)
+            raw_key = _map_key(key)
         except ArmdbError:
             return False
         with self._db._conn() as c:
@@ -581,13 +591,13 @@ class PgTx:
     def put(self, map: PgMap, key: Any, value: Any) -> PgTx:
         self._open_step()
         m = self._map(map)
-        self._steps.append(("map", m, key, encode_key(key), value, encode_value(value)))
+        self._steps.append(("map", m, key, _map_key(key), value, encode_value(value)))
         return self
 
     def delete(self, map: PgMap, key: Any) -> PgTx:
         self._open_step()
         m = self._map(map)
-        self._steps.append(("map", m, key, encode_key(key), None, None))
+        self._steps.append(("map", m, key, _map_key(key), None, None))
         return self
 
     def durable(self) -> PgTx:

@@ -54,6 +54,9 @@ _handle_ids = itertools.count(1)
 _PUSH_STATE, _PUSH_FLAGS, _PUSH_ATTEMPTS, _PUSH_EPOCH, _PUSH_DEADLINE = header_of(transitions.push(1, 0, 0, 0))[:5]
 RETENTION_PERIOD = 1.0  # seconds between two retention passes of one handle
 MAX_PUSH_MANY = 100_000
+# The largest payload one row holds: PostgreSQL's bytea field tops out at 1 GiB; room is
+# left for the seal and the protocol.
+MAX_BODY = (1 << 30) - (1 << 20)
 
 
 def _image(row: tuple[Any, ...]) -> bytes:
@@ -102,7 +105,12 @@ class PgQueue(Generic[T]):
         return b"armdb.pg.q\x00" + self.name.encode() + b"\x00" + rid.to_bytes(8, "big")
 
     def _encode(self, payload: Any) -> bytes:
-        return self._encode_plain(payload)
+        body = self._encode_plain(payload)
+        if len(body) > MAX_BODY:
+            raise ConfigError(
+                f"payload of queue {self.name!r} encodes to {len(body):,} bytes, above the limit of {MAX_BODY:,}; "
+                f"store large data elsewhere and push a reference to it; nothing was written")
+        return body
 
     def _stored(self, rid: int, body: bytes) -> bytes:
         """A payload as the table holds it: sealed when the queue is encrypted."""
