@@ -641,7 +641,6 @@ class PgTx:
                         if st.queue.name not in db._queues:
                             raise ConfigError(f"change stream {s[1].name!r} -> {st.queue.name!r}: open the queue "
                                               f"before committing writes to its source")
-        retried: set[PgQueue[Any]] = set()
         settled: list[tuple[PgQueue[Any], bool, bool]] = []
         pushed: dict[PgQueue[Any], int] = {}
         with db._conn() as c, c.transaction():
@@ -657,9 +656,8 @@ class PgTx:
                 if tok in seen:
                     raise StaleToken(f"row {tok.seq} is settled twice in one transaction; nothing was written")
                 seen.add(tok)
-                if q._tx_settle(c, tok, s[3], s[4], s[5]):
-                    retried.add(q)
-                settled.append((q, s[3], False))
+                outcome = q._tx_settle(c, tok, s[3], s[4], s[5])
+                settled.append((q, s[3], outcome == "dead"))
             ids_by_step: dict[int, list[int]] = {}
             by_queue: dict[PgQueue[Any], list[int]] = {}
             for i, s in enumerate(steps):
@@ -672,15 +670,16 @@ class PgTx:
                     for i, rid in zip(group, ids, strict=True):
                         ids_by_step[i] = [rid]
                 pushed[q] = len(idxs)
-            for s in steps:
-                if s[0] == "map":
-                    m, raw_key, raw_value = s[1], s[3], s[5]
-                    if raw_value is None:
-                        c.execute(m._sql.delete, (raw_key,))
-                    else:
-                        c.execute(m._sql.put, (raw_key, m._seal(raw_key, raw_value)))
-        for q, ack, poisoned in settled:
-            q._settled(ack, poisoned)
+            # Map rows in one order (stable: a key written twice keeps its last value), so two
+            # commits writing the same keys never wait on each other in a cycle.
+            for s in sorted((s for s in steps if s[0] == "map"), key=lambda s: (s[1]._coll_id, s[3])):
+                m, raw_key, raw_value = s[1], s[3], s[5]
+                if raw_value is None:
+                    c.execute(m._sql.delete, (raw_key,))
+                else:
+                    c.execute(m._sql.put, (raw_key, m._seal(raw_key, raw_value)))
+        for q, ack, went_dead in settled:
+            q._settled(ack, False, went_dead)
         for q, n in pushed.items():
             q._count("pushes", n)
             if q.spec.var:

@@ -405,23 +405,28 @@ class PgQueue(Generic[T]):
     def _settle(self, token: LeaseToken, ack: bool, delay_ms: int | None, dead: bool, *,
                 poisoned: bool = False) -> None:
         with self._db._conn() as c, c.transaction():
-            self._tx_settle(c, token, ack, delay_ms, dead, poisoned)
-        self._settled(ack, poisoned)
+            went_dead = self._tx_settle(c, token, ack, delay_ms, dead, poisoned) == "dead"
+        self._settled(ack, poisoned, went_dead)
 
-    def _settled(self, ack: bool, poisoned: bool) -> None:
-        if ack:
-            self._count("acks")
-        elif not poisoned:
-            self._count("nacks")
+    def _settled(self, ack: bool, poisoned: bool, went_dead: bool) -> None:
+        """Count a settle once its transaction committed."""
+        with self._lock:
+            if ack:
+                self._counts["acks"] += 1
+            elif not poisoned:
+                self._counts["nacks"] += 1
+            if went_dead:
+                self._counts["dead_lettered"] += 1
 
     def _tx_settle(self, c: psycopg.Connection[Any], token: LeaseToken, ack: bool, delay_ms: int | None,
-                   dead: bool, poisoned: bool = False) -> bool:
-        """Settle ``token`` in the caller's transaction; returns whether a row became
-        ready again (a retry).  ``StaleToken`` unless the token still holds its lease."""
+                   dead: bool, poisoned: bool = False) -> str:
+        """Settle ``token`` in the caller's transaction; returns ``"ack"``, ``"retry"`` (the
+        row is ready again) or ``"dead"``.  ``StaleToken`` unless the token still holds
+        its lease."""
         if ack:
             if c.execute(self._sql.ack, (token.seq, token.epoch)).rowcount != 1:
                 raise self._stale(token)
-            return False
+            return "ack"
         row = c.execute(self._sql.settle_pick, (token.seq, token.epoch)).fetchone()
         if row is None:
             raise self._stale(token)
@@ -431,11 +436,10 @@ class PgQueue(Generic[T]):
         if moved.dead:
             self._move_dead(c, [(row[0], transitions.dead_since(moved.due), flags, attempts, epoch, deadline,
                                  row[7], row[8])])
-            self._count("dead_lettered")
-            return False
+            return "dead"
         c.execute(self._sql.update_row, (moved.due, moved.due, state, flags, attempts, epoch, deadline, row[0]))
         c.execute(self._sql.notify, (self._channel,))
-        return True
+        return "retry"
 
     def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
         """Move a lease's deadline to ``now + by`` (server clock) and return it (Q29)."""
