@@ -237,7 +237,7 @@ class PgQueue(Generic[T]):
             raise ConfigError(f"push_many takes at most {MAX_PUSH_MANY:,} payloads per call, got {len(bodies):,}")
         ids: list[int] = []
         if bodies:
-            with self._db._conn() as c, c.transaction():
+            with self._db._conn() as c:  # one INSERT: all or nothing by itself
                 ids = self._insert_many(c, bodies, delay_ms)
             self._count("pushes", len(ids))
             if self.spec.var:
@@ -258,12 +258,10 @@ class PgQueue(Generic[T]):
             bodies = [self._stored(rid, b) for rid, b in zip(drawn, bodies, strict=True)]
             ids = list(drawn)
         params = self._push_params(None, delay_ms, b"")
-        del params["payload"], params["chan"], params["id"]
+        del params["payload"], params["id"]
         params["payloads"] = bodies
         params["ids"] = ids
-        out = sorted(int(r[0]) for r in c.execute(self._sql.push_many, params).fetchall())
-        c.execute(self._sql.notify, (self._channel,))
-        return out
+        return sorted(int(r[0]) for r in c.execute(self._sql.push_many, params).fetchall())
 
     # -- lease (Q9, Q11, Q32) ------------------------------------------------------------------
     def lease(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> list[Lease[T]]:
@@ -282,7 +280,8 @@ class PgQueue(Generic[T]):
             lease_ms = int(round(timeout * 1000))
         self._check()
         taken: list[tuple[int, int, int, int, int, bytes]] = []  # id, due, attempt, epoch, deadline, raw
-        with self._db._conn() as c, c.transaction():
+        # Pipelined: BEGIN goes out with the pick, and the UPDATE with the COMMIT (two round trips).
+        with self._db._conn() as c, c.pipeline(), c.transaction():
             rows = c.execute(self._sql.lease_pick, (n,)).fetchall()
             if not rows:
                 return []
@@ -373,11 +372,11 @@ class PgQueue(Generic[T]):
         self._check()
         if not tokens:
             return 0
-        with self._db._conn() as c, c.transaction():
-            n = c.execute(self._sql.ack_many, ([t.seq for t in tokens], [t.epoch for t in tokens])).rowcount
-            if n != len(tokens):
-                raise StaleToken(
-                    f"{len(tokens) - n} of {len(tokens)} tokens no longer hold their lease; nothing was acked")
+        with self._db._conn() as c:
+            n = c.execute(self._sql.ack_many, ([t.seq for t in tokens], [t.epoch for t in tokens], len(tokens))).rowcount
+        if n != len(tokens):
+            raise StaleToken("some of these tokens no longer hold their lease (their rows were acked, nacked, "
+                             "dead-lettered or leased again); nothing was acked")
         for t in tokens:
             self._forget(t)
         self._count("acks", n)
@@ -404,7 +403,7 @@ class PgQueue(Generic[T]):
 
     def _settle(self, token: LeaseToken, ack: bool, delay_ms: int | None, dead: bool, *,
                 poisoned: bool = False) -> None:
-        with self._db._conn() as c, c.transaction():
+        with self._db._conn() as c, c.pipeline(), c.transaction():
             went_dead = self._tx_settle(c, token, ack, delay_ms, dead, poisoned) == "dead"
         self._settled(ack, poisoned, went_dead)
 

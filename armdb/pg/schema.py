@@ -190,12 +190,16 @@ class QueueSQL:
             "%(attempts)s, %(epoch)s, %(deadline)s, n, %(payload)s FROM (SELECT {now} AS n) t "
             "RETURNING id, pg_notify(%(chan)s, '')"
         ).format(**f)
+        # Many rows in one statement (atomic by itself), ids drawn in input order, and one
+        # notification (an uncorrelated subquery runs once).
         self.push_many = sql.SQL(
-            "INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, pushed_ms, payload) "
+            "WITH ins AS (INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, "
+            "pushed_ms, payload) "
             "SELECT COALESCE(u.id, nextval(%(seq)s::regclass)), t.n + %(delay)s, t.n + %(delay)s, %(state)s, "
             "%(flags)s, %(attempts)s, %(epoch)s, %(deadline)s, t.n, u.p "
             "FROM (SELECT {now} AS n) t, unnest(%(payloads)s::bytea[], %(ids)s::bigint[]) WITH ORDINALITY AS u(p, id, o) "
-            "ORDER BY u.o RETURNING id"
+            "ORDER BY u.o RETURNING id) "
+            "SELECT id, (SELECT pg_notify(%(chan)s, '')) FROM ins"
         ).format(**f)
         self.notify = sql.SQL("SELECT pg_notify(%s, '')")
         self.count_live = sql.SQL("SELECT count(*) FROM {L}").format(**f)
@@ -224,9 +228,12 @@ class QueueSQL:
             "FOR UPDATE"
         ).format(**f)
         self.ack = sql.SQL("DELETE FROM {L} WHERE id = %s AND state = 1 AND epoch = %s").format(**f)
+        # Every token or none, in one statement: the rows are locked and rechecked (a row
+        # leased again meanwhile drops out), and the delete runs only if all still match.
         self.ack_many = sql.SQL(
-            "DELETE FROM {L} AS t USING unnest(%s::bigint[], %s::bigint[]) AS u(id, epoch) "
-            "WHERE t.id = u.id AND t.state = 1 AND t.epoch = u.epoch"
+            "WITH ok AS (SELECT t.id FROM {L} t JOIN unnest(%s::bigint[], %s::bigint[]) AS u(id, epoch) "
+            "ON t.id = u.id AND t.state = 1 AND t.epoch = u.epoch FOR UPDATE OF t) "
+            "DELETE FROM {L} WHERE id IN (SELECT id FROM ok) AND (SELECT count(*) FROM ok) = %s"
         ).format(**f)
         self.update_row = sql.SQL(
             "UPDATE {L} SET due_ms = %s, visible_ms = %s, state = %s, flags = %s, attempts = %s, epoch = %s, "
