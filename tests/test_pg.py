@@ -313,3 +313,37 @@ def test_oversized_payload_and_key_are_refused(db: Any, monkeypatch: pytest.Monk
     with pytest.raises(ConfigError):
         db.tx().put(m, b"k" * 5000, 1)
     assert ("k" * 5000) not in m and len(m) == 0
+
+
+def test_a_push_from_another_process_wakes_a_waiter(pg_dsn: str, pg_namespace: str) -> None:
+    # SPEC G4: LISTEN/NOTIFY wakes waiters at once on a push committed by another process
+    from tests.conftest import run_child
+
+    with armdb.pg.connect(pg_dsn, namespace=pg_namespace) as db:
+        q = db.open_queue(Docs, QueueConfig.balanced().wakeup_recheck(30).build())
+        assert q.wait_due_timeout(0.05) is False
+        import threading
+
+        def push_elsewhere() -> None:
+            time.sleep(0.3)
+            out = run_child(f"""
+                import armdb, armdb.pg
+                from dataclasses import dataclass
+                @dataclass
+                class Doc:
+                    n: int
+                    text: str
+                with armdb.pg.connect({pg_dsn!r}, namespace={pg_namespace!r}) as db:
+                    db.open_queue(armdb.queue("pg_docs", payload=Doc, var=True)).push(Doc(1, "from afar"))
+            """)
+            assert out.returncode == 0, out.stderr
+
+        t = threading.Thread(target=push_elsewhere)
+        start = time.monotonic()
+        t.start()
+        assert q.wait_due_timeout(20) is True
+        t.join()
+        assert time.monotonic() - start < 15  # the 30 s recheck did not wake it
+        assert q.lease()[0].payload == Doc(1, "from afar")
+        frame = q.snapshot_frame()
+        assert list(frame["state"].astype(str)) == ["LEASED"]

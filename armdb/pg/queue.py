@@ -657,6 +657,15 @@ class PgQueue(Generic[T]):
             out["deadline"] = dl
         return out
 
+    def snapshot_frame(self) -> Any:
+        """:meth:`snapshot` as a ``pandas.DataFrame`` with ``state`` a categorical of the
+        :class:`State` names (the ``notebook`` extra)."""
+        import pandas as pd  # optional, heavy: only this method needs it (the notebook extra)
+
+        df = pd.DataFrame(self.snapshot(), copy=False)
+        df["state"] = pd.Categorical.from_codes(df["state"], categories=[s.name for s in State])
+        return df
+
     def _on_close(self) -> None:
         self._closed = True
         self._wake(DbClosed(f"queue {self.name!r} (its PgDb was closed while waiting)"))
