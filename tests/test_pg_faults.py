@@ -254,3 +254,33 @@ def test_many_processes_share_one_queue_full(pg_dsn: str, pg_namespace: str) -> 
     # SPEC G3: 8 processes, 30 s
     _many_processes(pg_dsn, pg_namespace, 8, 30.0)
 
+
+
+def test_waiters_listen_again_after_a_server_restart(pg_server: Any, pg_namespace: str) -> None:
+    # SPEC G4 G7: the listening connection reconnects and LISTENs again; a later push wakes the waiter
+    dsn = pg_server.dsn
+    with armdb.pg.connect(dsn, namespace=pg_namespace) as db:
+        q = db.open_queue(Work, QueueConfig.balanced().wakeup_recheck(60).build())
+        assert q.wait_due_timeout(0.05) is False  # the listener runs
+        result: dict[str, Any] = {}
+
+        def wait() -> None:
+            start = time.monotonic()
+            try:
+                result["due"] = q.wait_due_timeout(40)
+            except StorageError as e:  # a recheck while the server was down
+                result["error"] = e
+            result["took"] = time.monotonic() - start
+
+        pg_server.stop("fast")
+        pg_server.start()
+        pgserver.wait_ready(dsn)
+        time.sleep(0.5)  # the listener reconnects (it retries every 0.2 s)
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.3)
+        with armdb.pg.connect(dsn, namespace=pg_namespace) as other:
+            other.open_queue(Work).push(1)
+        t.join(45)
+        assert result.get("due") is True, result
+        assert result["took"] < 30  # woken by the notification, not the 60 s recheck

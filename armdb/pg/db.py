@@ -16,10 +16,10 @@ import os
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg import sql
@@ -52,6 +52,8 @@ from .schema import one
 log = logging.getLogger("armdb")
 
 __all__ = ["PgDb", "PgMap", "PgTx", "connect"]
+
+T = TypeVar("T")
 
 DEFAULT_POOL_SIZE = 4
 # A map key is a btree index entry, which PostgreSQL caps near 2,700 bytes.
@@ -127,7 +129,7 @@ class PgDb:
             raise ConfigError(f"invalid PostgreSQL DSN {dsn!r}: {e}; use 'key=value' pairs or a postgresql:// URL"
                               ) from None
         except psycopg.OperationalError as e:
-            raise _storage_error(e, f"connecting to PostgreSQL ({dsn})") from None
+            raise _storage_error(e, f"connecting to PostgreSQL ({dsn})") from e
         try:
             with conn.transaction():
                 conn.execute(*schema_mod.lock_namespace(namespace))
@@ -146,7 +148,7 @@ class PgDb:
                         f"{schema_mod.FORMAT_VERSION}: upgrade armdb"
                     )
         except psycopg.Error as e:
-            raise _storage_error(e, f"preparing namespace {namespace!r}") from None
+            raise _storage_error(e, f"preparing namespace {namespace!r}") from e
         finally:
             conn.close()
         self._pool = ConnectionPool(dsn, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
@@ -155,7 +157,7 @@ class PgDb:
             self._pool.open(wait=True, timeout=10)
         except PoolTimeout as e:
             self._pool.close()
-            raise _storage_error(e, "opening the connection pool") from None
+            raise _storage_error(e, "opening the connection pool") from e
 
     # -- connections ---------------------------------------------------------------------------
     @property
@@ -180,18 +182,32 @@ class PgDb:
         except PoolTimeout as e:
             if self._closed:
                 raise DbClosed(f"this PgDb (namespace {self.namespace!r})") from None
-            raise _storage_error(e, "getting a PostgreSQL connection") from None
+            raise _storage_error(e, "getting a PostgreSQL connection") from e
         except psycopg.OperationalError as e:
             if self._closed:
                 raise DbClosed(f"this PgDb (namespace {self.namespace!r})") from None
             with contextlib.suppress(Exception):
                 self._pool.check()
-            raise _storage_error(e, "a PostgreSQL call") from None
+            raise _storage_error(e, "a PostgreSQL call") from e
         except psycopg.errors.UndefinedTable as e:
             raise FormatError(f"an armdb table is missing in namespace {self.namespace!r} ({e}); it was dropped "
                               f"by hand: restore it from a backup") from None
         except psycopg.Error as e:
-            raise _storage_error(e, "a PostgreSQL call") from None
+            raise _storage_error(e, "a PostgreSQL call") from e
+
+    def _read(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run a read (no write, so safe to repeat) on a pooled connection.  A connection
+        the server dropped while it sat idle in the pool (a restart) fails at its first
+        use; the read is then run once more on a fresh one (G7)."""
+        try:
+            with self._conn() as c:
+                return fn(c)
+        except StorageError as e:
+            cause = e.__cause__
+            if not isinstance(cause, psycopg.OperationalError) or isinstance(cause, PoolTimeout):
+                raise  # only a dropped connection is worth a second try, not a server that is away
+        with self._conn() as c:
+            return fn(c)
 
     # -- collections ---------------------------------------------------------------------------
     def _collection(self, c: psycopg.Connection[Any], name: str, kind: str, var: bool | None,
@@ -409,19 +425,23 @@ class _Listener(threading.Thread):
                     break
                 pending = [ch for ch in self._queues if ch not in self._active]
             try:
+                reconnected = conn is None
                 if conn is None:
                     conn = psycopg.connect(self._dsn, autocommit=True, connect_timeout=5)
                     conn.add_notify_handler(self._notified)
                     with self._cv:
                         self._active.clear()
                         pending = list(self._queues)
-                    for q in list(self._queues.values()):
-                        q._wake()  # a notification may have been missed while away
                 for ch in pending:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(ch)))
                     with self._cv:
                         self._active.add(ch)
                         self._cv.notify_all()
+                if reconnected:
+                    # Listening again: a notification may have been missed while away, so
+                    # every waiter looks again (after the LISTENs, so nothing falls between).
+                    for q in list(self._queues.values()):
+                        q._wake()
                 ready, _, _ = select.select([conn.fileno(), self._rfd], [], [], 1.0)
                 if self._rfd in ready:
                     os.read(self._rfd, 4096)
@@ -489,8 +509,7 @@ class PgMap:
 
     def get(self, key: Any, default: Any = None) -> Any:
         raw_key = _map_key(key)
-        with self._db._conn() as c:
-            row = c.execute(self._sql.get, (raw_key,)).fetchone()
+        row = self._db._read(lambda c: c.execute(self._sql.get, (raw_key,)).fetchone())
         return default if row is None else self._value(raw_key, row[0])
 
     def put(self, key: Any, value: Any) -> None:
@@ -511,16 +530,13 @@ class PgMap:
             raw_key = _map_key(key)
         except ArmdbError:
             return False
-        with self._db._conn() as c:
-            return c.execute(self._sql.get, (raw_key,)).fetchone() is not None
+        return self._db._read(lambda c: c.execute(self._sql.get, (raw_key,)).fetchone()) is not None
 
     def __len__(self) -> int:
-        with self._db._conn() as c:
-            return int(one(c.execute(self._sql.count))[0])
+        return int(self._db._read(lambda c: one(c.execute(self._sql.count))[0]))
 
     def items(self) -> Iterator[tuple[Any, Any]]:
-        with self._db._conn() as c:
-            rows = c.execute(self._sql.items).fetchall()
+        rows = self._db._read(lambda c: c.execute(self._sql.items).fetchall())
         for k, v in rows:
             yield decode_key(bytes(k)), self._value(bytes(k), v)
 

@@ -467,24 +467,21 @@ class PgQueue(Generic[T]):
     def len(self) -> int:
         """Live rows: ready, delayed and leased."""
         self._check_open()
-        with self._db._conn() as c:
-            return int(one(c.execute(self._sql.count_live))[0])
+        return int(self._db._read(lambda c: one(c.execute(self._sql.count_live))[0]))
 
     def __len__(self) -> int:
         return self.len()
 
     def dead_len(self) -> int:
         self._check_open()
-        with self._db._conn() as c:
-            return int(one(c.execute(self._sql.count_dead))[0])
+        return int(self._db._read(lambda c: one(c.execute(self._sql.count_dead))[0]))
 
     def _check_open(self) -> None:
         if self._closed or self._db.closed:
             raise DbClosed(f"queue {self.name!r} (its PgDb is closed)")
 
     def _next(self) -> tuple[int | None, int]:
-        with self._db._conn() as c:
-            t, now = one(c.execute(self._sql.next_visible))
+        t, now = self._db._read(lambda c: one(c.execute(self._sql.next_visible)))
         return (None if t is None else int(t)), int(now)
 
     def next_delay(self) -> timedelta | None:
@@ -572,8 +569,7 @@ class PgQueue(Generic[T]):
         if not isinstance(dead, bool):
             raise ConfigError("dead must be True or False")
         self._check()
-        with self._db._conn() as c:
-            rows = c.execute(self._sql.peek_dead if dead else self._sql.peek_live, (n,)).fetchall()
+        rows = self._db._read(lambda c: c.execute(self._sql.peek_dead if dead else self._sql.peek_live, (n,)).fetchall())
         jobs: list[Job[T]] = []
         for rid, state, attempts, at, raw in rows:
             body = self._open_body(rid, raw)
@@ -625,8 +621,7 @@ class PgQueue(Generic[T]):
         """Counts and counters since this open (Q26).  The fields that describe files
         (shards, slots, header file sizes, compaction) are 0: PostgreSQL keeps the rows."""
         self._check_open()
-        with self._db._conn() as c:
-            ready, leased, delayed, dead = one(c.execute(self._sql.stats))
+        ready, leased, delayed, dead = self._db._read(lambda c: one(c.execute(self._sql.stats)))
         with self._lock:
             k = dict(self._counts)
         return QueueStats(
@@ -642,8 +637,11 @@ class PgQueue(Generic[T]):
         """Every live and dead row as a NumPy structured array (Q27), live rows in key
         order, then dead rows."""
         self._check_open()
-        with self._db._conn() as c, c.transaction():
-            rows = c.execute(self._sql.snapshot_live).fetchall() + c.execute(self._sql.snapshot_dead).fetchall()
+        def read(c: psycopg.Connection[Any]) -> list[Any]:
+            with c.transaction():
+                return c.execute(self._sql.snapshot_live).fetchall() + c.execute(self._sql.snapshot_dead).fetchall()
+
+        rows = self._db._read(read)
         out = np.zeros(len(rows), dtype=SNAPSHOT_DTYPE)
         if rows:
             arr = np.array(rows, dtype=np.int64)
