@@ -40,7 +40,7 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .queue import Job, Lease, LeaseBatch, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 
@@ -61,6 +61,7 @@ __all__ = [
     "FormatError",
     "Job",
     "Lease",
+    "LeaseBatch",
     "LeaseToken",
     "NotALease",
     "PayloadTypeError",
