@@ -572,3 +572,47 @@ def test_async_due(backend: Backend) -> None:
         return time.monotonic() - start
 
     assert asyncio.run(main()) < 5
+
+
+# -- batches (Q31, Q32) -------------------------------------------------------------------------------
+
+
+def test_push_many_lease_batch_ack_many(backend: Backend) -> None:
+    # SPEC Q31 Q32
+    db = backend.open()
+    q = db.open_queue(Jobs, cfg(max_depth=10))
+    ids = q.push_many([Job(i, "b") for i in range(6)])
+    assert ids == sorted(ids) and len(ids) == 6
+    with pytest.raises(PayloadTypeError) as e:
+        q.push_many([Job(1, "x"), {"not": "a job"}])
+    assert "payload 1" in str(e.value)
+    with pytest.raises(QueueFull):
+        q.push_many([Job(i, "c") for i in range(5)])
+    assert q.len() == 6
+    batch = q.lease_batch(4)
+    assert len(batch) == 4 and batch.ids.tolist() == ids[:4] and batch.attempts.tolist() == [1] * 4
+    assert batch.deadlines.dtype == np.dtype("datetime64[ms]") and batch.payloads[0] == Job(0, "b")
+    assert [lz.id for lz in batch] == ids[:4]
+    q.ack(batch[0])
+    with pytest.raises(StaleToken):
+        q.ack_many(batch)  # one is stale: none acked
+    assert q.len() == 5
+    with pytest.raises(NotALease):
+        q.ack_many(batch[1])
+    assert q.ack_many(list(batch)[1:]) == 3
+    assert q.len() == 2
+
+
+def test_fixed_push_many_takes_an_array(backend: Backend) -> None:
+    # SPEC Q31 Q32
+    db = backend.open()
+    q = db.open_queue(Pings, cfg())
+    arr = np.zeros(5, dtype=Pings.dtype)
+    arr["doc"] = np.arange(5)
+    ids = q.push_many(arr)
+    assert ids.dtype == np.uint64 and ids.tolist() == sorted(ids.tolist())
+    with pytest.raises(PayloadTypeError):
+        q.push_many(np.zeros(2, dtype="<u8"))
+    batch = q.lease_batch(10)
+    assert batch.payloads.dtype == Pings.dtype and batch.payloads["doc"].tolist() == [0, 1, 2, 3, 4]
+    assert q.ack_many(batch) == 5 and q.len() == 0

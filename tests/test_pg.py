@@ -21,9 +21,6 @@ from armdb.errors import (
     CorruptionError,
     EncryptionKeyRequired,
     FormatError,
-    PayloadTypeError,
-    QueueFull,
-    StaleToken,
     StorageError,
     WrongKey,
 )
@@ -213,46 +210,6 @@ def test_plain_queue_cannot_be_reopened_with_a_key(pg_dsn: str, pg_namespace: st
                 Config.balanced().encryption_key(bytes(32)).build()).build())
         assert "without encryption" in str(e.value)
         assert db.open_queue(Docs).lease()[0].payload == Doc(1, "clear")
-
-
-# -- batches (Q31, Q32) -------------------------------------------------------------------------------
-
-
-def test_push_many_lease_batch_ack_many(db: Any) -> None:
-    # SPEC Q31 Q32
-    q = db.open_queue(Docs, QueueConfig.balanced().max_depth(10).build())
-    ids = q.push_many([Doc(i, "b") for i in range(6)])
-    assert ids == sorted(ids) and len(ids) == 6
-    with pytest.raises(PayloadTypeError) as e:
-        q.push_many([Doc(1, "x"), {"not": "a doc"}])
-    assert "payload 1" in str(e.value)
-    with pytest.raises(QueueFull):
-        q.push_many([Doc(i, "c") for i in range(5)])
-    assert q.len() == 6
-    batch = q.lease_batch(4)
-    assert len(batch) == 4 and batch.ids.tolist() == ids[:4] and batch.attempts.tolist() == [1] * 4
-    assert batch.deadlines.dtype == np.dtype("datetime64[ms]") and batch.payloads[0] == Doc(0, "b")
-    q.ack(batch[0])
-    with pytest.raises(StaleToken):
-        q.ack_many(batch)  # one is stale: none acked
-    assert q.len() == 5
-    assert q.ack_many(list(batch)[1:]) == 3
-    assert q.len() == 2
-
-
-def test_fixed_push_many_takes_an_array(db: Any) -> None:
-    # SPEC Q31 Q32
-    q = db.open_queue(Fixed)
-    arr = np.zeros(5, dtype=Fixed.dtype)
-    arr["a"] = np.arange(5)
-    arr["b"] = 0.5
-    ids = q.push_many(arr)
-    assert ids.dtype == np.uint64 and ids.tolist() == sorted(ids.tolist())
-    with pytest.raises(PayloadTypeError):
-        q.push_many(np.zeros(2, dtype="<u8"))
-    batch = q.lease_batch(10)
-    assert batch.payloads.dtype == Fixed.dtype and batch.payloads["a"].tolist() == [0, 1, 2, 3, 4]
-    assert q.ack_many(batch) == 5 and q.len() == 0
 
 
 def test_timestamps_come_from_the_server_clock(db: Any, pg_dsn: str) -> None:

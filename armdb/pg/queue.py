@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -30,10 +30,10 @@ from .. import transitions
 from .._clock import ms_to_datetime, to_ms, to_seconds
 from .._crypto import Sealer
 from ..config import QueueConfig
-from ..errors import ConfigError, DbClosed, PayloadTypeError, ProcessBound, QueueFull, StaleToken
+from ..errors import ConfigError, DbClosed, NotALease, PayloadTypeError, ProcessBound, QueueFull, StaleToken
 from ..qrows import DEAD_BIT, MAX_DUE_MS, SNAPSHOT_DTYPE, State, header_of, key_of, pack_row
 from ..qspec import FixedCodec, QueueSpec, VarCodec
-from ..queue import MAX_LEASE, Job, Lease, LeaseToken, QueueStats, as_token
+from ..queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, as_token
 from . import schema
 from .schema import one
 
@@ -336,14 +336,21 @@ class PgQueue(Generic[T]):
                     self._lease_timeouts.pop(next(iter(self._lease_timeouts)), None)
         return leases
 
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> PgLeaseBatch[T]:
-        """Lease like :meth:`lease` and return the leases as a :class:`PgLeaseBatch` of
-        arrays (Q32)."""
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease` and return the leases as a ``LeaseBatch`` of arrays
+        (Q32): ``ids``, ``attempts``, ``deadlines`` and ``payloads`` (a structured array of
+        the dtype for a fixed queue, a list for a var queue), in key order."""
         leases = self.lease(n, lease_timeout=lease_timeout)
+        k = len(leases)
+        toks = [lz.token for lz in leases]
         payloads: Any = [lz.payload for lz in leases]
         if not self.spec.var:
-            payloads = np.array(payloads, dtype=self.spec.dtype) if leases else np.empty(0, self.spec.dtype)
-        return PgLeaseBatch(self.name, leases, payloads)
+            payloads = np.array(payloads, dtype=self.spec.dtype) if k else np.empty(0, self.spec.dtype)
+        deadline = (int(round(leases[0].deadline.timestamp() * 1000)), leases[0].deadline) if k else (0, ms_to_datetime(0))
+        return LeaseBatch(
+            self.name, self._handle, np.zeros(k, np.uint32), np.fromiter((t.due for t in toks), np.uint64, k),
+            np.fromiter((t.seq for t in toks), np.uint64, k), np.fromiter((lz.attempt for lz in leases), np.uint16, k),
+            np.fromiter((t.epoch for t in toks), np.uint32, k), deadline, payloads)
 
     def _move_dead(self, c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
         """Move rows ``(id, dead_ms, flags, attempts, epoch, deadline, pushed, payload)``
@@ -363,12 +370,22 @@ class PgQueue(Generic[T]):
                 raise self._stale(token)
         self._count("acks")
 
-    def ack_many(self, leases: Iterable[Lease[T] | LeaseToken]) -> int:
-        """Ack leases in one commit, all or nothing (Q32): if any token is stale,
-        ``StaleToken`` and nothing is acked.  Returns how many rows were acked."""
-        tokens = [self._token(x) for x in (leases if not isinstance(leases, (Lease, LeaseToken)) else [leases])]
-        if len(set(tokens)) != len(tokens):
-            raise StaleToken("a token appears twice in ack_many; nothing was acked")
+    def ack_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
+        """Ack a ``LeaseBatch`` (or a sequence of leases or tokens) in one commit, all or
+        nothing (Q32): if any token is stale, ``StaleToken`` and nothing is acked.  Returns
+        how many rows were acked."""
+        if isinstance(leases, LeaseBatch):
+            if leases._handle != self._handle:
+                raise StaleToken(f"this batch was leased through another handle (or before a reopen); lease again "
+                                 f"from queue {self.name!r}; nothing was acked")
+            tokens = leases.tokens
+        else:
+            if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
+                raise NotALease(f"ack_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
+                                f"{type(leases).__name__}; ack one lease with ack()")
+            tokens = [self._token(x) for x in leases]
+        if len({t.seq for t in tokens}) != len(tokens):
+            raise StaleToken("a row appears twice in this batch; nothing was acked")
         self._check()
         if not tokens:
             return 0
@@ -674,40 +691,6 @@ class PgQueue(Generic[T]):
 
     def __repr__(self) -> str:
         return f"<armdb.pg.PgQueue {self.name!r} ({'var' if self.spec.var else 'fixed'})>"
-
-
-class PgLeaseBatch(Generic[T]):
-    """Leases taken by one :meth:`PgQueue.lease_batch` call (Q32): ``len``, iteration and
-    ``batch[i]`` give ``Lease`` objects; ``ids`` (``uint64``), ``attempts`` (``uint16``),
-    ``deadlines`` (``datetime64[ms]``) and ``payloads`` (a structured array of the dtype
-    for a fixed queue, a list for a var queue), in key order.  Give it to ``ack_many``."""
-
-    __slots__ = ("_leases", "_queue", "attempts", "deadlines", "ids", "payloads")
-
-    def __init__(self, queue: str, leases: list[Lease[T]], payloads: Any) -> None:
-        self._queue = queue
-        self._leases = leases
-        self.ids = np.array([lz.id for lz in leases], dtype=np.uint64)
-        self.attempts = np.array([lz.attempt for lz in leases], dtype=np.uint16)
-        self.deadlines = np.array([int(lz.deadline.timestamp() * 1000) for lz in leases],
-                                  dtype=np.int64).astype("datetime64[ms]")
-        self.payloads = payloads
-
-    def __len__(self) -> int:
-        return len(self._leases)
-
-    def __getitem__(self, i: int) -> Lease[T]:
-        return self._leases[i]
-
-    def __iter__(self) -> Iterator[Lease[T]]:
-        return iter(self._leases)
-
-    @property
-    def tokens(self) -> list[LeaseToken]:
-        return [lz.token for lz in self._leases]
-
-    def __repr__(self) -> str:
-        return f"<PgLeaseBatch of {len(self)} leases from queue {self._queue!r}>"
 
 
 def _resolve(fut: asyncio.Future[None], exc: BaseException | None) -> None:
