@@ -616,3 +616,25 @@ def test_fixed_push_many_takes_an_array(backend: Backend) -> None:
     batch = q.lease_batch(10)
     assert batch.payloads.dtype == Pings.dtype and batch.payloads["doc"].tolist() == [0, 1, 2, 3, 4]
     assert q.ack_many(batch) == 5 and q.len() == 0
+
+
+def test_close_ends_a_waiter_with_db_closed(backend: Backend) -> None:
+    # SPEC Q19 D2 G7: a wait in progress ends with DbClosed when the database closes
+    db = backend.open()
+    q = db.open_queue(Jobs, cfg(wakeup_recheck=30))
+    q.wait_due_timeout(0.01)
+    got: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            q.wait_due_timeout(20)
+        except DbClosed as e:
+            got.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    db.close()
+    t.join(10)
+    assert got and time.monotonic() - start < 10

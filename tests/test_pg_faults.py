@@ -6,6 +6,7 @@
   again: calls in flight raise ``StorageError`` and nothing else, the pool reconnects,
   every push that returned is there and no acked job comes back (G7).  Rounds from fixed
   seeds: ``ARMDB_PG_RESTARTS`` (2 by default, 20 in the slow run);
+* a client killed mid-commit leaves every transaction whole or absent (``ARMDB_PG_CLIENT_KILLS``);
 * many processes, each with its own pool, lease and settle one queue: no (row, epoch)
   handed to two callers, no job lost, no job acked twice, no stale settle accepted, and
   every process got work (G3): ``ARMDB_PG_PROCS`` x ``ARMDB_PG_SECONDS`` (3 x 3 s by
@@ -284,3 +285,55 @@ def test_waiters_listen_again_after_a_server_restart(pg_server: Any, pg_namespac
         t.join(45)
         assert result.get("due") is True, result
         assert result["took"] < 30  # woken by the notification, not the 60 s recheck
+
+
+_COMMITTER = """
+import armdb, armdb.pg
+db = armdb.pg.connect({dsn!r}, namespace={ns!r})
+q = db.open_queue(armdb.queue("fault_work", payload=int, var=True))
+m = db.open_map("fault_state")
+i = 0
+while True:
+    i += 1
+    ids = db.tx().push(q, i).push(q, -i).put(m, i, "done").commit()
+    print(i, ids[0], ids[1], flush=True)
+    if i % 3 == 0:
+        q.push_many([1000000 + i] * 5)
+"""
+
+
+def test_killed_client_mid_commit_leaves_all_or_nothing(pg_dsn: str, pg_namespace: str) -> None:
+    # SPEC G7 T2: a client killed with SIGKILL at any moment leaves every transaction whole or absent
+    rounds = int(os.environ.get("ARMDB_PG_CLIENT_KILLS", "2"))
+    rng = random.Random(7)
+    reported: dict[int, tuple[int, int]] = {}
+    for _ in range(rounds):
+        child = spawn_child(_COMMITTER.format(dsn=pg_dsn, ns=pg_namespace))
+        assert child.stdout is not None
+        first = child.stdout.readline()  # connected and committing
+        assert first, child.stderr.read() if child.stderr else ""
+        time.sleep(rng.uniform(0.05, 0.4))
+        out, _err = kill_and_read(child)
+        for line in [first, *out.splitlines()]:
+            parts = line.split()
+            if len(parts) == 3:
+                reported[int(parts[0]) + 10_000 * _] = (int(parts[1]), int(parts[2]))
+    with armdb.pg.connect(pg_dsn, namespace=pg_namespace) as db:
+        q = db.open_queue(Work)
+        m = db.open_map("fault_state")
+        payloads: dict[int, list[int]] = {}
+        for lz in q.lease(1_000_000):
+            payloads.setdefault(lz.payload, []).append(lz.id)
+        done = {k for k, _v in m.items()}
+        # every map write has both of its pushes, and every push its map write
+        for i in done:
+            assert len(payloads.get(i, [])) == len(payloads.get(-i, [])) and payloads.get(i), i
+        for p in payloads:
+            if 0 < abs(p) < 1_000_000:
+                assert abs(p) in done, f"a push of transaction {abs(p)} without its map write"
+        batches = [p for p in payloads if p >= 1_000_000]
+        assert all(len(payloads[p]) % 5 == 0 for p in batches), "a push_many was cut"
+        # every commit the child reported is there
+        live_ids = {rid for ids in payloads.values() for rid in ids}
+        for a, b in reported.values():
+            assert a in live_ids and b in live_ids
