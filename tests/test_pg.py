@@ -62,6 +62,9 @@ def test_wrong_dsn_and_refusing_server(pg_server: Any, pg_namespace: str) -> Non
     assert "server" in str(e.value)
     with pytest.raises(StorageError):
         armdb.pg.connect(f"host={pg_server.root} port=5432 user=armdb dbname=no_such_database")
+    with pytest.raises(StorageError) as e:  # a password never reaches a message
+        armdb.pg.connect(f"host={pg_server.root} port=1 user=armdb password=s3cr3t-pw dbname=postgres")
+    assert "s3cr3t-pw" not in str(e.value) and "port=1" in str(e.value)
     with pytest.raises(ConfigError):
         armdb.pg.connect(pg_server.dsn, namespace="")
     with pytest.raises(ConfigError):

@@ -23,6 +23,7 @@ from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from .._crypto import Sealer
@@ -66,6 +67,15 @@ def _storage_error(e: BaseException, what: str) -> StorageError:
                           f"then retry (a write in flight may or may not have committed)")
     err.__cause__ = e
     return err
+
+
+def _describe(dsn: str) -> str:
+    """Where a DSN points, for messages: host, port, database and user, never the password."""
+    try:
+        info = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "the DSN given"
+    return " ".join(f"{k}={info[k]}" for k in ("host", "port", "dbname", "user") if info.get(k)) or "the default server"
 
 
 def connect(dsn: str, *, namespace: str = "armdb", tx_config: TxConfig | None = None,
@@ -126,10 +136,10 @@ class PgDb:
         try:
             conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
         except psycopg.ProgrammingError as e:
-            raise ConfigError(f"invalid PostgreSQL DSN {dsn!r}: {e}; use 'key=value' pairs or a postgresql:// URL"
+            raise ConfigError(f"invalid PostgreSQL DSN: {e}; use 'key=value' pairs or a postgresql:// URL"
                               ) from None
         except psycopg.OperationalError as e:
-            raise _storage_error(e, f"connecting to PostgreSQL ({dsn})") from e
+            raise _storage_error(e, f"connecting to PostgreSQL ({_describe(dsn)})") from e
         try:
             with conn.transaction():
                 conn.execute(*schema_mod.lock_namespace(namespace))
