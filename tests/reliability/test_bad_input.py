@@ -40,6 +40,7 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, LeaseToken, QueueConfig, TxConfig, _fs, bitcask, errors, txlog
+from armdb.dbkeys import read_key_file
 from armdb.errors import (
     ConfigError,
     CorruptionError,
@@ -47,6 +48,7 @@ from armdb.errors import (
     DbLocked,
     EncryptionKeyRequired,
     FormatError,
+    KeyFileError,
     NotALease,
     PayloadTypeError,
     ProcessBound,
@@ -574,6 +576,19 @@ ROWS: list[R] = [
     R("d3_map_config_wrong_type", lambda w: w.db.open_map("newmap", "fast"), ConfigError, r"open_map takes a built Config"),
     # -- S10 keys (harness g has the full set) ------------------------------------------------------------------
     R("s10_map_without_key", lambda w: w.db.open_map("secret"), EncryptionKeyRequired, r"encrypted; open it with Config\.balanced\(\)\.encryption_key"),
+    R("c4_check_wrong_key", lambda w: armdb.check(w.path, encryption_key=OTHER), WrongKey,
+      r"opens none of its encrypted collections .* give the key its encrypted collections were created with", prep=closed),
+    R("c4_check_log_key_never_given", lambda w: armdb.check(w.path, log_encryption_key=OTHER), WrongKey,
+      r"never given a log key .* leave it out", prep=closed),
+    R("c4_check_key_of_16_bytes", lambda w: armdb.check(w.path, encryption_key=bytes(16)), ConfigError,
+      r"a key must be 32 bytes", prep=closed),
+    R("c4_salvage_wrong_key", lambda w: armdb.salvage(w.path, encryption_key=[KEY, OTHER]), WrongKey,
+      r"encryption_key\[1\] opens none", prep=closed),
+    R("c4_key_file_missing", lambda w: read_key_file(w.path.parent / "no.key"), KeyFileError,
+      r"cannot read the key file .*give the path of the file that holds the key"),
+    R("c4_key_file_a_password", lambda w: read_key_file(w.path.parent / "pw.key"), KeyFileError,
+      r"not a 32-byte key; write 32 random bytes \(head -c 32 /dev/urandom",
+      prep=lambda w: (w.path.parent / "pw.key").write_bytes(b"hunter2\n")),
     R("s10_map_wrong_key", lambda w: w.db.open_map("secret", Config.balanced().encryption_key(OTHER).build()), WrongKey, r"open it with the original key"),
     R("s10_plain_map_with_key", lambda w: w.db.open_map("plainmap", Config.balanced().encryption_key(KEY).build()), ConfigError, r"not encrypted"),
     R("t4_tx_encrypted_map_without_log_key", lambda w: w.db.tx().put(w.secret2, "k", "x").commit(), EncryptionKeyRequired, r"TxConfig\(log_encryption_key=\.\.\.\)"),
