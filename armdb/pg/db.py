@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -398,7 +398,10 @@ class _Listener(threading.Thread):
         self._active: set[str] = set()
         self._cv = threading.Condition()
         self._stopping = False
-        self._rfd, self._wfd = os.pipe()
+        # A socket pair, not a pipe: it wakes the select() below (file access goes through
+        # armdb._fs, and this is no file).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
 
     def ensure(self, q: PgQueue[Any], timeout: float = 5.0) -> None:
         end = time.monotonic() + timeout
@@ -406,7 +409,7 @@ class _Listener(threading.Thread):
             self._queues[q._channel] = q
             if q._channel in self._active:
                 return
-            os.write(self._wfd, b"x")
+            self._poke()
             while q._channel not in self._active and not self._stopping:
                 left = end - time.monotonic()
                 if left <= 0:
@@ -417,10 +420,14 @@ class _Listener(threading.Thread):
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        os.write(self._wfd, b"x")
+        self._poke()
         self.join(5)
-        os.close(self._rfd)
-        os.close(self._wfd)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # a full buffer is a pending wakeup already
+            self._wake_w.send(b"x")
 
     def _notified(self, n: Any) -> None:
         q = self._queues.get(n.channel if hasattr(n, "channel") else n.relname.decode())
@@ -452,9 +459,10 @@ class _Listener(threading.Thread):
                     # every waiter looks again (after the LISTENs, so nothing falls between).
                     for q in list(self._queues.values()):
                         q._wake()
-                ready, _, _ = select.select([conn.fileno(), self._rfd], [], [], 1.0)
-                if self._rfd in ready:
-                    os.read(self._rfd, 4096)
+                wake = self._wake_r.fileno()
+                ready, _, _ = select.select([conn.fileno(), wake], [], [], 1.0)
+                if wake in ready:
+                    self._wake_r.recv(4096)
                 if conn.fileno() in ready:
                     conn.pgconn.consume_input()
                     if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
