@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("stores", ["armdb.fixed", "armdb.seqmap", "armdb.bitcask", "armdb.bitcask.*", "armdb.replay", "armdb.txlog"]),
     ("rules", ["armdb.transitions", "armdb.plan"]),
     ("runtimes", ["armdb.queue", "armdb.maps", "armdb.streams", "armdb.tx"]),
+    ("backends", ["armdb.pg", "armdb.pg.*"]),
     ("root", ["armdb.db"]),
     ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._bench", "armdb.cli",
                "armdb.__main__"]),
