@@ -52,6 +52,7 @@ from .layout import (  # noqa: F401
 from .maps import Map
 from .queue import Commits, Queue, QueueSpec, open_queue, start_queue_workers
 from .seqmap import SeqMap
+from .server import Server
 from .tx import Tx, commit_dead_rows, commit_settle
 from .txlog import TxLog
 
@@ -138,6 +139,7 @@ class Db:
         self._dirlock: DirLock | None = None
         self._waker: Any = None
         self._closed_why = ""  # why an operation finds the Db closed, when not close()
+        self._servers: list[Server] = []  # db.serve(): stopped first by close()
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -297,6 +299,10 @@ class Db:
         closed, so nothing ever touches a file or mapping after it was closed.
         """
         with self._lock:
+            servers, self._servers = self._servers, []
+        for srv in servers:  # the calls in flight finish before the collections close (P1)
+            srv.close()
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -425,6 +431,30 @@ class Db:
         # A var queue's ack and nack are logged commits (Q14): the queue gets them from
         # here, the one module that knows both the queue and the transaction.
         return open_queue(self, spec, config, Commits(commit_settle, commit_dead_rows))
+
+    def serve(self, path: str | os.PathLike[str] | None = None) -> Server:
+        """Serve this database to other processes of the same user (P1).
+
+        Starts a :class:`armdb.server.Server` on a Unix socket, by default
+        ``DIR/armdb.sock`` (mode 0600); clients use ``armdb.connect(DIR)``.  The server
+        calls this Db's own queues, maps and transactions.  ``server.close()`` stops it;
+        closing the Db stops it too.
+
+        Raises
+        ------
+        ConfigError
+            The socket cannot be created there, or another process serves that path.
+        DbClosed
+            The database is closed.
+        """
+        self.check_open()
+        srv = Server(self, None if path is None else os.fspath(path))
+        with self._lock:
+            if self._closed:
+                srv.close()
+                self.check_open()
+            self._servers.append(srv)
+        return srv
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""
