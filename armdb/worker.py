@@ -33,7 +33,7 @@ from typing import Any
 
 from ._clock import to_seconds
 from .client import Client
-from .errors import ArmdbError, ConfigError, DbClosed, StaleToken
+from .errors import ArmdbError, ConfigError, DbClosed, QueueAlreadyOpen, StaleToken
 from .qspec import QueueSpec
 from .queue import Lease, LeaseToken
 
@@ -166,7 +166,7 @@ class Worker:
             if self.processes:
                 self._run_processes()
             else:
-                self._run_threads(self.source.open_queue(self.spec))
+                self._run_threads(_open(self.source, self.spec))
         finally:
             for sig, old in restore:
                 signal.signal(sig, old)
@@ -303,6 +303,17 @@ class Worker:
         bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
         if bad and not self._stop.is_set():
             raise ArmdbError(f"{len(bad)} worker process(es) exited with status {bad}; see their log above")
+
+
+def _open(source: Any, spec: QueueSpec[Any]) -> Any:
+    """The queue ``spec`` of ``source``: opened, or the handle its owner already has."""
+    try:
+        return source.open_queue(spec)
+    except QueueAlreadyOpen:
+        q = source._queues.get(spec.name)  # the Db's table of open queues: share its handle
+        if q is None or q.spec.fingerprint != spec.fingerprint:
+            raise
+        return q
 
 
 def _child(path: str, spec: QueueSpec[Any], handler: Callable[..., Any], threads: int, batch: int,
