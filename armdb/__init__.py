@@ -42,7 +42,7 @@ from .errors import (
     TxFailedAfterLog,
     WrongKey,
 )
-from .queue import Job, Lease, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
+from .queue import Job, Lease, LeaseBatch, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
 from .worker import Worker
@@ -66,6 +66,7 @@ __all__ = [
     "FormatError",
     "Job",
     "Lease",
+    "LeaseBatch",
     "LeaseToken",
     "NotALease",
     "PayloadTypeError",

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 class IdSource(Protocol):
     def draw(self, name: str) -> int: ...
 
+    def draw_block(self, name: str, n: int) -> int: ...
+
 
 class Plan:
     """The logged rows of one commit and, in order, how to apply them.
@@ -25,13 +27,18 @@ class Plan:
     membership tests on them are cheaper than on sets.
     """
 
-    __slots__ = ("_ids", "allocated", "apply", "bitcask", "drawn", "fixed", "payload_writes", "rows")
+    __slots__ = ("_ids", "allocated", "apply", "bitcask", "drawn", "fixed", "packed", "payload_writes", "rows",
+                 "undo")
 
     def __init__(self, ids: IdSource) -> None:
         self._ids = ids
         self.rows: list[list[Any]] = []
         self.apply: list[Callable[[], object]] = []  # run after the log append (and sync)
         self.allocated: list[tuple[Any, int]] = []  # (FixedShard, slot) to give back on refusal
+        self.undo: list[Callable[[], object]] = []  # what else to give back on refusal (a batch's slots)
+        # Rows already packed as msgpack by a batch's compiled plan: (how many, bytes), logged
+        # after ``rows`` in the same record (armdb.txlog.TxLog.append).
+        self.packed: list[tuple[int, bytes]] = []
         self.fixed: list[Any] = []  # FixedStore shards written
         self.bitcask: list[Any] = []  # Bitcask stores written
         self.payload_writes: dict[Any, int] = {}  # queue -> var bodies this commit writes
@@ -44,6 +51,15 @@ class Plan:
         if n > self.drawn.get(name, 0):
             self.drawn[name] = n
         return n
+
+    def draw_block(self, name: str, n: int) -> int:
+        """The first of ``n`` consecutive new ids of sequence ``name`` (a batch of pushes),
+        reserved on disk only if the commit goes ahead."""
+        first = self._ids.draw_block(name, n)
+        last = first + n - 1
+        if last > self.drawn.get(name, 0):
+            self.drawn[name] = last
+        return first
 
     def gsn(self) -> int:
         """The gsn of a Bitcask record this commit writes (:meth:`draw` of ``"gsn"``, one
@@ -66,3 +82,6 @@ class Plan:
         for shard, slot in reversed(self.allocated):
             shard.unalloc(slot)
         self.allocated.clear()
+        for fn in reversed(self.undo):
+            fn()
+        self.undo.clear()

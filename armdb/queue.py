@@ -44,7 +44,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
@@ -56,6 +56,8 @@ from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.fixed import ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
+from ._pack import packb
+from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
 from .errors import (
     ConfigError,
@@ -64,6 +66,7 @@ from .errors import (
     EncryptionKeyRequired,
     FormatError,
     NotALease,
+    PayloadTypeError,
     ProcessBound,
     QueueAlreadyOpen,
     QueueFull,
@@ -103,10 +106,12 @@ class Commits(NamedTuple):
     """The logged commits a queue runs, handed in by ``Db.open_queue`` (armdb.tx sits above
     this module): ``settle(db, queue, token, ack, delay_ms=None, dead=False, poisoned=False)``,
     a var queue's ack or nack (``armdb.tx.commit_settle``), and ``dead_rows(db, queue, ids,
-    redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``)."""
+    redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``), and
+    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``)."""
 
     settle: Callable[..., None]
     dead_rows: Callable[..., int]
+    batch: Callable[..., Any]  # (db, queue, push, args): push_many and ack_many (armdb.tx.commit_batch)
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -171,6 +176,55 @@ def as_token(lease: object) -> LeaseToken:
     raise NotALease(
         f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
     )
+
+
+class LeaseBatch(Generic[T]):
+    """Leases taken by one :meth:`Queue.lease_batch` call (Q32), as arrays.
+
+    ``len(batch)`` and iteration (``Lease`` objects, made on demand) work as on the list
+    ``lease`` returns; ``batch[i]`` is the i-th ``Lease``.  The arrays, one entry per
+    lease in key order: ``ids`` (``uint64``), ``attempts`` (``uint16``, 1 for a first
+    delivery), ``deadlines`` (``datetime64[ms]``, UTC) and ``payloads`` (for a fixed
+    queue a structured array of its dtype, for a var queue a list).  Give the whole batch
+    to :meth:`Queue.ack_many`, or single leases to ``ack``/``nack``/``extend``.
+    """
+
+    __slots__ = ("_deadline", "_dues", "_epochs", "_handle", "_queue", "_shards", "attempts", "deadlines", "ids",
+                 "payloads")
+
+    def __init__(self, queue: str, handle: int, shards: np.ndarray, dues: np.ndarray, ids: np.ndarray,
+                 attempts: np.ndarray, epochs: np.ndarray, deadline: tuple[int, datetime], payloads: Any) -> None:
+        self._queue = queue
+        self._handle = handle
+        self._shards = shards
+        self._dues = dues
+        self._epochs = epochs
+        self._deadline = deadline[1]
+        self.ids = ids
+        self.attempts = attempts
+        self.deadlines = np.full(len(ids), deadline[0], dtype="datetime64[ms]")
+        self.payloads = payloads
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Lease[T]:
+        new = tuple.__new__
+        seq = int(self.ids[i])
+        token = new(LeaseToken, (self._handle, int(self._shards[i]), int(self._dues[i]), seq, int(self._epochs[i])))
+        return new(Lease, (seq, self.payloads[i], int(self.attempts[i]), self._deadline, token))
+
+    def __iter__(self) -> Iterator[Lease[T]]:
+        for i in range(len(self.ids)):
+            yield self[i]
+
+    @property
+    def tokens(self) -> list[LeaseToken]:
+        """The ``LeaseToken`` of every lease, in order."""
+        return [lz.token for lz in self]
+
+    def __repr__(self) -> str:
+        return f"<LeaseBatch of {len(self)} leases from queue {self._queue!r}>"
 
 
 @dataclass(frozen=True)
@@ -285,6 +339,8 @@ class Queue(Generic[T]):
         self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
         self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
+        self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
+        self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -517,9 +573,7 @@ class Queue(Generic[T]):
             The database is closed.
         """
         now = self._check()
-        delay_ms = 0 if delay is None else to_ms(delay, "delay")
-        if delay_ms < 0 or now + delay_ms >= MAX_DUE_MS:
-            raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {delay!r}")
+        delay_ms = self._delay_ms(delay, now)
         body = self._encode(payload)
         cap = self._max_depth
         if cap is not None and self.len() >= cap:
@@ -542,6 +596,212 @@ class Queue(Generic[T]):
             sh.push(now + delay_ms, seq, now, pid, inline)
         self._notify()
         return seq
+
+    @staticmethod
+    def _delay_ms(delay: timedelta | float | None, now: int) -> int:
+        delay_ms = 0 if delay is None else to_ms(delay, "delay")
+        if delay_ms < 0 or now + delay_ms >= MAX_DUE_MS:
+            raise ConfigError(f"delay must not be negative and is at most {MAX_DUE_MS - now} ms, got {delay!r}")
+        return delay_ms
+
+    # -- batches (Q31, Q32) -------------------------------------------------------------------------
+    def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
+        """Push every payload of ``payloads`` in one call, all or nothing; return their ids,
+        increasing in input order.
+
+        A fixed queue also takes a 1-D NumPy array of its dtype: its rows are written by a
+        compiled loop (no Python object per row) and the ids come back as a ``uint64``
+        array.  Otherwise give a sequence (a list, a tuple, any iterable) and get a list.
+
+        The batch is one logged commit: after a crash, either every row of it exists or
+        none does.  Its log record holds every row, so a batch is bounded by the log's
+        record size (1 GiB: a million rows of up to about 1,000 bytes).
+
+        Raises
+        ------
+        PayloadTypeError
+            A payload does not match the queue's type (the error names which one), or the
+            array has another dtype or shape; nothing is written.
+        QueueFull
+            The batch would take the queue past ``max_depth`` (judged on the whole batch);
+            nothing is written.
+        EncryptionKeyRequired
+            A var queue with encrypted bodies, in a Db without a log key (the batch is
+            logged, like a transaction).
+        """
+        now = self._check()
+        delay_ms = self._delay_ms(delay, now)
+        if isinstance(payloads, np.ndarray) and self._payload is None:
+            arr = self._batch_array(payloads)
+            n = len(arr)
+            if n == 0:
+                return np.empty(0, dtype=np.uint64)
+            first = self._commit_batch(self._db, self, True, (arr.view(np.uint8).reshape(-1), n, delay_ms))
+            return np.arange(first, first + n, dtype=np.uint64)
+        if isinstance(payloads, (str, bytes, bytearray, memoryview, dict)) or not isinstance(payloads, Iterable):
+            raise PayloadTypeError(
+                f"push_many takes a sequence of payloads (e.g. a list), not {type(payloads).__name__}; "
+                f"push one payload with push()"
+            )
+        encode = self._encode
+        bodies: list[bytes] = []
+        for i, p in enumerate(payloads):
+            try:
+                bodies.append(encode(p))
+            except PayloadTypeError as e:
+                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        n = len(bodies)
+        if n == 0:
+            return []
+        if self._payload is not None:
+            big = max(bodies, key=len)
+            if len(big) > MAX_VALUE_LEN:
+                raise ConfigError(
+                    f"payload {bodies.index(big)} of the batch encodes to {len(big):,} bytes, above the limit of "
+                    f"{MAX_VALUE_LEN:,}; nothing was pushed"
+                )
+            first = self._commit_batch(self._db, self, True, (bodies, n, delay_ms))
+        else:
+            first = self._commit_batch(self._db, self, True, (b"".join(bodies), n, delay_ms))
+        return list(range(first, first + n))
+
+    def _batch_array(self, arr: np.ndarray) -> np.ndarray:
+        """A fixed queue's batch as a contiguous 1-D array of its exact dtype."""
+        want = self.spec.dtype
+        if arr.ndim != 1:
+            raise PayloadTypeError(
+                f"push_many takes a 1-D array of the queue's dtype; got an array of shape {arr.shape} "
+                f"(flatten it, or pass one row per element)"
+            )
+        if arr.dtype != want:
+            raise PayloadTypeError(
+                f"queue {self.name!r} stores {want}; got an array of {arr.dtype}. Build the array with "
+                f"dtype=queue.spec.dtype (arr.astype(...) if you accept the conversion)"
+            )
+        return np.ascontiguousarray(arr)
+
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease` (same rules, key order) and return the leases as a
+        :class:`LeaseBatch` of arrays.  For a fixed queue the batch is filled by a
+        compiled loop, with no Python object per row (the payloads are one structured
+        array).
+
+        Raises
+        ------
+        ConfigError
+            As for :meth:`lease`; nothing changes.
+        """
+        lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
+        if self._payload is not None:
+            leases = self.lease(n, lease_timeout=lease_timeout)
+            k = len(leases)
+            toks = [lz.token for lz in leases]
+            return LeaseBatch(
+                self.name, self._handle,
+                np.fromiter((t.shard for t in toks), np.uint32, k), np.fromiter((t.due for t in toks), np.uint64, k),
+                np.fromiter((t.seq for t in toks), np.uint64, k),
+                np.fromiter((lz.attempt for lz in leases), np.uint16, k),
+                np.fromiter((t.epoch for t in toks), np.uint32, k),
+                self._last_deadline if k else (0, ms_to_datetime(0)), [lz.payload for lz in leases])
+        now = self._check()
+        deadline = now + lease_ms
+        last = self._last_deadline
+        if last[0] != deadline:
+            last = self._last_deadline = (deadline, ms_to_datetime(deadline))
+        shard_nos = np.zeros(n, dtype=np.uint32)
+        dues = np.empty(n, dtype=np.uint64)
+        seqs = np.empty(n, dtype=np.uint64)
+        attempts = np.empty(n, dtype=np.uint16)
+        epochs = np.empty(n, dtype=np.uint32)
+        payloads = np.empty(n, dtype=self.spec.dtype)
+        raw = payloads.view(np.uint8).reshape(-1)
+        got = dead = 0
+        shards = self._shards
+        if len(shards) == 1:
+            with shards[0].lock:
+                got, dead = shards[0].claim_block(now, deadline, n, self._max_attempts, dues, seqs, attempts, epochs,
+                                                  raw, 0)
+        while len(shards) > 1 and got < n:
+            # Each shard leases its share of the first due rows of all shards, in its key order.
+            share = collections.Counter(c[2] for c in self._scan(now, n - got))
+            if not share:
+                break
+            progressed = False
+            for shard_no, k in sorted(share.items()):
+                sh = shards[shard_no]
+                with sh.lock:
+                    g, d = sh.claim_block(now, deadline, k, self._max_attempts, dues, seqs, attempts, epochs, raw, got)
+                shard_nos[got:got + g] = shard_no
+                got += g
+                dead += d
+                progressed = progressed or g > 0 or d > 0
+            if not progressed:
+                break
+        if dead:
+            self._note_dead(now)
+        if len(shards) > 1 and got > 1:
+            order = np.lexsort((seqs[:got], dues[:got]))  # the shards' leases merged in key order
+            shard_nos, dues, seqs = shard_nos[order], dues[order], seqs[order]
+            attempts, epochs, payloads = attempts[order], epochs[order], payloads[order]
+        elif got < n:
+            shard_nos, dues, seqs = shard_nos[:got].copy(), dues[:got].copy(), seqs[:got].copy()
+            attempts, epochs, payloads = attempts[:got].copy(), epochs[:got].copy(), payloads[:got].copy()
+        if lease_ms != self._lease_ms and got:
+            self._remember_timeouts(self._batch_tokens(shard_nos, dues, seqs, epochs), lease_ms)
+        return LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last, payloads)
+
+    def _batch_tokens(self, shards: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
+                      epochs: np.ndarray) -> list[LeaseToken]:
+        h = self._handle
+        return [LeaseToken(h, k, d, q, e)
+                for k, d, q, e in zip(shards.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(), strict=True)]
+
+    def ack_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
+        """Ack every lease of a :class:`LeaseBatch` (or of a sequence of ``Lease`` objects
+        or tokens) in one commit, all or nothing; return how many were acked.
+
+        For a var queue the commit is one log record for the whole batch.
+
+        Raises
+        ------
+        StaleToken
+            A lease is no longer held (acked, nacked, dead-lettered, or leased again since),
+            comes from another queue handle, or appears twice; nothing is acked.
+        NotALease
+            An item is neither a ``Lease`` nor a ``LeaseToken``.
+        """
+        if isinstance(leases, LeaseBatch):
+            if leases._handle != self._handle:
+                raise StaleToken(
+                    f"this batch was leased from queue {leases._queue!r} through another handle (or before a "
+                    f"reopen); ack it on that handle, or lease again from queue {self.name!r}; nothing was acked"
+                )
+            shard_nos, dues, seqs, epochs = leases._shards, leases._dues, leases.ids, leases._epochs
+        else:
+            if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
+                raise NotALease(
+                    f"ack_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
+                    f"{type(leases).__name__}; ack one lease with ack()"
+                )
+            toks = [as_token(x) for x in leases]
+            for t in toks:
+                self._token_shard(t)  # StaleToken for a token of another handle
+            k = len(toks)
+            shard_nos = np.fromiter((t.shard for t in toks), np.uint32, k)
+            dues = np.fromiter((t.due for t in toks), np.uint64, k)
+            seqs = np.fromiter((t.seq for t in toks), np.uint64, k)
+            epochs = np.fromiter((t.epoch for t in toks), np.uint32, k)
+        self._check()
+        n = len(seqs)
+        if n == 0:
+            return 0
+        if len(np.unique(seqs)) != n:
+            uniq, counts = np.unique(seqs, return_counts=True)
+            raise StaleToken(f"row {int(uniq[counts > 1][0])} appears twice in this batch; nothing was acked")
+        if self._lease_timeouts:
+            for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
+                self._lease_timeouts.pop((q, e), None)
+        return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs)))
 
     def _cache_put(self, seq: int, body: bytes) -> None:
         if self._cache_budget <= 0 or len(body) > self._cache_budget:
@@ -604,19 +864,7 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
-        if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
-            raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
-        if n > MAX_LEASE:
-            raise ConfigError(
-                f"lease(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}; lease in batches"
-            )
-        if lease_timeout is None:
-            lease_ms = self._lease_ms
-        else:
-            timeout = to_seconds(lease_timeout, "lease_timeout")
-            if timeout < 0.001:
-                raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
-            lease_ms = int(round(timeout * 1000))
+        lease_ms = self._lease_arg(n, lease_timeout, "lease")
         now = self._check()
         deadline = now + lease_ms
         # One datetime per millisecond of deadlines: a datetime costs more than a lease.
@@ -654,7 +902,7 @@ class Queue(Generic[T]):
                 break
         if self._payload is None:
             if lease_ms != self._lease_ms and out:
-                self._remember_timeouts(out, lease_ms)
+                self._remember_timeouts((lz.token for lz in out), lease_ms)
             return out
         leases: list[Lease[T]] = []
         decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
@@ -684,17 +932,31 @@ class Queue(Generic[T]):
         if poisoned:
             self._dead_letter_poisoned(poisoned)
         if lease_ms != self._lease_ms and leases:
-            self._remember_timeouts(leases, lease_ms)
+            self._remember_timeouts((lz.token for lz in leases), lease_ms)
         return leases
 
-    def _remember_timeouts(self, leases: list[Any], lease_ms: int) -> None:
+    def _lease_arg(self, n: object, lease_timeout: timedelta | float | None, call: str) -> int:
+        """Check the arguments of a lease call; returns the lease timeout in ms."""
+        if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:  # type: ignore[operator]
+            raise ConfigError(f"{call}(n) needs an int n >= 1, got {n!r}")
+        if n > MAX_LEASE:  # type: ignore[operator]
+            raise ConfigError(
+                f"{call}(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}; lease in batches"
+            )
+        if lease_timeout is None:
+            return self._lease_ms
+        timeout = to_seconds(lease_timeout, "lease_timeout")
+        if timeout < 0.001:
+            raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
+        return int(round(timeout * 1000))
+
+    def _remember_timeouts(self, tokens: Iterable[LeaseToken], lease_ms: int) -> None:
         """Leases taken with a timeout other than the queue's: what ``extend`` without
         ``by`` extends them by (Q29).  Bounded: past :data:`MAX_REMEMBERED` the oldest are
         forgotten (such a lease is then extended by the queue's timeout)."""
         with self._counter_lock:
             timeouts = self._lease_timeouts
-            for lz in leases:
-                tok = lz.token
+            for tok in tokens:
                 timeouts[(tok.seq, tok.epoch)] = lease_ms
             while len(timeouts) > MAX_REMEMBERED:
                 # pop, not del: an ack or nack on another thread may forget the same one
@@ -1453,6 +1715,109 @@ class Queue(Generic[T]):
             for _sh, _d, rid, _sl in picked:
                 plan.apply.append(functools.partial(self._cache_drop, rid))
         return len(picked)
+
+    def _tx_batch(self, plan: Plan, push: bool, args: tuple[Any, ...], now: int) -> int:
+        """Plan a ``push_many`` (returns the first id) or an ``ack_many`` (returns how many),
+        every lock of the queue held (armdb.tx.commit_batch)."""
+        if push:
+            return self._tx_push_many(plan, *args, now=now)
+        return self._tx_ack_many(plan, *args)
+
+    def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
+        """Plan the ``n`` pushes of a batch: ``payloads`` is the rows' bytes end to end
+        (fixed) or the list of bodies (var).  ``QueueFull`` on the whole batch (Q21)."""
+        cap = self._max_depth
+        if cap is not None:
+            live = sum(len(sh.live) for sh in self._shards)
+            if live + n > cap:
+                raise QueueFull(
+                    f"queue {self.name!r}: pushing {n} rows would leave {live + n} live rows, above "
+                    f"max_depth={cap}; nothing was pushed"
+                )
+        first = plan.draw_block(self._seq_name, n)
+        payload = self._payload
+        if payload is not None:
+            # The bodies first: logged before the headers, applied before them (Q15).
+            items: list[tuple[bytes, bytes | None, int]] = []
+            pname = self.spec.payload_name
+            rows = plan.rows
+            for i, body in enumerate(payloads):
+                key = body_key(first + i)
+                gsn = plan.gsn()
+                rows.append(["B", pname, key, body, gsn])
+                items.append((key, body, gsn))
+            plan.add_bitcask(payload)
+            plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
+
+            def apply_bodies() -> None:
+                payload.write_many_locked(items)
+                for key, body, _ in items:
+                    self._cache_put(int.from_bytes(key, "big"), body)  # type: ignore[arg-type]
+
+            plan.apply.append(apply_bodies)
+        self._plan_blocks(plan, lambda sh, i0, nsh, buf: sh.plan_push_block(
+            self._name_field, first, i0, nsh, n, b"" if payload is not None else payloads, now + delay_ms, now,
+            payload is not None, buf), first, n)
+        return first
+
+    def _plan_blocks(self, plan: Plan, make: Callable[..., Any], first: int, n: int) -> None:
+        """Plan a push batch's header rows shard by shard (row ``i`` has id ``first + i``
+        and lands in shard ``(first + i) % shards``): their slots, log rows and apply."""
+        buf = bytearray()
+        rows = 0
+        nsh = len(self._shards)
+        for k, sh in enumerate(self._shards):
+            i0 = (k - first) % nsh
+            if i0 >= n:
+                continue
+            slots, versions, images = make(sh, i0, nsh, buf)
+            plan.undo.append(functools.partial(sh.unalloc_block, slots))
+            plan.add_fixed(sh.fixed)
+            plan.apply.append(functools.partial(sh.apply_push_block, slots, versions, images))
+            rows += len(slots)
+        plan.packed.append((rows, bytes(buf)))
+
+    def _tx_ack_many(self, plan: Plan, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
+                     epochs: np.ndarray) -> int:
+        """Plan the acks of a batch (ids distinct); ``StaleToken`` if any lease is no longer held."""
+        buf = bytearray()
+        rows = 0
+        shards = self._shards
+        for k, sh in enumerate(shards):
+            if len(shards) == 1:
+                d, q, e = dues, seqs, epochs
+            else:
+                sel = shard_nos == k
+                d, q, e = dues[sel], seqs[sel], epochs[sel]
+            if not len(q):
+                continue
+            d, q, e = (np.ascontiguousarray(a) for a in (d, q, e))
+            slots, versions, bad, code = sh.plan_ack_block(self._name_field, d, q, e, buf)
+            if slots is None:
+                tok = LeaseToken(self._handle, k, int(d[bad]), int(q[bad]), int(e[bad]))
+                raise StaleToken(f"{self._stale(tok, code == ABSENT)} (nothing of this batch was acked)")
+            plan.add_fixed(sh.fixed)
+            plan.apply.append(functools.partial(sh.apply_ack_block, d, q, slots, versions))
+            rows += len(slots)
+        plan.packed.append((rows, bytes(buf)))
+        payload = self._payload
+        if payload is not None:
+            items: list[tuple[bytes, bytes | None, int]] = []
+            pname = self.spec.payload_name
+            for seq in seqs.tolist():
+                key = body_key(seq)
+                gsn = plan.gsn()
+                plan.rows.append(["B", pname, key, None, gsn])
+                items.append((key, None, gsn))
+            plan.add_bitcask(payload)
+
+            def apply_deletes() -> None:
+                payload.write_many_locked(items)
+                for seq in seqs.tolist():
+                    self._cache_drop(seq)
+
+            plan.apply.append(apply_deletes)
+        return len(seqs)
 
     def _tx_count_payload_writes(self, n: int) -> None:
         with self._counter_lock:

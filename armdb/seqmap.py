@@ -149,6 +149,16 @@ class SeqMap:
                 self._next[name] = n + 1
             return n
 
+    def draw_block(self, name: str, n: int) -> int:
+        """The first of ``n`` consecutive ids for a batch in a transaction (as :meth:`draw`,
+        so the caller must call :meth:`reserve_through` for the last one).  The rest of the
+        current block is left unused: ids must be consecutive and increasing."""
+        with self._lock:
+            first = self._next.get(name, 1)
+            self._next[name] = first + n
+            self._rest[name] = _NO_BLOCK
+            return first
+
     def reserve_through(self, name: str, n: int) -> None:
         """Make sure ids up to ``n`` are covered by a persisted reservation."""
         if n < self._reserved.get(name, 1):

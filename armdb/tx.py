@@ -96,6 +96,17 @@ class _DeadRows:
 
 
 @dataclass(slots=True)
+class _Batch:
+    """A queue's ``push_many`` or ``ack_many`` (Q31, Q32): one logged commit for the whole
+    batch, planned by the queue (``Queue._tx_batch``), which leaves its result here."""
+
+    queue: Queue[Any]
+    push: bool
+    args: tuple[Any, ...]
+    result: Any = None
+
+
+@dataclass(slots=True)
 class _MapWrite:
     map: Map
     key: Any
@@ -267,7 +278,8 @@ class Tx:
             if t is _Push and s.explicit:
                 ids.append(s.seq)
             # A push, and a nack that makes its row ready again, can end a wait (Q19).
-            if (t is _Push or (t is _Settle and not s.ack) or (t is _DeadRows and s.redrive)) and s.queue not in notified:
+            if (t is _Push or (t is _Settle and not s.ack) or (t is _DeadRows and s.redrive)
+                    or (t is _Batch and s.push)) and s.queue not in notified:
                 notified.append(s.queue)
                 s.queue._notify()
         return ids
@@ -289,7 +301,7 @@ class Tx:
             # Only a commit that goes ahead persists the id blocks it drew.
             for name, n in plan.drawn.items():
                 db.seqmap.reserve_through(name, n)
-            end = db.txlog.append(plan.rows)
+            end = db.txlog.append(plan.rows, plan.packed)
         except BaseException:
             plan.give_back()
             raise
@@ -323,7 +335,7 @@ class Tx:
                           sync_failed: bool = False) -> TxFailedAfterLog:
         """Fence the stores of a commit that was logged but not (fully) applied."""
         reason = f"a logged transaction failed to apply ({e}); reopen the database"
-        for q in {s.queue for s in steps if type(s) in (_Push, _Settle, _DeadRows)}:
+        for q in {s.queue for s in steps if type(s) in (_Push, _Settle, _DeadRows, _Batch)}:
             q._tx_fence()  # Q25
         # Later writes to these stores would take versions and gsns that make
         # replay skip the logged rows: refuse them until the reopen replays.
@@ -423,6 +435,10 @@ class Tx:
         steps.extend(extra)
 
     def _plan(self, steps: list[Any], plan: Plan, now: int) -> None:
+        if len(steps) == 1 and type(steps[0]) is _Batch:
+            b = steps[0]
+            b.result = b.queue._tx_batch(plan, b.push, b.args, now)
+            return
         if len(steps) == 1 and type(steps[0]) is _DeadRows:
             d = steps[0]
             d.moved = d.queue._tx_dead_rows(plan, d.ids, d.redrive, d.delay_ms, now)
@@ -518,6 +534,17 @@ def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive:
     step = _DeadRows(q, ids, redrive, delay_ms)
     _commit_queue_step(db, q, step, locks)
     return step.moved
+
+
+def commit_batch(db: Db, q: Queue[Any], push: bool, args: tuple[Any, ...]) -> Any:
+    """``Queue.push_many`` (``push``) and ``Queue.ack_many`` (Q31, Q32): the whole batch in
+    one logged commit, under all of the queue's locks, by the same
+    :meth:`Tx._commit_locked`; returns what the queue's plan of it returned."""
+    locks: dict[str, threading.Lock] = {}
+    q._tx_all_locks(locks)
+    step = _Batch(q, push, args)
+    _commit_queue_step(db, q, step, locks)
+    return step.result
 
 
 def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: dict[str, threading.Lock]) -> None:

@@ -57,6 +57,7 @@ from ._pack import packb
 from .errors import (
     SALVAGE_HINT,
     ArmdbError,
+    ConfigError,
     CorruptionError,
     DbClosed,
     EncryptionKeyRequired,
@@ -107,6 +108,15 @@ if TYPE_CHECKING:
     from .db import Db
 
 log = logging.getLogger("armdb")
+
+
+def _list_header(n: int) -> bytes:
+    """The msgpack header of a list of ``n`` items (as ``packb`` writes it)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 65536:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 class TxLog:
@@ -352,10 +362,22 @@ class TxLog:
     def needs_key(self) -> bool:
         return self.sealer is None
 
-    def append(self, rows: list[Any]) -> int:
+    def append(self, rows: list[Any], packed: list[tuple[int, bytes]] | None = None) -> int:
         """Append one commit record; returns the log's end offset after it.  The
-        caller must call :meth:`done` after applying (or failing to apply) it."""
+        caller must call :meth:`done` after applying (or failing to apply) it.
+
+        ``packed``: more rows of the record, already packed as msgpack by a batch's
+        compiled plan, as ``(how many rows, bytes)``; they follow ``rows``.
+        """
         body = packb(rows)
+        if packed:
+            body = _list_header(len(rows) + sum(c for c, _ in packed)) + body[len(_list_header(len(rows))):] \
+                + b"".join(b for _, b in packed)
+            if len(body) > MAX_BODY:
+                raise ConfigError(
+                    f"this commit's log record would be {len(body):,} bytes, above the limit of {MAX_BODY:,}; "
+                    f"split the batch into smaller ones"
+                )
         with self._lock:
             if self._fd < 0:  # Db.close closed the log once every store was closed
                 raise DbClosed(f"the database of {self._path!r}")

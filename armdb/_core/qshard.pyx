@@ -30,10 +30,11 @@ slots.  Index results are status codes, turned into exceptions in one place
 
 cimport cython
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcpy
 
@@ -50,6 +51,7 @@ from armdb._core.qrow cimport (
     AT_ATTEMPTS,
     AT_DUE,
     AT_EPOCH,
+    AT_SEQ,
     AT_STATE,
     LEASED,
     MAX_PAYLOAD,
@@ -101,6 +103,48 @@ cdef inline object _tuple5(cls, a, b, c, d, e):
     Py_INCREF(e)
     PyTuple_SET_ITEM(t, 4, e)
     return t
+
+
+cdef inline uint8_t* _u32(uint8_t* p, uint32_t v) noexcept nogil:
+    """A msgpack uint 32 (valid for any value, so every row has the same width)."""
+    p[0] = 0xce
+    p[1] = <uint8_t>(v >> 24)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 8)
+    p[4] = <uint8_t>v
+    return p + 5
+
+
+cdef inline Py_ssize_t _frow_size(Py_ssize_t name_len, Py_ssize_t width) noexcept nogil:
+    return 3 + name_len + 15 + 1 + 3 + width
+
+
+cdef inline uint8_t* _frow(uint8_t* p, const uint8_t* name, Py_ssize_t name_len, uint32_t shard, uint32_t slot,
+                           uint32_t version, uint8_t status, const uint8_t* image, Py_ssize_t width) noexcept nogil:
+    """One logged slot write, ``["F", name, shard, slot, version, status, image]``, as the
+    msgpack bytes ``msgpack.packb`` would decode to that list (armdb.txlog's row of kind
+    F).  ``name`` is the queue name already packed as a msgpack str; ``width`` < 65536."""
+    p[0] = 0x97              # fixarray of 7
+    p[1] = 0xa1              # fixstr of 1: "F"
+    p[2] = 0x46
+    memcpy(p + 3, name, name_len)
+    p = _u32(p + 3 + name_len, shard)
+    p = _u32(p, slot)
+    p = _u32(p, version)
+    p[0] = status            # positive fixint
+    p[1] = 0xc5              # bin 16
+    p[2] = <uint8_t>(width >> 8)
+    p[3] = <uint8_t>width
+    if width:
+        memcpy(p + 4, image, width)
+    return p + 4 + width
+
+
+cdef uint8_t* _grow_log(bytearray out, Py_ssize_t extra) except NULL:
+    """Make room for ``extra`` more bytes at the end of ``out``; returns where they start."""
+    cdef Py_ssize_t at = PyByteArray_GET_SIZE(out)
+    PyByteArray_Resize(out, at + extra)
+    return <uint8_t*>PyByteArray_AS_STRING(out) + at
 
 
 def wall_ms():
@@ -249,19 +293,13 @@ cdef class QueueShard:
         return slot
 
     # -- lease --------------------------------------------------------------------
-    cdef object _claim(self, uint64_t due, uint64_t seq, Py_ssize_t slot, int64_t now, int64_t deadline,
-                       uint32_t max_attempts, Py_ssize_t shard_no, object dl):
-        """Lease (or dead-letter) one due row that is in the index with this slot.
-
-        Returns the Lease (see :meth:`set_lease_types`; ``dl`` is the deadline as a
-        datetime) or else ``(due, seq, shard_no, attempts, epoch, payload)``; or False
-        when the row's lease had expired after ``max_attempts`` deliveries and it went
-        to the dead letters instead.
-        """
-        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+    cdef bint _lease_slot(self, uint64_t due, uint64_t seq, Py_ssize_t slot, int64_t now, int64_t deadline,
+                          uint32_t max_attempts, uint8_t* row) except -1:
+        """Lease (or dead-letter) one due row that is in the index with this slot, leaving
+        its new image in ``row``; False when the row's lease had expired after
+        ``max_attempts`` deliveries and it went to the dead letters instead."""
         cdef Py_ssize_t n = ROW_HEAD + self.psize
         cdef uint64_t dkey
-        cdef uint32_t attempts, epoch
         cdef int outcome
         memcpy(row, self._row(slot), n)
         outcome = lease_row(row, now, deadline, max_attempts)
@@ -273,12 +311,27 @@ cdef class QueueShard:
             self.dead_lettered += 1
             self.expired_leases += 1
             return False
-        attempts = <uint32_t>load_le(row + AT_ATTEMPTS, 2)
-        epoch = <uint32_t>load_le(row + AT_EPOCH, 4)
         self._write(slot, SLOT_OCCUPIED, row, n)
         self.live._set_deadline(due, seq, deadline)
         if outcome == T_RELEASED:
             self.expired_leases += 1
+        return True
+
+    cdef object _claim(self, uint64_t due, uint64_t seq, Py_ssize_t slot, int64_t now, int64_t deadline,
+                       uint32_t max_attempts, Py_ssize_t shard_no, object dl):
+        """Lease (or dead-letter) one due row that is in the index with this slot.
+
+        Returns the Lease (see :meth:`set_lease_types`; ``dl`` is the deadline as a
+        datetime) or else ``(due, seq, shard_no, attempts, epoch, payload)``; or False
+        when the row's lease had expired after ``max_attempts`` deliveries and it went
+        to the dead letters instead.
+        """
+        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+        cdef uint32_t attempts, epoch
+        if not self._lease_slot(due, seq, slot, now, deadline, max_attempts, row):
+            return False
+        attempts = <uint32_t>load_le(row + AT_ATTEMPTS, 2)
+        epoch = <uint32_t>load_le(row + AT_EPOCH, 4)
         if self.lease_cls is not None:
             token = _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch)
             return _tuple5(self.lease_cls, seq, self._record(row + ROW_HEAD), attempts, dl, token)
@@ -417,3 +470,171 @@ cdef class QueueShard:
         self._free_row(due, seq, slot, 0)
         self._raise_stashed()
         return _ACKED
+
+    # -- batches (Q31, Q32) -------------------------------------------------------
+    # A batch is one logged commit (armdb.tx): its plan allocates slots and builds every
+    # row image and the log's F rows here, without a Python object per row; once the
+    # record is logged, apply_* writes the slots and the index.
+
+    def plan_push_block(self, bytes name_field not None, uint64_t first_seq, Py_ssize_t i0, Py_ssize_t step,
+                        Py_ssize_t n, const uint8_t[::1] payloads, uint64_t due, int64_t now, bint var,
+                        bytearray log_out not None):
+        """Plan the pushes of rows ``i0, i0 + step, ... < n`` of a batch whose row ``i``
+        gets id ``first_seq + i`` and, for a fixed queue, the payload bytes
+        ``payloads[i * payload_size:][:payload_size]`` (a var row's payload id is its id).
+
+        Takes a free slot for each (growing the file when none is left), appends one
+        msgpack F row per push to ``log_out``, and returns ``(slots, versions, images)``
+        for :meth:`apply_push_block`; nothing is written to the slots.  The slots go back
+        with :meth:`unalloc_block` if the commit does not go ahead.
+        """
+        cdef Py_ssize_t count = 0 if i0 >= n else (n - 1 - i0) // step + 1
+        cdef Py_ssize_t width = ROW_HEAD + self.psize, j, i, taken = 0, slot
+        cdef Py_ssize_t name_len = len(name_field)
+        cdef const uint8_t* name = <const uint8_t*>(<char*>name_field)
+        cdef uint64_t seq
+        cdef uint8_t* img
+        cdef uint8_t* out
+        if step < 1 or i0 < 0 or (not var and payloads.shape[0] < n * self.psize):
+            raise ValueError("plan_push_block: the rows do not match the payload buffer")
+        if width >= 65536:
+            raise ValueError("plan_push_block: row too long for a logged F row")
+        self._check()
+        slots = np.empty(count, dtype=np.uint32)
+        versions = np.empty(count, dtype=np.uint32)
+        images = np.empty((count, width), dtype=np.uint8)
+        cdef uint32_t[::1] sl = slots
+        cdef uint32_t[::1] vs = versions
+        cdef uint8_t[:, ::1] im = images
+        cdef SlotFile sf
+        try:
+            for j in range(count):
+                slot = self.sf._pop_free()
+                if slot < 0:
+                    self.fixed.grow()
+                    slot = self.sf._pop_free()
+                sl[j] = <uint32_t>slot
+                taken += 1
+        except BaseException:
+            for j in range(taken - 1, -1, -1):
+                self.sf._push_free(sl[j])
+            raise
+        sf = self.sf  # grow() may have remapped: read its arrays only now
+        out = _grow_log(log_out, count * _frow_size(name_len, width))
+        for j in range(count):
+            i = i0 + j * step
+            seq = first_seq + <uint64_t>i
+            img = &im[j, 0]
+            push_row(img, due, seq, now, seq if var else 0)
+            if not var and self.psize:
+                memcpy(img + ROW_HEAD, &payloads[i * self.psize], self.psize)
+            vs[j] = ring_step(sf.versions[sl[j]])
+            out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_OCCUPIED, img, width)
+        return slots, versions, images
+
+    def unalloc_block(self, const uint32_t[::1] slots):
+        """Give back the slots of a planned batch whose commit did not go ahead."""
+        cdef Py_ssize_t j
+        self.sf._alive()
+        for j in range(slots.shape[0] - 1, -1, -1):
+            self.sf._push_free(slots[j])
+
+    def apply_push_block(self, const uint32_t[::1] slots, const uint32_t[::1] versions,
+                         const uint8_t[:, ::1] images):
+        """Write the planned rows of :meth:`plan_push_block` (logged) and index them.  A
+        failed timed sync stays stashed for the caller (as for :meth:`ack_slot`)."""
+        cdef Py_ssize_t j, count = slots.shape[0], width = images.shape[1]
+        cdef const uint8_t* img
+        cdef uint64_t due, seq
+        self._check()
+        for j in range(count):
+            img = &images[j, 0]
+            self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
+            due = load_be64(img + AT_DUE)
+            seq = load_be64(img + AT_SEQ)
+            raise_status(self.live._insert(due, seq, slots[j], 0), due, seq)
+            self.pushes += 1
+        self.hook_ran = False
+
+    def plan_ack_block(self, bytes name_field not None, const uint64_t[::1] dues, const uint64_t[::1] seqs,
+                       const uint32_t[::1] epochs, bytearray log_out not None):
+        """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard (ids
+        distinct): ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended
+        to ``log_out``, or ``(None, None, j, code)`` for the first lease ``j`` that is no
+        longer held (code ABSENT or RELEASED), and then ``log_out`` is left as it was."""
+        cdef Py_ssize_t j, count = seqs.shape[0], name_len = len(name_field)
+        cdef Py_ssize_t slot = -1
+        cdef int r
+        cdef const uint8_t* name = <const uint8_t*>(<char*>name_field)
+        cdef uint8_t* out
+        if dues.shape[0] != count or epochs.shape[0] != count:
+            raise ValueError("plan_ack_block: arrays of different lengths")
+        slots = np.empty(count, dtype=np.uint32)
+        versions = np.empty(count, dtype=np.uint32)
+        cdef uint32_t[::1] sl = slots
+        cdef uint32_t[::1] vs = versions
+        for j in range(count):
+            r = self._leased(dues[j], seqs[j], epochs[j], &slot)
+            if r:
+                return None, None, j, r
+            sl[j] = <uint32_t>slot
+            vs[j] = ring_step(self.sf.versions[slot])
+        out = _grow_log(log_out, count * _frow_size(name_len, 0))
+        for j in range(count):
+            out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_DELETED, NULL, 0)
+        return slots, versions, -1, 0
+
+    def apply_ack_block(self, const uint64_t[::1] dues, const uint64_t[::1] seqs, const uint32_t[::1] slots,
+                        const uint32_t[::1] versions):
+        """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`)."""
+        cdef Py_ssize_t j
+        for j in range(slots.shape[0]):
+            self._free_row(dues[j], seqs[j], slots[j], versions[j])
+        self.hook_ran = False
+
+    def claim_block(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts,
+                    uint64_t[::1] dues, uint64_t[::1] seqs, uint16_t[::1] attempts, uint32_t[::1] epochs,
+                    uint8_t[::1] payloads, Py_ssize_t at):
+        """:meth:`claim` into arrays: lease up to ``n`` due rows in key order, writing the
+        j-th lease at index ``at + j`` of ``dues``, ``seqs``, ``attempts``, ``epochs``
+        and (its inline payload) of ``payloads`` (``payload_size`` bytes a row).
+        Returns ``(leased, dead_lettered)``; no Python object is made per row."""
+        cdef uint64_t stack[SCAN_WORDS * SCAN_STACK]
+        cdef uint64_t* buf = stack
+        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+        cdef Py_ssize_t got = 0, cnt, k, dead = 0, w
+        cdef KeyIndex live = self.live
+        if n <= 0 or now < 0:
+            return 0, 0
+        if at < 0 or at + n > seqs.shape[0] or dues.shape[0] < at + n or attempts.shape[0] < at + n \
+                or epochs.shape[0] < at + n or payloads.shape[0] < (at + n) * self.psize:
+            raise ValueError("claim_block: the output arrays are too short")
+        self._check()
+        if n > live.n:
+            n = live.n
+        if n > SCAN_STACK:
+            buf = <uint64_t*>malloc_array(n, SCAN_WORDS * sizeof(uint64_t))
+        try:
+            while got < n and live.n:
+                live._enter()
+                cnt = live._scan_into(now, buf, n, n - got)
+                if cnt == 0:
+                    break
+                for k in range(cnt):
+                    if not self._lease_slot(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
+                                            max_attempts, row):
+                        dead += 1
+                        continue
+                    w = at + got
+                    dues[w] = buf[k]
+                    seqs[w] = buf[n + k]
+                    attempts[w] = <uint16_t>load_le(row + AT_ATTEMPTS, 2)
+                    epochs[w] = <uint32_t>load_le(row + AT_EPOCH, 4)
+                    if self.psize:
+                        memcpy(&payloads[w * self.psize], row + ROW_HEAD, self.psize)
+                    got += 1
+        finally:
+            if buf != stack:
+                free(buf)
+        self._raise_stashed()
+        return got, dead

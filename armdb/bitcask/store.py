@@ -335,7 +335,6 @@ class BitcaskStore:
 
     def _write(self, sh: _Shard, key: bytes, value: bytes | None, seq: int) -> bool:
         """Append one record and update the index (under ``sh.lock``); True if the shard rotated."""
-        fs = _fs.FS
         gsn_word = seq | (TOMBSTONE if value is None else 0)
         act = sh.active
         # Everything before this record was synced: say so (a rotation below keeps it
@@ -356,14 +355,7 @@ class BitcaskStore:
             act = sh.active
             rotated = True
         off = act.size
-        try:
-            fs.pwrite(act.fd, rec, off)
-        except OSError as e:
-            try:
-                fs.ftruncate(act.fd, off)
-            except OSError:
-                self._poisoned = f"could not undo a failed append to {act.path}"
-            raise _storage_error(e, f"append to {act.path} failed; nothing was written") from e
+        self._pwrite(act, rec, off)
         size = len(rec)
         act.size = off + size
         act.total += size
@@ -373,6 +365,48 @@ class BitcaskStore:
         self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
         return rotated
+
+    def _pwrite(self, act: Any, data: bytes, off: int) -> None:
+        """Append ``data`` at ``off`` of the active file, or undo the partial write."""
+        fs = _fs.FS
+        try:
+            fs.pwrite(act.fd, data, off)
+        except OSError as e:
+            try:
+                fs.ftruncate(act.fd, off)
+            except OSError:
+                self._poisoned = f"could not undo a failed append to {act.path}"
+            raise _storage_error(e, f"append to {act.path} failed; nothing was written") from e
+
+    def _write_group(self, sh: _Shard, items: list[tuple[bytes, bytes | None, int]]) -> bool:
+        """:meth:`_write` of several records (gsns increasing) in one append; True if the
+        shard rotated (then each record went on its own, as a rotation may fall between)."""
+        act = sh.active
+        recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
+        for i, (key, value, seq) in enumerate(items):
+            gsn_word = seq | (TOMBSTONE if value is None else 0)
+            if i == 0 and act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
+                gsn_word |= SYNCED_BEFORE
+            rec, kf, vlen = self._encode(key, value, gsn_word)
+            recs.append((rec, kf, vlen, gsn_word))
+        data = b"".join(r[0] for r in recs)
+        if act.total and act.size + len(data) > self.config.max_file_size:
+            rotated = False
+            for key, value, seq in items:
+                rotated = self._write(sh, key, value, seq) or rotated
+            return rotated
+        off = act.size
+        self._pwrite(act, data, off)
+        act.size = off + len(data)
+        act.total += len(data)
+        sh.dirty = True
+        _fail.point("bitcask.after_append")
+        for (key, _, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
+            sh.hint.add(gsn_word, off, vlen, kf)
+            self._index_update(sh, key, act.fid, off, len(rec), gsn_word)
+            off += len(rec)
+        sh.highest = items[-1][2]
+        return False
 
     def _index_update(self, sh: _Shard, key: bytes, fid: int, off: int, size: int, gsn_word: int) -> None:
         old = sh.index.pop(key, None)
@@ -878,6 +912,39 @@ class BitcaskStore:
             self._compact_deferred = True
         self._maybe_sync(sh)
         return True
+
+    def write_many_locked(self, items: list[tuple[bytes, bytes | None, int]]) -> None:
+        """:meth:`write_locked` of a batch's committed rows (the caller holds the lock of
+        every key's shard; gsns increase in item order): the records of each shard are
+        appended to its data file in one write.  A delete of a missing key writes nothing."""
+        groups: dict[int, list[tuple[bytes, bytes | None, int]]] = {}
+        shards = self._shards
+        for key, value, gsn in items:
+            if len(key) > MAX_KEY_LEN or type(key) is not bytes:
+                key = self._key_len_ok(self._key_arg(key))
+            if value is not None and (type(value) is not bytes or len(value) > MAX_VALUE_LEN):
+                value = self._value_arg(value)
+            i = 0 if len(shards) == 1 else zlib.crc32(key) % len(shards)
+            groups.setdefault(i, []).append((key, value, gsn))
+        for i, group in groups.items():
+            sh = shards[i]
+            if sh.closed or self._poisoned is not None:
+                self.check_writable()
+            group = [it for it in group if it[1] is not None or it[0] in sh.index]
+            if not group:
+                continue
+            prev = sh.highest
+            for _, _, gsn in group:
+                if not isinstance(gsn, int) or not prev < gsn <= SEQ_MASK:
+                    raise ArmdbError(
+                        f"gsn {gsn!r} is not above this shard's highest gsn {prev}; draw gsns for a "
+                        f"commit while holding the shard lock"
+                    )
+                prev = gsn
+            if self._write_group(sh, group):
+                sh.compact_due = True
+                self._compact_deferred = True
+            self._maybe_sync(sh)
 
     def maybe_compact(self) -> None:
         """Run the compactions that rotations under a caller's lock deferred (never raises)."""
