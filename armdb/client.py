@@ -25,6 +25,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 import weakref
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
@@ -34,9 +35,9 @@ import numpy as np
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
 from .config import QueueConfig
-from .errors import ConfigError, ServerGone
+from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone
 from .qspec import FixedCodec, QueueSpec, VarCodec
-from .queue import Job, Lease, LeaseToken, QueueStats, State, as_token
+from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
 
 __all__ = ["Client", "RemoteMap", "RemoteQueue", "RemoteTx", "connect"]
@@ -103,7 +104,15 @@ class Client:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(t)
-            sock.connect(path)
+            give_up = time.monotonic() + t
+            while True:
+                try:
+                    sock.connect(path)
+                    break
+                except BlockingIOError:  # the server's backlog is full: it is accepting, try again
+                    if time.monotonic() > give_up:
+                        raise
+                    time.sleep(0.01)
             sock.sendall(wire.frame({"armdb": wire.MAGIC, "versions": [wire.VERSION]}))
             hello = self._read_frame(sock)
         except (OSError, BadFrame) as e:
@@ -304,9 +313,39 @@ class RemoteQueue(Generic[T]):
     def push(self, payload: T, *, delay: timedelta | float | None = None) -> int:
         return int(self._call("push", p=self._encode(payload), delay=_secs(delay, "delay")))
 
-    def push_many(self, payloads: Any, *, delay: timedelta | float | None = None) -> list[int]:
-        """Push several payloads in one request; their ids in order."""
-        return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=_secs(delay, "delay")))
+    def push_many(self, payloads: Any, *, delay: timedelta | float | None = None) -> Any:
+        """Push every payload in one request and one commit, all or nothing (as
+        ``Queue.push_many``); their ids in order.  A fixed queue also takes a 1-D array of
+        its dtype (sent as one block of records; the ids come back as a ``uint64`` array)."""
+        d = _secs(delay, "delay")
+        if isinstance(payloads, np.ndarray) and not self.spec.var:
+            if payloads.dtype != self.spec.dtype or payloads.ndim != 1:
+                raise PayloadTypeError(f"push_many takes a 1-D array of the queue's dtype {self.spec.dtype}, "
+                                       f"got {payloads.dtype} of shape {payloads.shape}")
+            raw = self._call("push_many", blob=np.ascontiguousarray(payloads).tobytes(), delay=d)
+            return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+        return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=d))
+
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`."""
+        if type(n) is not int or n < 1:
+            raise ConfigError(f"lease_batch(n) needs an int n >= 1, got {n!r}")
+        got = self._call("lease_batch", n=n, lease_timeout=_secs(lease_timeout, "lease_timeout"))
+        if got is None:
+            e = np.empty(0, dtype=np.uint64)
+            payloads: Any = [] if self.spec.var else np.empty(0, dtype=self.spec.dtype)
+            return LeaseBatch(self.name, 0, e.astype(np.uint32), e, e, e.astype(np.uint16), e.astype(np.uint32),
+                              (0, ms_to_datetime(0)), payloads)
+        handle, shards, dues, ids, attempts, epochs, deadline, raw = got
+        if self.spec.var:
+            payloads = [self._decode(p) for p in raw]
+        else:
+            payloads = np.frombuffer(raw, dtype=self.spec.dtype).copy()
+        return LeaseBatch(self.name, int.from_bytes(handle, "big"), np.frombuffer(shards, "<u4").astype(np.uint32),
+                          np.frombuffer(dues, "<u8").astype(np.uint64), np.frombuffer(ids, "<u8").astype(np.uint64),
+                          np.frombuffer(attempts, "<u2").astype(np.uint16),
+                          np.frombuffer(epochs, "<u4").astype(np.uint32), (deadline, ms_to_datetime(deadline)),
+                          payloads)
 
     def _leases(self, rows: list[Any]) -> list[Lease[T]]:
         out: list[Lease[T]] = []
@@ -325,9 +364,18 @@ class RemoteQueue(Generic[T]):
     def ack(self, token: Lease[T] | LeaseToken) -> None:
         self._call("ack", t=wire.token_to_wire(as_token(token)))
 
-    def ack_many(self, tokens: Any) -> int:
-        """Ack several leases (Leases or tokens) in one request; how many were acked."""
-        return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in tokens]))
+    def ack_many(self, leases: Any) -> int:
+        """Ack a :class:`armdb.LeaseBatch`, or a sequence of Leases or tokens, in one request
+        and one commit, all or nothing (as ``Queue.ack_many``); how many were acked."""
+        if isinstance(leases, LeaseBatch):
+            return int(self._call("ack_many", tb=[
+                leases._handle.to_bytes(16, "big"), leases._shards.astype("<u4").tobytes(),
+                leases._dues.astype("<u8").tobytes(), leases.ids.astype("<u8").tobytes(),
+                leases._epochs.astype("<u4").tobytes()]))
+        if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
+            raise NotALease(f"ack_many takes a LeaseBatch or a sequence of Leases or tokens, "
+                            f"not {type(leases).__name__}")
+        return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
 
     def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> None:

@@ -84,7 +84,7 @@ class Server:
             finally:
                 os.umask(old)
             os.chmod(self.path, 0o600)
-            sock.listen(128)
+            sock.listen(socket.SOMAXCONN)
         except OSError as e:
             sock.close()
             raise ConfigError(f"cannot serve on {self.path}: {e.strerror or e}; check the path and permissions") from e
@@ -539,14 +539,19 @@ def _push(conn: _Conn, q: str, p: bytes, delay: float | None = None) -> int:
     return ref.q.push(ref.payload_in(p), delay=delay)
 
 
-@op("push_many", q=str, ps=list, delay=_opt(int, float))
-def _push_many(conn: _Conn, q: str, ps: list[Any], delay: float | None = None) -> list[int]:
+@op("push_many", q=str, ps=_opt(list), blob=_opt(bytes), delay=_opt(int, float))
+def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, blob: bytes | None = None,
+               delay: float | None = None) -> list[int] | bytes:
+    """A list of encoded payloads, or (a fixed queue) one blob of records: one commit."""
     ref = conn.queue(q)
-    payloads = [ref.payload_in(p) for p in ps]
-    many = getattr(ref.q, "push_many", None)
-    if many is not None:
-        return list(many(payloads, delay=delay))
-    return [ref.q.push(p, delay=delay) for p in payloads]
+    if blob is not None:
+        if ps is not None or ref.dtype is None or len(blob) % ref.dtype.itemsize:
+            raise BadFrame("a push_many blob is whole records of a fixed queue's dtype")
+        ids = ref.q.push_many(np.frombuffer(blob, dtype=ref.dtype), delay=delay)
+        return np.asarray(ids, dtype="<u8").tobytes()
+    if ps is None:
+        raise BadFrame("push_many needs ps or blob")
+    return list(ref.q.push_many([ref.payload_in(p) for p in ps], delay=delay))
 
 
 @op("lease", q=str, n=int, lease_timeout=_opt(int, float))
@@ -575,29 +580,62 @@ def _ack(conn: _Conn, q: str, t: list[Any]) -> None:
         conn.drop([tok])
 
 
-@op("ack_many", q=str, ts=list)
-def _ack_many(conn: _Conn, q: str, ts: list[Any]) -> int:
+@op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float))
+def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> list[Any] | None:
+    """A LeaseBatch as arrays: [handle, shards u4, dues u8, ids u8, attempts u2, epochs u4,
+    deadline ms, payloads (a fixed queue: one blob of records; a var queue: a list)]."""
     ref = conn.queue(q)
-    toks = []
-    for raw in ts:
-        try:
-            toks.append(conn.token(raw, ref))
-        except StaleToken:
-            continue
-    many = getattr(ref.q, "ack_many", None)
+    b = ref.q.lease_batch(n, lease_timeout=lease_timeout)
+    if not len(b):
+        return None
+    handle = b._handle
+    toks = [LeaseToken(handle, sh, du, sq, ep) for sh, du, sq, ep in
+            zip(b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist())]
+    with conn.lock:
+        for t in toks:
+            conn.held[t] = ref.q
+    payloads: Any = (np.ascontiguousarray(b.payloads).tobytes() if not ref.var
+                     else [ref.payload_out(p) for p in b.payloads])
+    return [handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
+            b.ids.astype("<u8").tobytes(), b.attempts.astype("<u2").tobytes(), b._epochs.astype("<u4").tobytes(),
+            wire.dt_to_ms(b._deadline), payloads]
+
+
+@op("ack_many", q=str, ts=_opt(list), tb=_opt(list))
+def _ack_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any] | None = None) -> int:
+    """Tokens as a list, or (``tb``) as a batch's arrays [handle, shards u4, dues u8, ids u8,
+    epochs u4]: all or nothing, as ``Queue.ack_many``."""
+    ref = conn.queue(q)
+    if tb is not None:
+        toks = _batch_tokens(tb, conn, ref)
+    elif ts is not None:
+        toks = [conn.token(raw, ref) for raw in ts]
+    else:
+        raise BadFrame("ack_many needs ts or tb")
+    n = int(ref.q.ack_many(toks))
+    conn.drop(toks)
+    return n
+
+
+def _batch_tokens(tb: list[Any], conn: _Conn, ref: _QueueRef) -> list[LeaseToken]:
+    if not (len(tb) == 5 and all(isinstance(x, bytes) for x in tb) and len(tb[0]) == 16):
+        raise BadFrame("a token batch is [16 bytes, shards, dues, ids, epochs]")
     try:
-        if many is not None:
-            return int(many(toks))
-        n = 0
-        for tok in toks:
-            try:
-                ref.q.ack(tok)
-                n += 1
-            except StaleToken:
-                pass
-        return n
-    finally:
-        conn.drop(toks)
+        arrays = [np.frombuffer(tb[i], dtype=d).tolist() for i, d in ((1, "<u4"), (2, "<u8"), (3, "<u8"), (4, "<u4"))]
+    except ValueError:
+        raise BadFrame("a token batch's arrays have a wrong length") from None
+    if len({len(a) for a in arrays}) != 1:
+        raise BadFrame("a token batch's arrays differ in length")
+    handle = int.from_bytes(tb[0], "big")
+    toks = [LeaseToken(handle, sh, du, sq, ep) for sh, du, sq, ep in zip(*arrays)]
+    with conn.lock:
+        foreign = next((t for t in toks if conn.held.get(t) is not ref.q), None)
+    if foreign is not None:
+        raise StaleToken(
+            f"row {foreign.seq}: this token is not held by this connection (issued to another client, or "
+            f"already acked or nacked); lease the row again through this client; nothing was acked"
+        )
+    return toks
 
 
 @op("nack", q=str, t=list, delay=_opt(int, float), dead=bool)

@@ -140,7 +140,8 @@ def test_p2_queue_operations_round_trip(client: armdb.Client) -> None:
     # SPEC P2: every Queue operation through the socket
     q = client.open_queue(Jobs, Fast)
     assert q.push(Job(1, "a")) == 1
-    assert q.push_many([Job(2, "b"), Job(3, "c")]) == [2, 3]
+    many = q.push_many([Job(2, "b"), Job(3, "c")])
+    assert len(many) == 2 and 1 < many[0] < many[1]
     assert q.len() == 3 and len(q) == 3
     leases = q.lease(2)
     assert [lz.payload for lz in leases] == [Job(1, "a"), Job(2, "b")]
@@ -480,3 +481,43 @@ def test_p5_frame_limit_on_the_client(client: armdb.Client, monkeypatch: pytest.
         q.push(Job(1, "x" * 2000))
     monkeypatch.undo()
     assert q.len() == 0 and q.push(Job(2, "ok")) == 1
+
+
+def test_p5_batches_are_one_frame_each_way(client: armdb.Client) -> None:
+    # SPEC P5, Q31, Q32: push_many, lease_batch and ack_many through the socket
+    f = client.open_queue(Fixed)
+    arr = np.zeros(100, dtype=Fixed.dtype)
+    arr["a"] = np.arange(100)
+    ids = f.push_many(arr)
+    assert isinstance(ids, np.ndarray) and list(ids) == list(range(1, 101))
+    b = f.lease_batch(64)
+    assert isinstance(b, armdb.LeaseBatch) and len(b) == 64
+    assert list(b.payloads["a"]) == list(range(64)) and list(b.attempts) == [1] * 64
+    assert b[3].payload["a"] == 3
+    f.ack(b[0])
+    with pytest.raises(StaleToken):
+        f.ack_many(b)  # all or nothing: b[0] is acked already
+    assert f.len() == 99
+    assert f.ack_many(list(b)[1:]) == 63
+    rest = f.lease_batch(100)
+    assert len(rest) == 36 and f.ack_many(rest) == 36 and f.len() == 0
+    assert len(f.lease_batch(5)) == 0
+    q = client.open_queue(Jobs)
+    q.push_many([Job(i, "v") for i in range(10)])
+    vb = q.lease_batch(10)
+    assert [j.n for j in vb.payloads] == list(range(10))
+    assert q.ack_many(vb) == 10 and q.len() == 0
+    with pytest.raises(NotALease):
+        q.ack_many(5)
+
+
+def test_p3_a_batch_of_another_connection_is_stale(owner: tuple[armdb.Db, server_mod.Server]) -> None:
+    # SPEC P3: a LeaseBatch is bound to its connection too; nothing is acked
+    db, _ = owner
+    with armdb.connect(db.path) as a, armdb.connect(db.path) as b:
+        qa, qb = a.open_queue(Jobs), b.open_queue(Jobs)
+        qa.push_many([Job(i, "x") for i in range(3)])
+        batch = qa.lease_batch(3)
+        with pytest.raises(StaleToken, match="nothing was acked"):
+            qb.ack_many(batch)
+        assert qa.ack_many(batch) == 3
