@@ -190,7 +190,7 @@ class Client:
         return ServerGone(f"the armdb client of {self.path} is closed: {self._why}; connect again once the "
                           f"owner serves the database")
 
-    def submit(self, op: str, **args: Any) -> concurrent.futures.Future[Any]:
+    def _submit(self, op: str, **args: Any) -> concurrent.futures.Future[Any]:
         """Send one request; its reply resolves the returned future (pipelining)."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
@@ -212,15 +212,15 @@ class Client:
             raise self._gone() from None
         return fut
 
-    def result(self, fut: concurrent.futures.Future[Any], extra: float = 0.0) -> Any:
+    def _result(self, fut: concurrent.futures.Future[Any], extra: float = 0.0) -> Any:
         try:
             return fut.result(self.timeout + extra)
         except concurrent.futures.TimeoutError:
             self._shut(f"the server did not answer within {self.timeout:g} s")
             raise self._gone() from None
 
-    def call(self, op: str, **args: Any) -> Any:
-        return self.result(self.submit(op, **args))
+    def _call(self, op: str, **args: Any) -> Any:
+        return self._result(self._submit(op, **args))
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -251,7 +251,7 @@ class Client:
             raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
         if config is not None and not isinstance(config, QueueConfig):
             raise ConfigError("open_queue takes a built QueueConfig: QueueConfig.balanced()...build()")
-        got = self.call("open_queue", name=spec.name, var=spec.var, fingerprint=spec.fingerprint,
+        got = self._call("open_queue", name=spec.name, var=spec.var, fingerprint=spec.fingerprint,
                         dtype=None if spec.var else wire.dtype_to_wire(spec.dtype),
                         config=None if config is None else wire.config_to_wire(config))
         q: RemoteQueue[T] = RemoteQueue(self, spec, wire.config_from_wire(got["config"]))
@@ -262,7 +262,7 @@ class Client:
         """A handle on the owner's map ``name`` (``get``, ``put``, ``delete``, ``in``, ``len``)."""
         if not isinstance(name, str):
             raise ConfigError("a map name is a str")
-        self.call("open_map", name=name)
+        self._call("open_map", name=name)
         m = RemoteMap(self, name)
         self._maps[name] = m
         return m
@@ -277,7 +277,7 @@ class Client:
         """The stats of every collection the owner has open, by name (a ``QueueStats``
         for a queue, a dict for a map)."""
         out: dict[str, Any] = {}
-        for name, (kind, s) in self.call("db_stats").items():
+        for name, (kind, s) in self._call("db_stats").items():
             out[name] = QueueStats(**s) if kind == "queue" else s
         return out
 
@@ -308,7 +308,7 @@ class RemoteQueue(Generic[T]):
         return f"<armdb.RemoteQueue {self.name!r} via {self._client.path}>"
 
     def _call(self, op: str, **args: Any) -> Any:
-        return self._client.call(op, q=self.name, **args)
+        return self._client._call(op, q=self.name, **args)
 
     def push(self, payload: T, *, delay: timedelta | float | None = None) -> int:
         return int(self._call("push", p=self._encode(payload), delay=_secs(delay, "delay")))
@@ -403,14 +403,14 @@ class RemoteQueue(Generic[T]):
         """Block until a row is due or ``timeout`` passes (advisory, as ``Queue``'s)."""
         t = max(0.0, to_seconds(timeout, "timeout"))
         c = self._client
-        return bool(c.result(c.submit("wait_due", q=self.name, timeout=t), extra=t))
+        return bool(c._result(c._submit("wait_due", q=self.name, timeout=t), extra=t))
 
     async def due(self) -> None:
         """Resolve when a row is due (advisory); ``ServerGone`` when the owner goes."""
         c = self._client
         step = min(self.config.wakeup_recheck, c.timeout)
         while True:
-            fut = c.submit("wait_due", q=self.name, timeout=step)
+            fut = c._submit("wait_due", q=self.name, timeout=step)
             try:
                 got = await asyncio.wait_for(asyncio.wrap_future(fut), step + c.timeout)
             except TimeoutError:
@@ -461,21 +461,21 @@ class RemoteMap:
         self.name = name
 
     def get(self, key: Any, default: Any = None) -> Any:
-        found, value = self._client.call("map_get", m=self.name, k=key)
+        found, value = self._client._call("map_get", m=self.name, k=key)
         return value if found else default
 
     def put(self, key: Any, value: Any) -> None:
-        self._client.call("map_put", m=self.name, k=key, v=value)
+        self._client._call("map_put", m=self.name, k=key, v=value)
 
     def delete(self, key: Any) -> bool:
-        return bool(self._client.call("map_delete", m=self.name, k=key))
+        return bool(self._client._call("map_delete", m=self.name, k=key))
 
     def __contains__(self, key: Any) -> bool:
-        found, _ = self._client.call("map_get", m=self.name, k=key)
+        found, _ = self._client._call("map_get", m=self.name, k=key)
         return bool(found)
 
     def __len__(self) -> int:
-        return int(self._client.call("map_len", m=self.name))
+        return int(self._client._call("map_len", m=self.name))
 
 
 class RemoteTx:
@@ -537,7 +537,7 @@ class RemoteTx:
         if self._finished:
             raise ConfigError("this transaction was already committed or aborted; start a new client.tx()")
         self._finished = True
-        return list(self._client.call("tx", steps=self._steps, durable=self._durable))
+        return list(self._client._call("tx", steps=self._steps, durable=self._durable))
 
     def __enter__(self) -> RemoteTx:
         return self

@@ -229,7 +229,7 @@ def test_p2_owner_opens_the_queue_for_a_client_without_its_class(tmp_path: Path)
 def test_p2_threads_share_a_client_and_pipeline(client: armdb.Client) -> None:
     # SPEC P2, P5: a client is thread-safe; requests are pipelined (many in flight at once)
     q = client.open_queue(Jobs)
-    futs = [client.submit("push", q="jobs", p=q._encode(Job(i, "p")), delay=None) for i in range(200)]
+    futs = [client._submit("push", q="jobs", p=q._encode(Job(i, "p")), delay=None) for i in range(200)]
     ids = [f.result(10) for f in futs]
     assert sorted(ids) == ids and len(set(ids)) == 200
 
@@ -252,7 +252,7 @@ def test_p2_a_wait_does_not_hold_back_other_requests(client: armdb.Client) -> No
     # SPEC P5: replies may come out of order; a wait runs beside the connection's other requests
     q = client.open_queue(Jobs)
     t0 = time.monotonic()
-    w = client.submit("wait_due", q="jobs", timeout=2.0)
+    w = client._submit("wait_due", q="jobs", timeout=2.0)
     assert q.len() == 0 and time.monotonic() - t0 < 1.0
     q.push(Job(1, "wake"))
     assert w.result(5) is True
@@ -433,7 +433,7 @@ def test_p5_forged_token_in_a_transaction_is_stale(owner: tuple[armdb.Db, server
     with armdb.connect(db.path) as c:
         q = c.open_queue(Jobs)
         q.push(Job(1, "a"))
-        fut = c.submit("tx", steps=[["ack", "jobs", _TOKEN]], durable=False)
+        fut = c._submit("tx", steps=[["ack", "jobs", _TOKEN]], durable=False)
         with pytest.raises(StaleToken):
             fut.result(5)
         assert q.len() == 1
