@@ -109,9 +109,9 @@ def _after_fork_in_child() -> None:
             db._closed = True
             db._closed_why = (
                 f" (inherited across fork() from process {os.getppid()}: a Db belongs to the process "
-                f"that opened it, and a database has one owner at a time. Hand work to other processes "
-                f"through the owner: the owner pushes and leases, workers get payloads over a pipe or "
-                f"queue and report back (docs/operations.md, 'Processes'); do not Db.open the same "
+                f"that opened it, and a database has one owner at a time. Let the owner serve it with "
+                f"db.serve() and call armdb.connect(path) in this process, or run armdb.Worker(db, spec, "
+                f"handler, processes=N) in the owner (docs/processes.md); do not Db.open the same "
                 f"directory in the workers, that fails with DbLocked while the owner runs)"
             )
     _OPEN.clear()
@@ -263,8 +263,8 @@ class Db:
     def __reduce__(self) -> Any:
         raise ProcessBound(
             "a Db cannot be pickled or sent to another process: a handle belongs to the process that "
-            "opened the database. Send payloads (and ids) instead, and let the owning process lease and "
-            "settle (docs/operations.md, 'Processes')"
+            "opened the database. Serve it (db.serve()) and call armdb.connect(path) in the other process, "
+            "or send payloads and let the owning process lease and settle (docs/processes.md)"
         )
 
     def __enter__(self) -> Db:

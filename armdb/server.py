@@ -32,6 +32,7 @@ import socket
 import struct
 import threading
 import typing
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,26 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to say hello
 MAX_CONNECTIONS = 1024
 MAX_WAITS = 64  # blocking waits one connection may have running at once
 RELEASE_MS = 1  # a released lease expires this many ms after its connection closed
+
+
+_SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child must not keep the owner's sockets open: a client would then see no
+    # end of its connection when the owner dies.  Closing a descriptor in the child
+    # leaves the parent's untouched (no shutdown is sent).
+    for srv in list(_SERVERS):
+        srv._closed = True
+        for s in [srv._sock, *(c.sock for c in srv._conns)]:
+            try:
+                s.close()
+            except OSError:
+                pass
+    _SERVERS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Server:
@@ -91,6 +112,7 @@ class Server:
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="armdb-serve", daemon=True)
         self._thread.start()
+        _SERVERS.add(self)
 
     def __enter__(self) -> Server:
         return self

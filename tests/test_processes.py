@@ -390,3 +390,14 @@ def test_p7_fairness_and_exclusivity(tmp_path: Path) -> None:
 def test_p7_fairness_and_exclusivity_long(tmp_path: Path) -> None:
     # SPEC P7: the full size, 8 processes x 4 threads x 30 s
     _fairness(tmp_path, 8, 4, 30.0)
+
+
+def test_p6_docs_example_producer_and_two_workers(tmp_path: Path) -> None:
+    # SPEC P1, P2, P6: docs/examples/shared_queue.py runs as docs/processes.md shows it
+    r = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "shared_queue.py"), str(tmp_path / "db")],
+                       env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "100 jobs done by 2 worker processes" in r.stdout
+    pids = {line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("process ")}
+    assert 1 <= len(pids) <= 2  # (one worker may take all 100 before the other has connected)
+    assert armdb.check(tmp_path / "db").ok
