@@ -412,9 +412,10 @@ def _cmd_work(args: argparse.Namespace) -> int:
         source: Client | Db = Client(args.dir)
         where = f"connected to the owner of {args.dir}"
     except ServerGone:
-        db = Db.open(args.dir)  # nobody serves it: own it, and serve the worker processes
+        db = Db.open(args.dir)  # nobody serves it: own it, and serve it (to worker processes, and others)
+        srv = db.serve()
         source = db
-        where = f"owning {db.path}"
+        where = f"owning {db.path}, serving it on {srv.path}"
     try:
         w = Worker(source, spec, handler, processes=args.processes, threads=args.threads, batch=args.batch)
         print(f"armdb work: {spec.name} with {args.target} ({where}; {args.processes or 1} process(es) x "

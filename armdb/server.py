@@ -225,16 +225,16 @@ class _Conn:
 
     # -- io -------------------------------------------------------------------------------
     def _read_exact(self, n: int) -> bytes | None:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                if got:
-                    raise BadFrame(f"the connection closed inside a frame ({got} of {n} bytes)")
+        # Grown as bytes arrive (at most 1 MiB at a time), so a frame that announces more
+        # than it sends costs only what it sent.
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                if buf:
+                    raise BadFrame(f"the connection closed inside a frame ({len(buf)} of {n} bytes)")
                 return None
-            got += k
+            buf += chunk
         return bytes(buf)
 
     def _read_frame(self) -> Any:

@@ -401,3 +401,27 @@ def test_p6_docs_example_producer_and_two_workers(tmp_path: Path) -> None:
     pids = {line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("process ")}
     assert 1 <= len(pids) <= 2  # (one worker may take all 100 before the other has connected)
     assert armdb.check(tmp_path / "db").ok
+
+
+def test_c5_work_owns_and_serves_when_nobody_serves(tmp_path: Path) -> None:
+    # SPEC C5, P6: `work` opens DIR itself, serves it, and runs 2 worker processes
+    path = str(tmp_path / "db")
+    out = str(tmp_path / "calls")
+    with armdb.Db.open(path) as db:
+        db.open_queue(Tasks).push_many([Task(i, out) for i in range(30)])
+    work = subprocess.Popen([sys.executable, "-m", "armdb", "work", path, "tests.servekit:record_pid", "-p", "2"],
+                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert work.stderr is not None
+        assert "owning" in work.stderr.readline()
+        with armdb.connect(path) as c:  # it serves DIR to others too
+            q = c.open_queue(Tasks)
+            _until(lambda: q.len() == 0, 60)
+        work.send_signal(signal.SIGTERM)
+        _, err = work.communicate(timeout=30)
+        assert work.returncode == 0, err
+    finally:
+        _kill(work)
+    assert sorted(int(x) for x in Path(out).read_text().split()[0::2]) == list(range(30))
+    assert len(set(Path(out).read_text().split()[1::2])) >= 1
+    assert armdb.check(path).ok
