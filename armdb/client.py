@@ -162,10 +162,13 @@ class Client:
                     fut = self._pending.pop(reply[0], None)
                 if fut is None:
                     continue  # a reply to a request that timed out
-                if reply[1] == wire.OK:
-                    fut.set_result(reply[2])
-                else:
-                    fut.set_exception(wire.error_from_wire(reply[2]))
+                try:
+                    if reply[1] == wire.OK:
+                        fut.set_result(reply[2])
+                    else:
+                        fut.set_exception(wire.error_from_wire(reply[2]))
+                except concurrent.futures.InvalidStateError:
+                    pass  # cancelled by its caller (an asyncio task awaiting due() was cancelled)
         except (OSError, BadFrame) as e:
             if not self._closed:
                 why = f"the connection to the server broke ({e})"
@@ -183,8 +186,10 @@ class Client:
         except OSError:
             pass
         for fut in pending.values():
-            if not fut.done():
+            try:
                 fut.set_exception(self._gone())
+            except concurrent.futures.InvalidStateError:
+                pass  # cancelled by its caller
 
     def _gone(self) -> ServerGone:
         return ServerGone(f"the armdb client of {self.path} is closed: {self._why}; connect again once the "

@@ -521,3 +521,20 @@ def test_p3_a_batch_of_another_connection_is_stale(owner: tuple[armdb.Db, server
         with pytest.raises(StaleToken, match="nothing was acked"):
             qb.ack_many(batch)
         assert qa.ack_many(batch) == 3
+
+
+def test_p2_cancelled_due_leaves_the_client_working(client: armdb.Client) -> None:
+    # SPEC P2: an asyncio task awaiting due() may be cancelled; the client goes on
+    q = client.open_queue(Jobs)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(q.due())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    q.push(Job(1, "after"))  # the reply to the cancelled wait arrives and is dropped
+    time.sleep(0.1)
+    assert q.len() == 1 and not client.closed
