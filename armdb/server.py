@@ -43,8 +43,8 @@ import numpy as np
 
 from . import _fs, wire
 from ._version import __version__
-from .errors import ArmdbError, ConfigError, DbClosed, SchemaMismatch, StaleToken
-from .qspec import QueueSpec, VarCodec, layout_from_fingerprint
+from .errors import ArmdbError, ConfigError, DbClosed, QueueAlreadyOpen, SchemaMismatch, StaleToken
+from .qspec import QueueSpec, VarCodec, layout_from_fingerprint, queue
 from .queue import LeaseToken, Queue
 from .wire import BadFrame
 
@@ -514,9 +514,7 @@ def _open_queue(conn: _Conn, name: str, var: bool, fingerprint: str, dtype: Any 
         spec = _surrogate_spec(name, var, fingerprint, dtype)
         try:
             q = db.open_queue(spec, cfg)
-        except ArmdbError as e:
-            if type(e).__name__ != "QueueAlreadyOpen":
-                raise
+        except QueueAlreadyOpen:
             with db._lock:
                 q = db._queues[name]  # another connection opened it meanwhile
     if q.spec.var != var or q.spec.fingerprint != fingerprint:
@@ -540,8 +538,7 @@ def _surrogate_spec(name: str, var: bool, fingerprint: str, dtype: Any) -> Queue
     if not var:
         if dtype is None:
             raise BadFrame("a fixed queue needs its dtype")
-        dt = wire.dtype_from_wire(dtype)
-        spec: QueueSpec[Any] = QueueSpec(name, dt, False, f"fixed:{dt.descr!r}:{dt.itemsize}")
+        spec: QueueSpec[Any] = queue(name, payload=wire.dtype_from_wire(dtype))  # checks the dtype
         if spec.fingerprint != fingerprint:
             raise BadFrame("the dtype does not match the fingerprint")
         return spec
