@@ -74,6 +74,8 @@ class Sizes:
     repeats: int  # of each fast workload
     durable_repeats: int  # of each durable workload (disk timing is noisier)
     warmup: int = 200
+    batch_jobs: int = 50_000  # jobs per repeat of a batched cycle (at least 20 batches)
+    extend_ops: int = 20_000  # extends per repeat
 
 
 QUICK = Sizes(cycle_ops=8_000, durable_ops=300, durable_cycle_ops=100, thread_ops=400, threads=8,
@@ -81,10 +83,10 @@ QUICK = Sizes(cycle_ops=8_000, durable_ops=300, durable_cycle_ops=100, thread_op
               durable_repeats=5)
 FULL = Sizes(cycle_ops=30_000, durable_ops=1_000, durable_cycle_ops=300, thread_ops=2_000, threads=8,
              outstanding=10_000, scan_samples=100, open_rows=1_000_000, repeats=5,
-             durable_repeats=7)
+             durable_repeats=7, batch_jobs=200_000, extend_ops=50_000)
 TINY = Sizes(cycle_ops=50, durable_ops=5, durable_cycle_ops=3, thread_ops=16, threads=4,
              outstanding=200, scan_samples=3, open_rows=500, repeats=1,
-             durable_repeats=1, warmup=5)
+             durable_repeats=1, warmup=5, batch_jobs=200, extend_ops=50)
 
 # -- durability classes --------------------------------------------------------------------------
 
@@ -301,6 +303,57 @@ def armdb_idle_shard_bytes(path: str) -> int:
         db.shutdown()
 
 
+BATCH_SIZES = (1, 64, 1024)
+
+
+def _batches(jobs: int, size: int) -> int:
+    return max(20, jobs // size)
+
+
+def armdb_batch_cycle(path: str, jobs: int, size: int, spec: QueueSpec) -> float:
+    """``push_many(size)`` → ``lease_batch(size)`` → ``ack_many``, at the defaults a user
+    gets (``Db.open(path)``, ``QueueConfig.balanced()``); jobs per second.  A fixed queue
+    pushes a NumPy array of its dtype, a var queue a list of 100-byte dicts."""
+    db = Db.open(path)
+    try:
+        q = db.open_queue(spec)
+        if spec.var:
+            payloads: Any = [body(i) for i in range(size)]
+        else:
+            payloads = np.zeros(size, dtype=spec.dtype)
+            payloads["doc"] = np.arange(size)
+
+        def cycle(_: int) -> None:
+            q.push_many(payloads)
+            b = q.lease_batch(size)
+            q.ack_many(b)
+
+        for i in range(3):
+            cycle(i)
+        n = _batches(jobs, size)
+        return _timed_rate(n, cycle) * size
+    finally:
+        db.shutdown()
+
+
+def armdb_extend(path: str, n: int, warmup: int = 200) -> float:
+    """``extend`` of one held lease, ``n`` times, at the defaults; extends per second."""
+    db = Db.open(path)
+    try:
+        q = db.open_queue(BenchFixed)
+        q.push(_fixed_payload(1))
+        (lease,) = q.lease(1)
+
+        def extend(_: int) -> None:
+            q.extend(lease, by=60)
+
+        for i in range(warmup):
+            extend(i)
+        return _timed_rate(n, extend)
+    finally:
+        db.shutdown()
+
+
 # -- raw SQLite ------------------------------------------------------------------------------------------
 
 
@@ -357,6 +410,57 @@ def sqlite_cycle(path: str, n: int, synchronous: str, var: bool, warmup: int = 2
         for i in range(warmup):
             cycle(i)
         return _timed_rate(n, cycle)
+    finally:
+        q.close()
+
+
+def sqlite_batch_cycle(path: str, jobs: int, size: int, var: bool) -> float:
+    """The batched cycle written by hand: ``size`` inserts in one transaction, one
+    ``UPDATE ... RETURNING`` leasing ``size`` rows, one ``DELETE`` of them (WAL,
+    synchronous=NORMAL); jobs per second."""
+    q = SqliteQueue(path, "NORMAL")
+    lease = ("UPDATE q SET state = 1, attempts = attempts + 1, deadline = ? WHERE id IN "
+             "(SELECT id FROM q WHERE state = 0 AND due <= ? ORDER BY due, id LIMIT ?) RETURNING id, body, attempts")
+    try:
+        conn = q.conn
+
+        def cycle(i: int) -> None:
+            now = _now_ms()
+            rows = [(now, msgpack.packb(body(i * size + k)) if var else _PING.pack(i * size + k, 1))
+                    for k in range(size)]
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO q (due, state, body) VALUES (?, 0, ?)", rows)
+            conn.execute("COMMIT")
+            got = conn.execute(lease, (now + int(LONG_LEASE * 1000), _now_ms(), size)).fetchall()
+            if var:
+                for row in got:
+                    msgpack.unpackb(row[1])
+            conn.execute("BEGIN")
+            conn.executemany("DELETE FROM q WHERE id = ?", ((row[0],) for row in got))
+            conn.execute("COMMIT")
+
+        for i in range(3):
+            cycle(i)
+        return _timed_rate(_batches(jobs, size), cycle) * size
+    finally:
+        q.close()
+
+
+def sqlite_extend(path: str, n: int, warmup: int = 200) -> float:
+    """A lease's deadline moved by hand: one ``UPDATE`` per extend (WAL, NORMAL)."""
+    q = SqliteQueue(path, "NORMAL")
+    try:
+        q.push(_PING.pack(1, 1), _now_ms())
+        row = q.lease(_now_ms())
+        assert row is not None
+        job_id = row[0]
+
+        def extend(_: int) -> None:
+            q.conn.execute("UPDATE q SET deadline = ? WHERE id = ? AND state = 1", (_now_ms() + 60_000, job_id))
+
+        for i in range(warmup):
+            extend(i)
+        return _timed_rate(n, extend)
     finally:
         q.close()
 
@@ -624,6 +728,22 @@ CASES: list[Case] = [
          reference=True),
     Case("tx/2-row-durable", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
          lambda d, s: raw_fdatasync(d, s.durable_ops, warmup=min(50, s.warmup))),
+    # Batches at the defaults a user gets: push_many → lease_batch → ack_many (Q31, Q32).
+    *[c for size in BATCH_SIZES for c in (
+        Case(f"batch/fixed-numpy-{size}", "armdb fixed queue (defaults)", f"{NO_SYNC} (timed fsync)", "jobs/s",
+             lambda d, s, size=size: armdb_batch_cycle(d, s.batch_jobs, size, BenchFixed), reference=True),
+        Case(f"batch/fixed-numpy-{size}", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "jobs/s",
+             lambda d, s, size=size: sqlite_batch_cycle(d, s.batch_jobs, size, False)),
+        Case(f"batch/var-100B-{size}", "armdb var queue (defaults)", f"{NO_SYNC} (timed fsync)", "jobs/s",
+             lambda d, s, size=size: armdb_batch_cycle(d, s.batch_jobs, size, BenchVar), reference=True),
+        Case(f"batch/var-100B-{size}", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "jobs/s",
+             lambda d, s, size=size: sqlite_batch_cycle(d, s.batch_jobs, size, True)),
+    )],
+    # Extending a held lease (the heartbeat of a long handler, Q29).
+    Case("extend", "armdb fixed queue (defaults)", f"{NO_SYNC} (timed fsync)", "extends/s",
+         lambda d, s: armdb_extend(d, s.extend_ops, s.warmup), reference=True),
+    Case("extend", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "extends/s",
+         lambda d, s: sqlite_extend(d, s.extend_ops, s.warmup)),
     # Opening a queue full of live rows (index rebuild from the header file).
     Case("cold_open", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "s",
          lambda d, s: armdb_cold_open(d, s.open_rows, repeats=2), higher_is_better=False, reference=True,
@@ -808,6 +928,15 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
             ratio_s = f" = {ratio:.2f}× SQLite NORMAL" if ratio is not None else ""
             out.append(Target(workload, f"≥ {floor:,} cycles/s (≥ {times}× raw SQLite)",
                               f"{a:,.0f} cycles/s{ratio_s}", a >= floor and (ratio is None or ratio >= times)))
+    for workload, floor, times in (("batch/var-100B-64", 300_000, 3), ("batch/fixed-numpy-1024", 2_000_000, None)):
+        a = _find(results, workload, "armdb")
+        s = _find(results, workload, "sqlite3")
+        if a is not None:
+            ratio = a / s if s else None
+            ratio_s = f" = {ratio:.2f}× SQLite batched" if ratio is not None else ""
+            goal = f"≥ {floor:,} jobs/s" + (f" (≥ {times}× SQLite batched)" if times else "")
+            out.append(Target(workload, goal, f"{a:,.0f} jobs/s{ratio_s}",
+                              a >= floor and (times is None or ratio is None or ratio >= times)))
     d = _find(results, "push/durable", "armdb")
     raw = _find(results, "push/durable", "raw")
     if d is not None and raw is not None:

@@ -24,6 +24,14 @@ What it checks:
 * every other collection is a Bitcask store, checked by ``armdb.bitcask.check_dir``;
 * the transaction log ``txlog/``, checked by ``_check_log_dir``.
 
+Encrypted parts (SPEC C4): with ``encryption_key`` (one key or several; each encrypted
+collection takes the one whose check value its meta file holds, ``armdb.dbkeys``) every
+record of an encrypted collection is opened under its key (the authentication tags of its
+sealed key and value) and a map's plaintexts are decoded; with ``log_encryption_key`` (by
+default whichever collection key is the log's) every sealed log record is opened and its
+rows are checked like those of an unsealed one.  Without a key, only what the CRCs cover
+is checked there: the report lists what was not verified in ``unverified``.
+
 Locking: on a directory it may write, ``check`` takes the directory lock exactly like
 ``Db.open`` (so it raises ``DbLocked`` while the database is open anywhere) and
 releases it before returning; taking the lock rewrites the pid in ``LOCK``, as every
@@ -36,13 +44,16 @@ nothing at all.  Nothing else is ever written, created, truncated or renamed.  A
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import _fs, bitcask, logformat, replay
-from .errors import CorruptionError, FormatError
+from ._crypto import Sealer
+from .dbkeys import Keys, normalize_keys, resolve_keys
+from .errors import ConfigError, CorruptionError, FormatError, WrongKey
 from .fixed import FILE_NAME as FIXED_FILE
 from .fixed import check_shard_file, slot_size_for
 from .inspect import read_shard
@@ -78,26 +89,49 @@ class CheckReport:
         ``True`` when nothing was found.
     findings : list of str
         One readable line per problem, each naming the file it concerns.
+    unverified : list of str
+        What could not be verified for want of a key: encrypted collections and sealed
+        log records whose authentication tags were not checked (their CRCs were).  Not
+        findings: ``ok`` does not depend on them.
     """
 
     ok: bool
     findings: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         if self.ok:
-            return "armdb.check: OK (no findings)"
-        lines = [f"armdb.check: {len(self.findings)} finding(s)"]
-        lines += [f"  - {f}" for f in self.findings]
+            lines = ["armdb.check: OK (no findings)"]
+        else:
+            lines = [f"armdb.check: {len(self.findings)} finding(s)"]
+            lines += [f"  - {f}" for f in self.findings]
+        if self.unverified:
+            lines.append(f"not verified without a key ({len(self.unverified)}):")
+            lines += [f"  - {u}" for u in self.unverified]
         return "\n".join(lines)
 
 
-def check(path: str | os.PathLike[str]) -> CheckReport:
+def check(
+    path: str | os.PathLike[str],
+    *,
+    encryption_key: bytes | Sequence[bytes] | None = None,
+    log_encryption_key: bytes | None = None,
+) -> CheckReport:
     """Check a database that is not open, without changing it (D6).
 
     Parameters
     ----------
     path : str or os.PathLike
         The database directory.
+    encryption_key : bytes or sequence of bytes, optional
+        The key of its encrypted collections (``Config.encryption_key``), or several
+        keys; each encrypted collection takes the one it was created with.  With it,
+        every sealed key and value is opened (its authentication tag verified) and a
+        map's are decoded.  Without it, encrypted records are checked by CRC only.
+    log_encryption_key : bytes, optional
+        The transaction log key (``TxConfig.log_encryption_key``); by default the key
+        among ``encryption_key`` that is the log's, if any.  With it, every sealed log
+        record is opened and its rows checked.
 
     Returns
     -------
@@ -110,8 +144,29 @@ def check(path: str | os.PathLike[str]) -> CheckReport:
     DbLocked
         The database is open, in this process or another one.
     ConfigError
-        Its ``LOCK`` is not a regular file of its own (a symbolic link, a folder...).
+        Its ``LOCK`` is not a regular file of its own (a symbolic link, a folder...), or
+        a key is not 32 bytes.
+    WrongKey
+        ``log_encryption_key`` is not the database's log key, or a key of
+        ``encryption_key`` opens none of its encrypted collections (and is not the log
+        key either).  Checked before any record is read.
     """
+    keys = normalize_keys(encryption_key, "encryption_key")
+    if log_encryption_key is not None and not isinstance(log_encryption_key, (bytes, bytearray)):
+        raise ConfigError(f"log_encryption_key must be one 32-byte key (bytes), got {type(log_encryption_key).__name__}")
+    log_key = normalize_keys(log_encryption_key, "log_encryption_key")
+    return _check(path, keys, log_key[0] if log_key else None)
+
+
+def _check(
+    path: str | os.PathLike[str],
+    keys: Sequence[bytes],
+    log_key: bytes | None,
+    labels: Sequence[str] | None = None,
+    log_label: str = "log_encryption_key",
+) -> CheckReport:
+    """:func:`check` with validated keys; ``labels`` name them in ``WrongKey`` messages
+    (the command line names its key files)."""
     directory = os.path.abspath(os.fspath(path))
     fs = _fs.FS
     if not fs.isdir(directory):
@@ -121,17 +176,21 @@ def check(path: str | os.PathLike[str]) -> CheckReport:
         return CheckReport(False, [f"{directory}: not an armdb database ({META_FILE} is missing)"])
     lock = DirLock.for_inspection(directory)
     try:
-        findings = _Checker(directory).run()
+        resolved = resolve_keys(directory, keys, log_key, labels=labels, log_label=log_label)
+        checker = _Checker(directory, resolved)
+        findings = checker.run()
     finally:
         lock.release()
-    return CheckReport(not findings, findings)
+    return CheckReport(not findings, findings, checker.unverified)
 
 
 class _Checker:
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, keys: Keys | None = None) -> None:
         self.directory = directory
+        self.keys = keys if keys is not None else Keys()
         self.fs = _fs.FS
         self.findings: list[str] = []
+        self.unverified: list[str] = []
         self.reserved: dict[str, int] | None = None
 
     def add(self, line: str) -> None:
@@ -226,7 +285,9 @@ class _Checker:
         if not self.fs.isdir(d):
             return
         try:
-            found = _check_log_dir(d)
+            found = _check_log_dir(d, self.keys, self.unverified)
+        except WrongKey:
+            raise
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: transaction log check failed with {type(e).__name__}: {e}")
             return
@@ -234,7 +295,7 @@ class _Checker:
         # What the replay would leave in each queue shard: a logged slot write must not
         # put a row id in a second slot (the queue's open refuses such a shard).
         try:
-            self.findings.extend(_log_conflicts(d))
+            self.findings.extend(_log_conflicts(d, self.keys))
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: judging the logged slot writes failed with {type(e).__name__}: {e}")
 
@@ -243,10 +304,22 @@ class _Checker:
         # Every gsn is reserved in seqmap before it reaches a file (T5).
         limit = self.reserved.get("gsn") if self.reserved else None
         kwargs: dict[str, Any] = {} if limit is None else {"gsn_limit": limit}
-        if not os.path.basename(d).endswith(PAYLOAD_SUFFIX):  # a map: its keys and values must decode
+        name = os.path.basename(d)
+        if not name.endswith(PAYLOAD_SUFFIX):  # a map: its keys and values must decode
             kwargs["decode"] = lambda k, v: (decode_key(k), decode_value(v))
+        key = self.keys.collections.get(name)
+        if key is not None:
+            kwargs["key"] = key
+        elif name in self.keys.locked:
+            self.unverified.append(
+                f"{self.rel(d)}: encrypted, and no key given opens it: its records' authentication tags were not "
+                f"checked{'' if name.endswith(PAYLOAD_SUFFIX) else ' nor its keys and values decoded'} "
+                f"(give its key)"
+            )
         try:
             found = bitcask.check_dir(d, **kwargs)
+        except WrongKey:
+            raise
         except Exception as e:  # noqa: BLE001 - a checker reports, it never crashes on bad input
             self.add(f"{self.rel(d)}: Bitcask check failed with {type(e).__name__}: {e}")
             return
@@ -361,13 +434,29 @@ class _Checker:
             self.add(f"{rel}: {k} row(s) {what} (slots {occ[bad][:_EXAMPLES].tolist()})")
 
 
-def _check_log_dir(path: str) -> list[str]:
+def _open_sealed(sealer: Sealer, keys: Keys, version: int, txid: int, body: bytes) -> bytes | None:
+    """A sealed record's plaintext body, or None when its tag fails under the log key."""
+    try:
+        return sealer.open(body, logformat.record_aad(version, keys.db_id, txid))
+    except CorruptionError:
+        return None
+
+
+def _check_log_dir(path: str, keys: Keys | None = None, unverified: list[str] | None = None) -> list[str]:
     """Read-only check of ``<db>/txlog`` for ``armdb.check``.
 
-    Besides the framing (header, magic, length, CRC) every record's txid and, for an
-    unsealed record, every row is checked as open checks it before replay (sealed bodies
-    need the log key, which check does not take)."""
+    Besides the framing (header, magic, length, CRC) every record's txid and every row
+    is checked as open checks it before replay.  A sealed body is opened with the log key
+    (``keys.log_key``) first; without the key its rows are not checked, and a line in
+    ``unverified`` says so.
+
+    Raises ``WrongKey`` when the log key could not be matched to ``db.meta`` (a database
+    that never recorded one) and opens none of the sealed records."""
     fs = _fs.FS
+    keys = keys if keys is not None else Keys()
+    sealer = Sealer(keys.log_key) if keys.log_key is not None else None
+    sealed = opened = 0
+    failed: list[str] = []
     findings: list[str] = []
     if not fs.exists(path):
         return findings
@@ -409,24 +498,49 @@ def _check_log_dir(path: str) -> list[str]:
             findings.append(logformat._tail_finding(raw, p, bad, version, mark))
         for offset, txid, flags, body in recs:
             rec = logformat._Logged(txid, flags, body, p, offset)
+            plain: bytes | None = body
+            if flags & logformat.FLAG_SEALED:
+                sealed += 1
+                plain = None if sealer is None else _open_sealed(sealer, keys, version, txid, body)
+                if plain is not None:
+                    opened += 1
+                elif sealer is not None:
+                    failed.append(
+                        f"{rec.where}: the sealed body fails its authentication tag under the log key (altered bytes, "
+                        f"or a record of another database): open refuses the database; salvage with the log key "
+                        f"cuts the log there, or restore the database from a backup"
+                    )
             try:
                 logformat._check_txid(rec)
-                if not flags & logformat.FLAG_SEALED:
-                    for row in logformat._rows(body, rec.where):
+                if plain is not None:
+                    for row in logformat._rows(plain, rec.where):
                         replay.check_row(row, rec.where, collections, geometry, limit)
             except (CorruptionError, FormatError) as e:
                 findings.append(str(e))
+    if sealer is not None and sealed and not opened and not keys.log_checked:
+        raise WrongKey(
+            "the transaction log key given opens none of the log's sealed records (and db.meta keeps no check "
+            "value to tell a wrong key from damage); give the key the log was written with"
+        )
+    findings.extend(failed)
+    if sealed and sealer is None and unverified is not None:
+        unverified.append(
+            f"{os.path.basename(path)}: {sealed} sealed record(s): their authentication tags were not checked nor "
+            f"their rows judged (give the log key)"
+        )
     return findings
 
 
-def _log_conflicts(txlog_dir: str) -> list[str]:
+def _log_conflicts(txlog_dir: str, keys: Keys | None = None) -> list[str]:
     """Check's view of :func:`armdb.replay.replay_conflicts`: the logged slot writes of every
-    unsealed record, in the order open replays them, judged against each queue shard.
+    record, in the order open replays them, judged against each queue shard.
 
     Rows that ``armdb.replay.check_row`` refuses are left out (``_check_log_dir`` reports
-    them); with any sealed record in the log nothing is judged (a keyless check cannot
-    read what it writes)."""
+    them); with a sealed record that the log key (``keys.log_key``) does not open, or
+    without the key, nothing is judged (what it writes cannot be read)."""
     fs = _fs.FS
+    keys = keys if keys is not None else Keys()
+    sealer = Sealer(keys.log_key) if keys.log_key is not None else None
     db_dir = os.path.dirname(txlog_dir)
     collections = os.path.join(db_dir, COLLECTIONS)
     seq_path = os.path.join(db_dir, SEQMAP_FILE)
@@ -451,9 +565,12 @@ def _log_conflicts(txlog_dir: str) -> list[str]:
         except Exception:  # noqa: BLE001 - reported by logformat.check_dir
             continue
         recs, _, _ = logformat._records_at(raw, logformat.records_start(version))
-        for offset, _txid, flags, body in recs:
+        for offset, txid, flags, body in recs:
             if flags & logformat.FLAG_SEALED:
-                return []
+                plain = None if sealer is None else _open_sealed(sealer, keys, version, txid, body)
+                if plain is None:
+                    return []
+                body = plain
             where = f"{path}: transaction log record at offset {offset}"
             try:
                 rows = logformat._rows(body, where)
@@ -465,8 +582,8 @@ def _log_conflicts(txlog_dir: str) -> list[str]:
                 except Exception:  # noqa: BLE001 - reported by logformat.check_dir
                     continue
                 if row[0] == "F":
-                    _, qname, shard, slot, version, status, rbody = row
-                    logged = replay.LoggedSlot(slot, version, status, rbody, where)
+                    _, qname, shard, slot, slot_version, status, rbody = row
+                    logged = replay.LoggedSlot(slot, slot_version, status, rbody, where)
                     writes.setdefault((qname, shard), []).append(logged)
     findings: list[str] = []
     for (qname, shard), ws in writes.items():

@@ -14,6 +14,14 @@
 ``salvage DIR [--dry-run]``
     Cut the files that open refuses under S7 at their bad record
     (:func:`armdb.salvage`; docs/operations.md).
+``check DIR``
+    :func:`armdb.check`; exit 0 when clean, 1 with findings, 2 when it cannot inspect.
+
+``stats``, ``check`` and ``salvage`` take ``--key-file PATH`` (repeatable: the keys of
+encrypted collections) and ``--log-key-file PATH`` (the transaction log key; by default
+whichever ``--key-file`` key is the log's), read by :func:`armdb.dbkeys.read_key_file`.
+A key file that cannot be read or holds no key, and a key that opens nothing, end the
+command with exit status 2 before anything is read or changed (C4).
 
 This is the one module of the package that prints: it is the user interface.
 Progress bars go to stderr, results to stdout.
@@ -42,16 +50,25 @@ from typing import Any
 from . import _bench, _fs
 from ._term import ProgressBar, format_table
 from ._version import __version__
-from .check import check
+from .check import _check
 from .client import Client
-from .config import QueueConfig
+from .config import QueueConfig, TxConfig
 from .db import Db
-from .errors import ArmdbError, ConfigError, DbLocked, ServerGone
+from .dbkeys import key_file_warning, read_key_file, resolve_keys
+from .errors import (
+    ArmdbError,
+    ConfigError,
+    DbLocked,
+    EncryptionKeyRequired,
+    KeyFileError,
+    ServerGone,
+    WrongKey,
+)
 from .inspect import QueueFileStats, inspect_queue, queue_names
 from .layout import META_FILE, DirLock
 from .qspec import QueueSpec, queue
 from .queue import Queue, QueueStats
-from .salvage import salvage
+from .salvage import _salvage
 from .worker import Worker
 
 __all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
@@ -261,21 +278,73 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- key files (C4) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _KeyArgs:
+    """The keys of ``--key-file`` and ``--log-key-file``, with the labels that name them."""
+
+    keys: list[bytes]
+    labels: list[str]
+    log_key: bytes | None
+    log_label: str
+
+
+def _load_keys(args: argparse.Namespace) -> _KeyArgs:
+    """Read the key files named on the command line; warn about files others can read.
+    ``KeyFileError`` for a file that cannot be read or holds no key."""
+    files = list(args.key_file or [])
+    keys = [read_key_file(f) for f in files]
+    log_key = read_key_file(args.log_key_file) if args.log_key_file else None
+    for f in files + ([args.log_key_file] if args.log_key_file else []):
+        warning = key_file_warning(f)
+        if warning:
+            print(f"armdb {args.command}: warning: {warning}", file=sys.stderr)
+    return _KeyArgs(keys, [f"--key-file {f}" for f in files], log_key,
+                    f"--log-key-file {args.log_key_file}" if args.log_key_file else "--log-key-file")
+
+
+def _key_error(command: str, e: ArmdbError) -> int:
+    """Report a key problem (exit status 2): which key, and what to pass."""
+    if isinstance(e, EncryptionKeyRequired):
+        msg = ("the transaction log holds sealed records that open must replay (a crash left them); pass the log "
+               "key with --log-key-file PATH (or --key-file PATH when it is the same key)")
+    elif isinstance(e, WrongKey):
+        msg = f"{e} (with --key-file PATH for collections, --log-key-file PATH for the transaction log)"
+    else:
+        msg = str(e)
+    print(f"armdb {command}: {type(e).__name__}: {msg}", file=sys.stderr)
+    return 2
+
+
 # -- stats (C2) --------------------------------------------------------------------------------
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     path = args.dir
+    try:
+        keys = _load_keys(args)
+    except KeyFileError as e:
+        return _key_error("stats", e)
     if not _fs.FS.exists(os.path.join(path, META_FILE)):
         print(f"armdb stats: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
         return 1
+    try:  # keys that open nothing are refused before the open (and its recovery) writes anything
+        resolved = resolve_keys(os.path.abspath(path), keys.keys, keys.log_key, labels=keys.labels,
+                                log_label=keys.log_label)
+    except WrongKey as e:
+        return _key_error("stats", e)
     if not _fs.FS.writable(path):
         return _stats_read_only(os.path.abspath(path), args)
+    tx = TxConfig(log_encryption_key=resolved.log_key) if resolved.log_key is not None else None
     try:
-        db = Db.open(path)
+        db = Db.open(path, tx_config=tx)
     except DbLocked as e:
         print(f"armdb stats: {e}", file=sys.stderr)
         return 1
+    except (EncryptionKeyRequired, WrongKey) as e:
+        return _key_error("stats", e)
     try:
         _print_stats(db.path, db.clock(), "", args.json)
     finally:
@@ -340,11 +409,17 @@ def _print_stats(path: str, now_ms: int, note: str, as_json: bool = False) -> No
 def _cmd_check(args: argparse.Namespace) -> int:
     """Exit 0 when clean, 1 with findings, 2 when the database cannot be inspected."""
     path = args.dir
+    try:
+        keys = _load_keys(args)
+    except KeyFileError as e:
+        return _key_error("check", e)
     if not _fs.FS.exists(os.path.join(path, META_FILE)):
         print(f"armdb check: {path} is not an armdb database (no {META_FILE})", file=sys.stderr)
         return 2
     try:
-        report = check(path)
+        report = _check(path, keys.keys, keys.log_key, keys.labels, keys.log_label)
+    except WrongKey as e:
+        return _key_error("check", e)
     except ArmdbError as e:  # open elsewhere, or a lock file that is not ours
         print(f"armdb check: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -463,10 +538,18 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("dir", help="database directory")
     stats.add_argument("--json", action="store_true",
                        help="print one JSON object keyed by queue name (each with len, dead_len and the counts)")
+    _key_arguments(stats, "needed to open a database whose log holds sealed records left by a crash")
     stats.set_defaults(func=_cmd_stats)
 
-    chk = sub.add_parser("check", help="check every file of a database that is not open (read-only)")
+    chk = sub.add_parser(
+        "check", help="check every file of a database that is not open (read-only)",
+        description="Check every file of a database that is not open, without changing it. Exit status: 0 when "
+                    "clean, 1 with findings, 2 when the database cannot be inspected (missing, open elsewhere, "
+                    "a key file that cannot be read, a wrong key).",
+    )
     chk.add_argument("dir", help="database directory (a read-only copy is fine)")
+    _key_arguments(chk, "with them every encrypted record's authentication tag is verified; without them "
+                        "encrypted records are checked by CRC only, and the report lists what was not verified")
     chk.set_defaults(func=_cmd_check)
 
     bench = sub.add_parser("bench", help="benchmark armdb beside SQLite-based queues")
@@ -494,12 +577,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     salv.add_argument("dir", help="database directory (not open anywhere)")
     salv.add_argument("--dry-run", action="store_true", help="only print what would be cut")
+    _key_arguments(salv, "with them a file is also cut at an encrypted record that fails its authentication tag, "
+                         "which open refuses once it has the key")
     salv.set_defaults(func=_cmd_salvage)
     return parser
 
 
+def _key_arguments(p: argparse.ArgumentParser, why: str) -> None:
+    """``--key-file`` and ``--log-key-file`` of ``stats``, ``check`` and ``salvage``."""
+    formats = ("a key file holds 32 raw bytes (head -c 32 /dev/urandom), 64 hex digits (openssl rand -hex 32) "
+               "or base64 (openssl rand -base64 32)")
+    p.add_argument("--key-file", metavar="PATH", action="append",
+                   help=f"a file holding the encryption key of encrypted collections (maps, var queue payloads); "
+                        f"repeat it for several keys: each collection takes its own; {formats}; {why}")
+    p.add_argument("--log-key-file", metavar="PATH",
+                   help="a file holding the transaction log key (TxConfig log_encryption_key); "
+                        "default: whichever --key-file key is the log's")
+
+
 def _cmd_salvage(args: argparse.Namespace) -> int:
-    print(salvage(args.dir, dry_run=args.dry_run))
+    try:
+        keys = _load_keys(args)
+        report = _salvage(args.dir, args.dry_run, keys.keys, keys.log_key, keys.labels, keys.log_label)
+    except (KeyFileError, WrongKey) as e:
+        return _key_error("salvage", e)
+    print(report)
     return 0
 
 

@@ -67,6 +67,13 @@ def _key(value: object, name: str) -> bytes | None:
     return bytes(value)
 
 
+# A map's cache of decoded values and a var queue's cache of raw bodies, per collection:
+# SQLite's default page cache (2,000 KiB).  On by default: it costs no safety (a cached
+# value is used only while it is its key's latest record), and without it every lease of
+# a var row reads its body back from the file it was just written to (docs/tuning.md).
+DEFAULT_CACHE_BYTES = 2000 * 1024
+
+
 # -- FixedStore -------------------------------------------------------------------
 
 
@@ -144,7 +151,7 @@ class Config:
     compaction_threshold: float = 0.3
     enable_fsync: bool = True
     sync_interval: float = 0.05
-    cache_bytes: int = 0
+    cache_bytes: int = DEFAULT_CACHE_BYTES
     encryption_key: bytes | None = field(default=None, repr=False)
 
     @staticmethod
@@ -191,7 +198,7 @@ class ConfigBuilder:
             compaction_threshold=float(ratio),
             enable_fsync=_bool(v.get("enable_fsync", True), "enable_fsync"),
             sync_interval=_nonneg(v.get("sync_interval", 0.05), "sync_interval"),
-            cache_bytes=_int(v.get("cache_bytes", 0), "cache_bytes", 0),
+            cache_bytes=_int(v.get("cache_bytes", DEFAULT_CACHE_BYTES), "cache_bytes", 0),
             encryption_key=_key(v.get("encryption_key"), "encryption_key"),
         )
 

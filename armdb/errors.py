@@ -15,6 +15,7 @@ __all__ = [
     "DbLocked",
     "EncryptionKeyRequired",
     "FormatError",
+    "KeyFileError",
     "NotALease",
     "PayloadTypeError",
     "ProcessBound",
@@ -99,6 +100,11 @@ class ProcessBound(ArmdbError, TypeError):
 class NotALease(ArmdbError, TypeError):
     """``ack``, ``nack`` or a transaction's settle was given something other than a
     ``Lease`` or its ``LeaseToken`` (a wrong argument, never reported as ``StaleToken``)."""
+
+
+class KeyFileError(ConfigError):
+    """A key file given to the command line (``--key-file``, ``--log-key-file``) cannot be
+    read or does not hold a 32-byte key."""
 
 
 class EncryptionKeyRequired(ArmdbError):

@@ -69,6 +69,10 @@ class Plan:
             self.drawn["gsn"] = n
         return n
 
+    def gsns(self, n: int) -> int:
+        """The first of ``n`` consecutive gsns (a batch's Bitcask records, in order)."""
+        return self.draw_block("gsn", n)
+
     def add_fixed(self, shard: Any) -> None:
         if shard not in self.fixed:
             self.fixed.append(shard)

@@ -694,15 +694,13 @@ class Queue(Generic[T]):
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
         if self._payload is not None:
             leases = self.lease(n, lease_timeout=lease_timeout)
-            k = len(leases)
-            toks = [lz.token for lz in leases]
+            # One row of (shard, due, seq, attempt, epoch) per lease, then a column each.
+            cols = np.array([(t[1], t[2], t[3], lz[2], t[4]) for lz in leases for t in (lz[4],)],
+                            dtype=np.uint64).reshape(-1, 5).T
             return LeaseBatch(
-                self.name, self._handle,
-                np.fromiter((t.shard for t in toks), np.uint32, k), np.fromiter((t.due for t in toks), np.uint64, k),
-                np.fromiter((t.seq for t in toks), np.uint64, k),
-                np.fromiter((lz.attempt for lz in leases), np.uint16, k),
-                np.fromiter((t.epoch for t in toks), np.uint32, k),
-                self._last_deadline if k else (0, ms_to_datetime(0)), [lz.payload for lz in leases])
+                self.name, self._handle, cols[0].astype(np.uint32), cols[1].copy(), cols[2].copy(),
+                cols[3].astype(np.uint16), cols[4].astype(np.uint32),
+                self._last_deadline if leases else (0, ms_to_datetime(0)), [lz[1] for lz in leases])
         now = self._check()
         deadline = now + lease_ms
         last = self._last_deadline
@@ -909,13 +907,22 @@ class Queue(Generic[T]):
         handle = self._handle
         new = tuple.__new__  # the NamedTuples without their Python-level __new__
         poisoned: list[tuple[LeaseToken, Exception]] | None = None
+        cached: dict[int, bytes] = {}
+        if self._cache and len(out) > 1:  # the cached bodies, under one hold of the cache's lock
+            with self._cache_lock:
+                cache = self._cache
+                for row in out:
+                    body = cache.get(row[1])
+                    if body is not None:
+                        cache.move_to_end(row[1])
+                        cached[row[1]] = body
         for due, seq, shard_no, attempt, epoch, _ in out:
             token = new(LeaseToken, (handle, shard_no, due, seq, epoch))
             # A body that fails its checks or is missing, or that does not decode (msgpack,
             # the payload class), is this row's problem alone.  I/O errors and DbClosed
             # are not: they propagate.
             try:
-                body = self._body_for_lease(shard_no, due, seq, epoch)
+                body = cached.get(seq) or self._body_for_lease(shard_no, due, seq, epoch)
                 if body is None:
                     continue  # the lease expired meanwhile and the row was settled elsewhere
             except (CorruptionError, FormatError) as e:
@@ -1738,14 +1745,11 @@ class Queue(Generic[T]):
         payload = self._payload
         if payload is not None:
             # The bodies first: logged before the headers, applied before them (Q15).
-            items: list[tuple[bytes, bytes | None, int]] = []
+            g0 = plan.gsns(n)
             pname = self.spec.payload_name
-            rows = plan.rows
-            for i, body in enumerate(payloads):
-                key = body_key(first + i)
-                gsn = plan.gsn()
-                rows.append(["B", pname, key, body, gsn])
-                items.append((key, body, gsn))
+            items: list[tuple[bytes, bytes | None, int]] = [
+                ((first + i).to_bytes(8, "big"), body, g0 + i) for i, body in enumerate(payloads)]  # qrows.body_key
+            plan.rows += [["B", pname, key, body, gsn] for key, body, gsn in items]
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
@@ -1802,13 +1806,11 @@ class Queue(Generic[T]):
         plan.packed.append((rows, bytes(buf)))
         payload = self._payload
         if payload is not None:
-            items: list[tuple[bytes, bytes | None, int]] = []
+            g0 = plan.gsns(len(seqs))
             pname = self.spec.payload_name
-            for seq in seqs.tolist():
-                key = body_key(seq)
-                gsn = plan.gsn()
-                plan.rows.append(["B", pname, key, None, gsn])
-                items.append((key, None, gsn))
+            items: list[tuple[bytes, bytes | None, int]] = [
+                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(seqs.tolist())]  # qrows.body_key
+            plan.rows += [["B", pname, key, None, gsn] for key, _, gsn in items]
             plan.add_bitcask(payload)
 
             def apply_deletes() -> None:

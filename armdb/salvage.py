@@ -23,17 +23,24 @@ It looks exactly where open refuses:
   a bad record in one is damage that salvage does not touch.
 
 Like :func:`armdb.check` it takes the directory lock (``DbLocked`` while the database is
-open) and needs no encryption key: record CRCs cover the sealed bytes.  All file access
-goes through ``armdb._fs``.
+open) and needs no encryption key: record CRCs cover the sealed bytes.  With the keys
+(SPEC C4) it also finds what open refuses only once it holds them: a sealed log record
+whose body fails its authentication tag under the log key, and a record of an encrypted
+collection's active data file whose sealed key fails its tag under the collection key
+(bytes altered with their CRC fixed up, or moved from elsewhere).  Such a file is cut at
+that record the same way; every record kept before the cut opens under its key.  Keys
+are matched and checked (``WrongKey``) before anything is cut.  All file access goes
+through ``armdb._fs``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import _fs, _syncmark
+from ._crypto import Sealer
 from .bitcask.files import (
     _DataFile,
     _judge_bad,
@@ -58,13 +65,17 @@ from .bitcask.format import (
     _parse_header,
     _shard_dir,
     data_start,
+    record_aad,
 )
-from .errors import CorruptionError, FormatError
+from .dbkeys import Keys, normalize_keys, resolve_keys
+from .errors import ConfigError, CorruptionError, FormatError, WrongKey
 from .layout import COLLECTIONS, META_FILE, QUEUE_META, DirLock
 from .logformat import (
     _NAME_RE,
     AREA_MARK_VERSION,
+    FLAG_SEALED,
     _file_header_fields,
+    _records_at,
     _valid_record_after,
     parse_records,
     records_start,
@@ -72,6 +83,9 @@ from .logformat import (
 )
 from .logformat import DIR as TXLOG_DIR
 from .logformat import _judge_bad as _judge_log_bad
+from .logformat import (
+    record_aad as log_record_aad,
+)
 
 __all__ = ["Cut", "SalvageReport", "salvage"]
 
@@ -97,6 +111,9 @@ class Cut:
         Valid records among them (lost to the database).
     kept_as : str or None
         Where the cut bytes were saved, relative to the database (None on a dry run).
+    why : str or None
+        Why the record at ``offset`` is bad when its CRC holds (its authentication tag
+        fails under the key given); None for a record that fails its CRC.
     """
 
     path: str
@@ -105,6 +122,7 @@ class Cut:
     dropped_bytes: int
     dropped_records: int
     kept_as: str | None
+    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,8 @@ class SalvageReport:
         lines = [f"armdb.salvage: {verb} {len(self.cuts)} file(s)"]
         for c in self.cuts:
             why = "below the synced mark" if c.next_valid is None else f"a valid record follows at {c.next_valid}"
+            if c.why is not None:
+                why = c.why if c.next_valid is None else f"{c.why}; a valid record follows at {c.next_valid}"
             line = (
                 f"  - {c.path}: at offset {c.offset} ({why}); "
                 f"{c.dropped_bytes} bytes, {c.dropped_records} valid record(s) dropped"
@@ -131,7 +151,13 @@ class SalvageReport:
         return "\n".join(lines)
 
 
-def salvage(path: str | os.PathLike[str], *, dry_run: bool = False) -> SalvageReport:
+def salvage(
+    path: str | os.PathLike[str],
+    *,
+    dry_run: bool = False,
+    encryption_key: bytes | Sequence[bytes] | None = None,
+    log_encryption_key: bytes | None = None,
+) -> SalvageReport:
     """Cut every file that open refuses under SPEC S7 at its bad record.
 
     Parameters
@@ -140,6 +166,13 @@ def salvage(path: str | os.PathLike[str], *, dry_run: bool = False) -> SalvageRe
         The database directory; it must not be open.
     dry_run : bool
         Report what would be cut and change nothing.
+    encryption_key : bytes or sequence of bytes, optional
+        The key (or keys) of its encrypted collections, as for :func:`armdb.check`:
+        the active data file of an encrypted collection is also cut at a record whose
+        sealed key fails its authentication tag.
+    log_encryption_key : bytes, optional
+        The transaction log key (default: the key among ``encryption_key`` that is the
+        log's): a log file is also cut at a sealed record that does not open.
 
     Returns
     -------
@@ -152,14 +185,35 @@ def salvage(path: str | os.PathLike[str], *, dry_run: bool = False) -> SalvageRe
         ``path`` is not an armdb database.
     DbLocked
         The database is open, in this process or another one.
+    ConfigError
+        A key is not 32 bytes.
+    WrongKey
+        A key opens nothing in this database (as for :func:`armdb.check`); nothing is cut.
     """
+    keys = normalize_keys(encryption_key, "encryption_key")
+    if log_encryption_key is not None and not isinstance(log_encryption_key, (bytes, bytearray)):
+        raise ConfigError(f"log_encryption_key must be one 32-byte key (bytes), got {type(log_encryption_key).__name__}")
+    log_key = normalize_keys(log_encryption_key, "log_encryption_key")
+    return _salvage(path, dry_run, keys, log_key[0] if log_key else None)
+
+
+def _salvage(
+    path: str | os.PathLike[str],
+    dry_run: bool,
+    keys: Sequence[bytes] = (),
+    log_key: bytes | None = None,
+    labels: Sequence[str] | None = None,
+    log_label: str = "log_encryption_key",
+) -> SalvageReport:
+    """:func:`salvage` with validated keys; ``labels`` name them in ``WrongKey`` messages."""
     directory = os.path.abspath(os.fspath(path))
     fs = _fs.FS
     if not fs.exists(os.path.join(directory, META_FILE)):
         raise FormatError(f"{directory}: not an armdb database ({META_FILE} is missing); nothing to salvage")
     lock = DirLock(directory)
     try:
-        found = _log_cuts(directory) + _bitcask_cuts(directory)
+        resolved = resolve_keys(directory, keys, log_key, labels=labels, log_label=log_label)
+        found = _log_cuts(directory, resolved) + _bitcask_cuts(directory, resolved)
         cuts = [c if dry_run else _cut(directory, c) for c in found]
     finally:
         lock.release()
@@ -170,11 +224,14 @@ def _rel(directory: str, path: str) -> str:
     return os.path.relpath(path, directory)
 
 
-def _log_cuts(directory: str) -> list[Cut]:
+def _log_cuts(directory: str, keys: Keys | None = None) -> list[Cut]:
     fs = _fs.FS
     d = os.path.join(directory, TXLOG_DIR)
     if not fs.isdir(d):
         return []
+    keys = keys if keys is not None else Keys()
+    sealer = Sealer(keys.log_key) if keys.log_key is not None else None
+    sealed = opened = 0
     cuts = []
     for name in sorted(n for n in fs.listdir(d) if _NAME_RE.match(n)):
         p = os.path.join(d, name)
@@ -184,6 +241,25 @@ def _log_cuts(directory: str) -> list[Cut]:
         except FormatError:
             continue  # open ignores a torn header without records, and refuses any other: not S7
         _n, bad = _log_run(raw, records_start(version))
+        if sealer is not None:
+            recs, _end, _bad = _records_at(raw, records_start(version))
+            tag_cut = None
+            for offset, txid, flags, body in recs:
+                if not flags & FLAG_SEALED:
+                    continue
+                sealed += 1
+                try:
+                    sealer.open(body, log_record_aad(version, keys.db_id, txid))
+                    opened += 1
+                except CorruptionError:
+                    if tag_cut is None:
+                        tag_cut = offset
+            if tag_cut is not None:
+                after = _valid_record_after(raw, tag_cut)
+                kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda b: _valid_record_after(raw, b))
+                why = "its sealed body fails its authentication tag under the log key"
+                cuts.append(Cut(_rel(directory, p), tag_cut, after, len(raw) - tag_cut, kept, None, why))
+                continue
         if bad is None:
             continue
         mark = synced_mark(raw, version, d)
@@ -195,10 +271,15 @@ def _log_cuts(directory: str) -> list[Cut]:
         after = _valid_record_after(raw, bad)
         kept = _valid_records(after, lambda pos: _log_run(raw, pos), lambda b: _valid_record_after(raw, b))
         cuts.append(Cut(_rel(directory, p), bad, after, len(raw) - bad, kept, None))
+    if sealer is not None and sealed and not opened and not keys.log_checked:
+        raise WrongKey(
+            "the transaction log key given opens none of the log's sealed records (and db.meta keeps no check "
+            "value to tell a wrong key from damage); give the key the log was written with; nothing was cut"
+        )
     return cuts
 
 
-def _bitcask_cuts(directory: str) -> list[Cut]:
+def _bitcask_cuts(directory: str, keys: Keys | None = None) -> list[Cut]:
     fs = _fs.FS
     cdir = os.path.join(directory, COLLECTIONS)
     if not fs.isdir(cdir):
@@ -210,15 +291,20 @@ def _bitcask_cuts(directory: str) -> list[Cut]:
             continue  # queue header stores (slots, no records) and folders that are not collections
         meta_path = os.path.join(d, META_NAME)
         meta = _decode_meta(fs.read_file(meta_path), meta_path)
+        key = None if keys is None else keys.collections.get(name)
+        sealed = (Sealer(key), meta.salt) if key is not None and meta.encrypted else None
         for i in range(meta.shard_count):
-            cut = _active_file_cut(directory, _shard_dir(d, i), meta.encrypted)
+            cut = _active_file_cut(directory, _shard_dir(d, i), meta.encrypted, sealed)
             if cut is not None:
                 cuts.append(cut)
     return cuts
 
 
-def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
-    """The cut of a shard's active data file, if open would refuse it (``armdb.bitcask.recovery._load_active``)."""
+def _active_file_cut(
+    directory: str, sdir: str, encrypted: bool, sealed: tuple[Sealer, bytes] | None = None
+) -> Cut | None:
+    """The cut of a shard's active data file, if open would refuse it (``armdb.bitcask.recovery._load_active``);
+    with ``sealed`` (the collection's sealer and salt), also at the first record whose sealed key does not open."""
     fs = _fs.FS
     if not fs.isdir(sdir):
         return None
@@ -241,6 +327,17 @@ def _active_file_cut(directory: str, sdir: str, encrypted: bool) -> Cut | None:
     fd = fs.open(p, os.O_RDONLY)
     try:
         size = fs.size(fd)
+        if sealed is not None:
+            sealer, salt = sealed
+            for off, gsn_word, _klen, _vlen, _rsize, kf in _Scan(fd, size, encrypted, start=data_start(head.version)):
+                try:
+                    sealer.open(kf, record_aad(salt, b"K", gsn_word))
+                except CorruptionError:
+                    after = _next_valid(fd, size, off, encrypted)
+                    valid = _ValidIndex(fd, size, off, encrypted)
+                    kept = _valid_records(after, lambda pos: _data_run(fd, size, encrypted, pos), valid.next_after)
+                    why = "its sealed key fails its authentication tag under the collection key"
+                    return Cut(_rel(directory, p), off, after, size - off, kept, None, why)
         _n, bad = _data_run(fd, size, encrypted, data_start(head.version))
         if bad is None:
             return None
@@ -321,4 +418,4 @@ def _cut(directory: str, c: Cut) -> Cut:
     finally:
         fs.close(fd)
     _syncmark.drop_side(os.path.dirname(path))  # (older formats kept the mark beside the file)
-    return Cut(c.path, c.offset, c.next_valid, c.dropped_bytes, c.dropped_records, _rel(directory, kept))
+    return Cut(c.path, c.offset, c.next_valid, c.dropped_bytes, c.dropped_records, _rel(directory, kept), c.why)

@@ -37,6 +37,10 @@ from ._core.atomicfile import AtomicWriter
 from .errors import CorruptionError, DbClosed, FormatError, StorageError
 
 ID_BLOCK = 1024
+# A name that draws ids in batches reserves blocks of at least 16 ordinary blocks and 64
+# batches (at most MAX_SPAN ids), posted ahead when a quarter is used: the next block is
+# then on disk before it is needed, and a batch never waits for a reservation.
+MAX_SPAN = 1 << 22
 # Post the next block once less than this is left of the reserved one (from its second
 # quarter on: a Db that draws only a few ids never starts the writer).
 _AHEAD_AT = 3 * ID_BLOCK // 4
@@ -100,6 +104,7 @@ class SeqMap:
         # a new iterator is installed, under the lock, only once the old one is empty, so
         # ids still come out increasing.
         self._rest: dict[str, collections.abc.Iterator[int]] = {}
+        self._span: dict[str, int] = {}  # block size of a name drawn in batches (else ID_BLOCK)
         self.flushes = 0
         # Reserving ahead (module docstring): the writer and its thread, started on first
         # need, and the write in flight: (ticket, the reserved map it makes durable).
@@ -157,15 +162,30 @@ class SeqMap:
             first = self._next.get(name, 1)
             self._next[name] = first + n
             self._rest[name] = _NO_BLOCK
+            span = min(MAX_SPAN, max(16 * ID_BLOCK, 64 * n))
+            if span > self._span.get(name, ID_BLOCK):
+                self._span[name] = span
             return first
 
     def reserve_through(self, name: str, n: int) -> None:
         """Make sure ids up to ``n`` are covered by a persisted reservation."""
-        if n < self._reserved.get(name, 1):
-            return  # covered: _reserved is replaced, never changed in place, so this read is safe
+        end = self._reserved.get(name, 1)
+        if n < end:  # covered: _reserved is replaced, never changed in place, so this read is safe
+            low = self._span.get(name, ID_BLOCK) * 3 // 4
+            if end - n < low:
+                # Transactions draw ids without next(): post the next block ahead here
+                # (once the write in flight, if any, has landed).
+                with self._lock:
+                    if self._ahead is not None:
+                        self._finish_ahead(wait=False)
+                    if self._ahead is None and self._reserved.get(name, 1) - n < low:
+                        self._reserve_ahead()
+            return
         with self._lock:
+            if self._ahead is not None:
+                self._finish_ahead(wait=False)
             if n >= self._reserved.get(name, 1):
-                self._reserve(name, max(n, self._next.get(name, 1)) + ID_BLOCK)
+                self._reserve(name, max(n, self._next.get(name, 1)) + self._span.get(name, ID_BLOCK))
 
     def reserved(self, name: str) -> int | None:
         """The end of the block reserved on disk for ``name`` (every id of it found in a file
@@ -199,8 +219,9 @@ class SeqMap:
         reserved = dict(self._reserved)
         for name, n in self._next.items():
             end = reserved.get(name, 1)
-            if end - n < ID_BLOCK:
-                reserved[name] = max(end, n) + ID_BLOCK
+            span = self._span.get(name, ID_BLOCK)
+            if end - n < span:
+                reserved[name] = max(end, n) + span
         ticket = self._writer.post(encode(reserved))
         if ticket:
             self._ahead = (ticket, reserved)

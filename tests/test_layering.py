@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtimes", ["armdb.queue", "armdb.maps", "armdb.streams", "armdb.tx"]),
     ("services", ["armdb.server", "armdb.client", "armdb.worker"]),
     ("root", ["armdb.db"]),
-    ("tools", ["armdb.inspect", "armdb.check", "armdb.salvage", "armdb._term", "armdb._bench", "armdb.cli",
+    ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._bench", "armdb.cli",
                "armdb.__main__"]),
     ("package", ["armdb"]),
 ]

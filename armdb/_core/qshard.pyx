@@ -81,6 +81,16 @@ RELEASED = _RELEASED
 FOREIGN = _FOREIGN
 
 
+cdef struct _Sink:
+    # Where QueueShard._walk writes the leases of claim_block (one entry per lease).
+    uint64_t* dues
+    uint64_t* seqs
+    uint16_t* attempts
+    uint32_t* epochs
+    uint8_t* payloads        # payload_size bytes a lease (NULL when payload_size is 0)
+    Py_ssize_t at
+
+
 cdef extern from "Python.h":
     object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n)
 
@@ -340,7 +350,18 @@ cdef class QueueShard:
     def claim(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts, Py_ssize_t shard_no,
               list out, dl=None):
         """Scan and lease up to ``n`` due rows in key order, appending to ``out``
-        (see :meth:`_claim`); returns how many rows were dead-lettered instead.
+        (see :meth:`_claim`); returns how many rows were dead-lettered instead."""
+        cdef Py_ssize_t dead = 0
+        if n <= 0 or now < 0:
+            return 0
+        self._walk(now, deadline, n, max_attempts, shard_no, out, dl, NULL, &dead)
+        return dead
+
+    cdef Py_ssize_t _walk(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts,
+                          Py_ssize_t shard_no, list out, object dl, _Sink* sink, Py_ssize_t* dead) except -1:
+        """Lease up to ``n`` due rows in key order: into ``out`` (Lease objects or tuples,
+        see :meth:`_claim`), or, with a ``sink``, into its arrays at ``sink.at`` on; counts
+        the rows dead-lettered instead in ``dead``; returns how many were leased.
 
         The walk releases the GIL when unexpired leases may have to be skipped.  The
         scan buffer is sized by ``min(n, rows in the index)``: nothing is added to the
@@ -348,11 +369,10 @@ cdef class QueueShard:
         """
         cdef uint64_t stack[SCAN_WORDS * SCAN_STACK]
         cdef uint64_t* buf = stack
-        cdef Py_ssize_t got = 0, cnt, k, dead = 0
+        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
+        cdef Py_ssize_t got = 0, cnt, k, w
         cdef KeyIndex live = self.live
         cdef object r
-        if n <= 0 or now < 0:
-            return 0
         self._check()
         if n > live.n:
             n = live.n
@@ -365,18 +385,32 @@ cdef class QueueShard:
                 if cnt == 0:
                     break
                 for k in range(cnt):
-                    r = self._claim(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
-                                    max_attempts, shard_no, dl)
-                    if r is False:
-                        dead += 1
-                    else:
-                        out.append(r)
-                        got += 1
+                    if sink == NULL:
+                        r = self._claim(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
+                                        max_attempts, shard_no, dl)
+                        if r is False:
+                            dead[0] += 1
+                        else:
+                            out.append(r)
+                            got += 1
+                        continue
+                    if not self._lease_slot(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
+                                            max_attempts, row):
+                        dead[0] += 1
+                        continue
+                    w = sink.at + got
+                    sink.dues[w] = buf[k]
+                    sink.seqs[w] = buf[n + k]
+                    sink.attempts[w] = <uint16_t>load_le(row + AT_ATTEMPTS, 2)
+                    sink.epochs[w] = <uint32_t>load_le(row + AT_EPOCH, 4)
+                    if self.psize:
+                        memcpy(sink.payloads + w * self.psize, row + ROW_HEAD, self.psize)
+                    got += 1
         finally:
             if buf != stack:
                 free(buf)
         self._raise_stashed()
-        return dead
+        return got
 
     def claim_one(self, uint64_t due, uint64_t seq, uint32_t slot, int64_t now, int64_t deadline,
                   uint32_t max_attempts, Py_ssize_t shard_no, dl=None):
@@ -599,42 +633,18 @@ cdef class QueueShard:
         j-th lease at index ``at + j`` of ``dues``, ``seqs``, ``attempts``, ``epochs``
         and (its inline payload) of ``payloads`` (``payload_size`` bytes a row).
         Returns ``(leased, dead_lettered)``; no Python object is made per row."""
-        cdef uint64_t stack[SCAN_WORDS * SCAN_STACK]
-        cdef uint64_t* buf = stack
-        cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
-        cdef Py_ssize_t got = 0, cnt, k, dead = 0, w
-        cdef KeyIndex live = self.live
+        cdef _Sink sink
+        cdef Py_ssize_t dead = 0, got
         if n <= 0 or now < 0:
             return 0, 0
         if at < 0 or at + n > seqs.shape[0] or dues.shape[0] < at + n or attempts.shape[0] < at + n \
                 or epochs.shape[0] < at + n or payloads.shape[0] < (at + n) * self.psize:
             raise ValueError("claim_block: the output arrays are too short")
-        self._check()
-        if n > live.n:
-            n = live.n
-        if n > SCAN_STACK:
-            buf = <uint64_t*>malloc_array(n, SCAN_WORDS * sizeof(uint64_t))
-        try:
-            while got < n and live.n:
-                live._enter()
-                cnt = live._scan_into(now, buf, n, n - got)
-                if cnt == 0:
-                    break
-                for k in range(cnt):
-                    if not self._lease_slot(buf[k], buf[n + k], (<uint32_t*>(buf + 3 * n))[k], now, deadline,
-                                            max_attempts, row):
-                        dead += 1
-                        continue
-                    w = at + got
-                    dues[w] = buf[k]
-                    seqs[w] = buf[n + k]
-                    attempts[w] = <uint16_t>load_le(row + AT_ATTEMPTS, 2)
-                    epochs[w] = <uint32_t>load_le(row + AT_EPOCH, 4)
-                    if self.psize:
-                        memcpy(&payloads[w * self.psize], row + ROW_HEAD, self.psize)
-                    got += 1
-        finally:
-            if buf != stack:
-                free(buf)
-        self._raise_stashed()
+        sink.dues = &dues[0]
+        sink.seqs = &seqs[0]
+        sink.attempts = &attempts[0]
+        sink.epochs = &epochs[0]
+        sink.payloads = &payloads[0] if payloads.shape[0] else NULL
+        sink.at = at
+        got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
         return got, dead

@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 
 from .. import _fs
-from ..errors import CorruptionError, FormatError
+from .._crypto import Sealer
+from ..errors import CorruptionError, FormatError, WrongKey
 from ..seqmap import MAX_RESERVED
 from .files import (
     Scanned,
@@ -47,18 +48,26 @@ from .format import (
     _Header,
     _parse_header,
     _shard_dir,
+    record_aad,
 )
 from .recovery import _check_active_present, _ShardPlan
 
 
 def check_dir(
-    directory: str, *, gsn_limit: int | None = None, decode: Callable[[bytes, bytes], object] | None = None
+    directory: str,
+    *,
+    gsn_limit: int | None = None,
+    decode: Callable[[bytes, bytes], object] | None = None,
+    key: bytes | None = None,
 ) -> list[str]:
     """Check a Bitcask collection that is not open, without changing anything (SPEC D6).
 
     Verifies the meta file, every data file header, every record's CRC, every gsn
     (below ``gsn_limit``), and every hint file against its data file.  Needs no
-    encryption key: CRCs cover the sealed bytes.
+    encryption key: CRCs cover the sealed bytes.  With the key of an encrypted
+    collection it also opens every record's sealed key and value (their authentication
+    tags: bytes altered with their CRC fixed up, or moved from another record, fail
+    them) and decodes the plaintexts with ``decode``.
 
     Parameters
     ----------
@@ -68,13 +77,20 @@ def check_dir(
         The end of the gsns the database reserved in its sequence map; default
         ``armdb.seqmap.MAX_RESERVED``.
     decode : callable, optional
-        Called with the key and value of every put record of an unencrypted
-        collection (a map's decoders); what it raises is reported as a finding.
+        Called with the key and value of every put record (a map's decoders); what it
+        raises is reported as a finding.  For an encrypted collection only with ``key``.
+    key : bytes, optional
+        The collection's key (ignored for a collection that is not encrypted).
 
     Returns
     -------
     list of str
         Readable findings; empty when the collection is consistent.
+
+    Raises
+    ------
+    WrongKey
+        ``key`` is not the key the collection was created with.
     """
     fs = _fs.FS
     findings: list[str] = []
@@ -85,6 +101,16 @@ def check_dir(
         return [str(e)]
     except OSError as e:
         return [f"{meta_path}: cannot read the meta file ({e})"]
+    sealer: Sealer | None = None
+    if meta.encrypted and key is not None:
+        sealer = Sealer(key)
+        try:
+            sealer.verify(meta.check)
+        except WrongKey:
+            raise WrongKey(
+                f"the key given for collection {os.path.basename(directory)!r} is not the key it was created "
+                f"with ({directory}); give the original key"
+            ) from None
     count = meta.shard_count
     present = sum(1 for name in fs.listdir(directory) if name.startswith("shard-"))
     if count > present:  # a huge count in a crafted meta file: one finding, not one per shard
@@ -98,7 +124,8 @@ def check_dir(
                 meta.encrypted,
                 findings,
                 MAX_RESERVED if gsn_limit is None else gsn_limit,
-                None if meta.encrypted else decode,
+                None if meta.encrypted and sealer is None else decode,
+                None if sealer is None else (sealer, meta.salt),
             )
         except OSError as e:
             findings.append(f"{sdir}: I/O error while checking ({e})")
@@ -111,6 +138,7 @@ def _check_shard(
     findings: list[str],
     gsn_limit: int = MAX_RESERVED,
     decode: Callable[[bytes, bytes], object] | None = None,
+    sealed: tuple[Sealer, bytes] | None = None,
 ) -> None:
     fs = _fs.FS
     if not fs.isdir(sdir):
@@ -201,7 +229,9 @@ def _check_shard(
                         findings.append(f"{path}: corrupt record at offset {more.bad}")
                         nxt = valid.next_after(more.bad)
             dummy.fd = -1
-            if decode is not None:
+            if sealed is not None:
+                _check_sealed(path, fd, records, sealed[0], sealed[1], decode, findings, fid == active)
+            elif decode is not None:
                 _check_decode(path, fd, records, decode, findings)
         finally:
             fs.close(fd)
@@ -252,6 +282,59 @@ def _check_decode(
                 bad.append(f"offset {off}: {type(e).__name__}: {e}")
     if count:
         findings.append(f"{path}: {count} record(s) do not decode ({'; '.join(bad)})")
+
+
+def _check_sealed(
+    path: str,
+    fd: int,
+    records: dict[int, Scanned],
+    sealer: Sealer,
+    salt: bytes,
+    decode: Callable[[bytes, bytes], object] | None,
+    findings: list[str],
+    active: bool,
+) -> None:
+    """Open every record's sealed key and value under the collection key (what open does
+    with the keys, and a read with the value) and decode the plaintexts with ``decode``."""
+    bad_keys: list[int] = []
+    bad_values: list[int] = []
+    undecodable: list[str] = []
+    n_undecodable = 0
+    for off, gsn_word, klen, vlen, _rsize, kf in sorted(records.values()):
+        try:
+            key = sealer.open(kf, record_aad(salt, b"K", gsn_word))
+        except CorruptionError:
+            bad_keys.append(off)
+            continue
+        if gsn_word & TOMBSTONE:
+            continue
+        try:
+            value = sealer.open(_fs.FS.pread(fd, vlen, off + REC_HEAD_SIZE + klen), record_aad(salt, b"V", gsn_word))
+        except CorruptionError:
+            bad_values.append(off)
+            continue
+        if decode is not None:
+            try:
+                decode(key, value)
+            except Exception as e:  # noqa: BLE001 - a checker reports what a read would raise
+                n_undecodable += 1
+                if len(undecodable) < 3:
+                    undecodable.append(f"offset {off}: {type(e).__name__}: {e}")
+    if bad_keys:
+        what = "salvage with the key cuts the file there" if active else "restore the collection from a backup"
+        findings.append(
+            f"{path}: {len(bad_keys)} record(s) whose sealed key fails its authentication tag under the "
+            f"collection key (altered or moved bytes; first at offset {bad_keys[0]}): open with the key refuses "
+            f"the collection; {what}"
+        )
+    if bad_values:
+        findings.append(
+            f"{path}: {len(bad_values)} record(s) whose sealed value fails its authentication tag under the "
+            f"collection key (altered or moved bytes; first at offset {bad_values[0]}): reading them raises "
+            f"CorruptionError; restore the collection from a backup"
+        )
+    if n_undecodable:
+        findings.append(f"{path}: {n_undecodable} record(s) do not decode ({'; '.join(undecodable)})")
 
 
 def _check_gsns(path: str, head: _Header, records: dict[int, Scanned], limit: int, findings: list[str]) -> None:

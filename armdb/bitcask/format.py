@@ -174,6 +174,13 @@ def _plausible(gsn_word: int, magic: int, klen: int, vlen: int, encrypted: bool)
     return not (tomb and vlen)
 
 
+def record_aad(salt: bytes, tag: bytes, gsn_word: int) -> bytes:
+    """The associated data a sealed field of an encrypted collection is bound to: the
+    collection's salt, the field's tag (``b"K"`` key, ``b"V"`` value) and the record's
+    gsn word, so a field moved to another record or collection fails its tag."""
+    return salt + tag + _U64.pack(gsn_word)
+
+
 # -- meta file ----------------------------------------------------------------------------
 
 

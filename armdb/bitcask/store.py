@@ -256,7 +256,7 @@ class BitcaskStore:
     # -- helpers ---------------------------------------------------------------------------
 
     def _aad(self, tag: bytes, gsn_word: int) -> bytes:
-        return self._salt + tag + _U64.pack(gsn_word)
+        return _format.record_aad(self._salt, tag, gsn_word)
 
     def _fsync(self, fn: Callable[[Any], None], arg: Any, what: str) -> None:
         """Run one fsync-like call; a failure poisons the store (S12) and raises StorageError."""

@@ -40,6 +40,7 @@ import pytest
 
 import armdb
 from armdb import Config, FixedConfig, LeaseToken, QueueConfig, TxConfig, _fs, bitcask, errors, txlog
+from armdb.dbkeys import read_key_file
 from armdb.errors import (
     ConfigError,
     CorruptionError,
@@ -47,6 +48,7 @@ from armdb.errors import (
     DbLocked,
     EncryptionKeyRequired,
     FormatError,
+    KeyFileError,
     NotALease,
     PayloadTypeError,
     ProcessBound,
@@ -427,6 +429,10 @@ def expired_then_relased(w: World) -> None:
     w.vq.ack(w.relased)
 
 
+def _lease_fbatch(w: World) -> None:
+    w.extra["fbatch"] = w.fq.lease_batch(1)
+
+
 # -- the table --------------------------------------------------------------------------------------
 
 
@@ -570,6 +576,19 @@ ROWS: list[R] = [
     R("d3_map_config_wrong_type", lambda w: w.db.open_map("newmap", "fast"), ConfigError, r"open_map takes a built Config"),
     # -- S10 keys (harness g has the full set) ------------------------------------------------------------------
     R("s10_map_without_key", lambda w: w.db.open_map("secret"), EncryptionKeyRequired, r"encrypted; open it with Config\.balanced\(\)\.encryption_key"),
+    R("c4_check_wrong_key", lambda w: armdb.check(w.path, encryption_key=OTHER), WrongKey,
+      r"opens none of its encrypted collections .* give the key its encrypted collections were created with", prep=closed),
+    R("c4_check_log_key_never_given", lambda w: armdb.check(w.path, log_encryption_key=OTHER), WrongKey,
+      r"never given a log key .* leave it out", prep=closed),
+    R("c4_check_key_of_16_bytes", lambda w: armdb.check(w.path, encryption_key=bytes(16)), ConfigError,
+      r"a key must be 32 bytes", prep=closed),
+    R("c4_salvage_wrong_key", lambda w: armdb.salvage(w.path, encryption_key=[KEY, OTHER]), WrongKey,
+      r"encryption_key\[1\] opens none", prep=closed),
+    R("c4_key_file_missing", lambda w: read_key_file(w.path.parent / "no.key"), KeyFileError,
+      r"cannot read the key file .*give the path of the file that holds the key"),
+    R("c4_key_file_a_password", lambda w: read_key_file(w.path.parent / "pw.key"), KeyFileError,
+      r"not a 32-byte key; write 32 random bytes \(head -c 32 /dev/urandom",
+      prep=lambda w: (w.path.parent / "pw.key").write_bytes(b"hunter2\n")),
     R("s10_map_wrong_key", lambda w: w.db.open_map("secret", Config.balanced().encryption_key(OTHER).build()), WrongKey, r"open it with the original key"),
     R("s10_plain_map_with_key", lambda w: w.db.open_map("plainmap", Config.balanced().encryption_key(KEY).build()), ConfigError, r"not encrypted"),
     R("t4_tx_encrypted_map_without_log_key", lambda w: w.db.tx().put(w.secret2, "k", "x").commit(), EncryptionKeyRequired, r"TxConfig\(log_encryption_key=\.\.\.\)"),
@@ -630,6 +649,54 @@ ROWS: list[R] = [
     R("q9_lease_timeout_inf", lambda w: w.fq.lease(1, lease_timeout=INF), ConfigError, r"lease_timeout.*(finite|inf)"),
     R("q9_lease_timeout_below_1ms", lambda w: w.fq.lease(3, lease_timeout=0.0004), ConfigError, r"lease_timeout.*(millisecond|1 ms|0\.001)"),
     R("q19_wait_due_timeout_str", lambda w: w.vq.wait_due_timeout("1"), ConfigError, r"timeout must be a datetime\.timedelta"),
+    # -- extend, peek, redrive, purge (Q29, Q33, Q34) ------------------------------------------------------------------
+    R("q29_extend_by_zero", lambda w: w.vq.extend(w.tok, by=0), ConfigError, r"by must be positive"),
+    R("q29_extend_by_negative", lambda w: w.fq.extend(w.ftok, by=-5), ConfigError, r"by must be positive"),
+    R("q29_extend_by_nan", lambda w: w.fq.extend(w.ftok, by=NAN), ConfigError, r"by.*(finite|NaN|nan)"),
+    R("q29_extend_by_str", lambda w: w.fq.extend(w.ftok, by="10"), ConfigError, r"by must be a datetime\.timedelta"),
+    R("q29_extend_acked", lambda w: w.vq.extend(w.acked), StaleToken, r"already acked, nacked or dead-lettered"),
+    R("q29_extend_relased", lambda w: w.vq.extend(w.relased), StaleToken, r"leased again"),
+    R("q30_extend_int", lambda w: w.vq.extend(7), NotALease, r"expected a Lease.*got int"),
+    R("q33_peek_n_zero", lambda w: w.vq.peek(0), ConfigError, r"peek"),
+    R("q33_peek_n_float", lambda w: w.fq.peek(2.5), ConfigError, r"peek"),
+    R("q33_peek_n_above_max", lambda w: w.fq.peek(1_000_001), ConfigError, r"peek"),
+    R("q34_redrive_ids_str", lambda w: w.vq.redrive("1,2"), ConfigError, r"ids"),
+    R("q34_redrive_ids_floats", lambda w: w.vq.redrive([1.5]), ConfigError, r"ids"),
+    R("q34_redrive_delay_negative", lambda w: w.vq.redrive(delay=-1), ConfigError, r"delay"),
+    R("q34_purge_ids_none_item", lambda w: w.fq.purge_dead([None]), ConfigError, r"ids"),
+    # -- batches (Q31, Q32) ---------------------------------------------------------------------------------------------
+    R("q31_push_many_bad_item", lambda w: w.vq.push_many([Job(1, "a"), "oops", Job(2, "b")]), PayloadTypeError,
+      r"payload 1 of the batch.*nothing was pushed"),
+    R("q31_push_many_fixed_bad_item", lambda w: w.fq.push_many([(1, 1), (2, "x")]), PayloadTypeError,
+      r"payload 1 of the batch"),
+    R("q31_push_many_wrong_dtype", lambda w: w.fq.push_many(np.zeros(4, dtype="<u8")), PayloadTypeError,
+      r"stores .*got an array of uint64.*dtype=queue\.spec\.dtype"),
+    R("q31_push_many_2d_array", lambda w: w.fq.push_many(np.zeros((2, 2), dtype=PING)), PayloadTypeError,
+      r"1-D array.*shape \(2, 2\)"),
+    R("q31_push_many_str", lambda w: w.vq.push_many("abc"), PayloadTypeError, r"sequence of payloads.*not str"),
+    R("q31_push_many_int", lambda w: w.fq.push_many(5), PayloadTypeError, r"sequence of payloads.*not int"),
+    R("q31_push_many_delay_negative", lambda w: w.vq.push_many([Job(1, "a")], delay=-1), ConfigError,
+      r"delay must not be negative"),
+    R("q31_push_many_delay_nan", lambda w: w.fq.push_many([(1, 1)], delay=NAN), ConfigError, r"delay.*(finite|NaN|nan)"),
+    R("q31_push_many_full", lambda w: w.full.push_many([3]), QueueFull, r"max_depth=2; nothing was pushed"),
+    R("q31_push_many_encrypted_without_log_key", lambda w: w.secretq.push_many([b"x"]), EncryptionKeyRequired,
+      r"TxConfig\(log_encryption_key=\.\.\.\)"),
+    R("q32_lease_batch_n_zero", lambda w: w.vq.lease_batch(0), ConfigError, r"lease_batch\(n\) needs an int n >= 1"),
+    R("q32_lease_batch_n_float", lambda w: w.fq.lease_batch(1.5), ConfigError, r"lease_batch\(n\) needs an int"),
+    R("q32_lease_batch_n_above_max", lambda w: w.fq.lease_batch(1_000_001), ConfigError, r"lease_batch\(n\) takes at most"),
+    R("q32_lease_batch_timeout_nan", lambda w: w.fq.lease_batch(2, lease_timeout=NAN), ConfigError,
+      r"lease_timeout.*(finite|NaN|nan)"),
+    R("q32_lease_batch_timeout_zero", lambda w: w.vq.lease_batch(2, lease_timeout=0), ConfigError,
+      r"lease_timeout must be positive"),
+    R("q32_ack_many_ints", lambda w: w.vq.ack_many([1, 2]), NotALease, r"expected a Lease.*got int"),
+    R("q32_ack_many_int", lambda w: w.vq.ack_many(3), NotALease, r"ack_many takes a LeaseBatch"),
+    R("q32_ack_many_single_token", lambda w: w.vq.ack_many(w.tok), NotALease, r"ack one lease with ack\(\)"),
+    R("q32_ack_many_one_stale", lambda w: w.vq.ack_many([w.tok, w.acked]), StaleToken,
+      r"already acked.*nothing of this batch was acked"),
+    R("q32_ack_many_twice", lambda w: w.vq.ack_many([w.tok, w.tok]), StaleToken, r"appears twice.*nothing was acked"),
+    R("q32_ack_many_other_queue", lambda w: w.vq.ack_many([w.tok, w.ftok]), StaleToken, r"another queue handle"),
+    R("q32_ack_many_batch_of_other_queue", lambda w: w.vq.ack_many(w.extra["fbatch"]), StaleToken,
+      r"this batch was leased from queue 'pings'.*nothing was acked", prep=_lease_fbatch),
     # -- tokens (Q13) ------------------------------------------------------------------------------------------------
     R("q30_ack_none", lambda w: w.vq.ack(None), NotALease, r"expected a Lease \(or its LeaseToken.*from Queue\.lease\(\), got NoneType"),
     R("q30_ack_int", lambda w: w.vq.ack(42), NotALease, r"expected a Lease.*got int"),

@@ -39,8 +39,8 @@ from armdb import Config, FixedConfig, QueueConfig, TxConfig, _crypto, _fs
 from armdb.bitcask import DATA_START
 from armdb.errors import ConfigError, CorruptionError, EncryptionKeyRequired, WrongKey
 from armdb.streams import SchemaRegistry
-from armdb.txlog import RECORDS_START as LOG_HEADER_SIZE
 from armdb.txlog import FLAG_SEALED, parse_records
+from armdb.txlog import RECORDS_START as LOG_HEADER_SIZE
 
 from .. import marks
 from ..conftest import FakeClock, child_env, run_child

@@ -1,0 +1,66 @@
+"""Batches (SPEC Q31, Q32) and lease extension (Q29).
+
+``push_many`` → ``lease_batch`` → ``ack_many`` over ``BATCH`` jobs at batch sizes 1, 64
+and 1024, for a fixed queue fed NumPy arrays and a var queue fed 100-byte dicts; and
+``extend`` of one held lease.  Divide by ``BATCH`` for a per-job figure (asv reports the
+time of the whole call).  ``python -m armdb bench --only batch`` runs the same workloads
+beside SQLite doing the same batches in three transactions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import BATCH, FixedJobs, QueueFixture, body
+
+SIZES = [1, 64, 1024]
+
+
+class BatchCycle:
+    """``BATCH`` jobs through push_many(size) → lease_batch(size) → ack_many."""
+
+    number = 1
+    warmup_time = 0.0
+    repeat = (3, 20, 20.0)
+    params = [["fixed", "var"], SIZES]
+    param_names = ["flavour", "size"]
+
+    def setup(self, flavour: str, size: int) -> None:
+        self.fx = QueueFixture(flavour)
+        if flavour == "fixed":
+            arr = np.zeros(size, dtype=FixedJobs.dtype)
+            arr["doc"] = np.arange(size)
+            self.payloads: object = arr
+        else:
+            self.payloads = [body(i) for i in range(size)]
+        self.rounds = max(1, BATCH // size)
+
+    def teardown(self, flavour: str, size: int) -> None:
+        self.fx.close()
+
+    def time_batch_cycle(self, flavour: str, size: int) -> None:
+        q, payloads = self.fx.queue, self.payloads
+        for _ in range(self.rounds):
+            q.push_many(payloads)
+            q.ack_many(q.lease_batch(size))
+
+
+class Extend:
+    """``BATCH`` extends of one held lease (a header update each)."""
+
+    number = 1
+    warmup_time = 0.0
+    repeat = (3, 20, 20.0)
+
+    def setup(self) -> None:
+        self.fx = QueueFixture("fixed")
+        self.fx.queue.push((1, 1))
+        (self.lease,) = self.fx.queue.lease(1)
+
+    def teardown(self) -> None:
+        self.fx.close()
+
+    def time_extend(self) -> None:
+        q, lease = self.fx.queue, self.lease
+        for _ in range(BATCH):
+            q.extend(lease, by=60)
