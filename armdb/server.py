@@ -96,7 +96,7 @@ class Server:
         if _fs.FS.exists(self.path):
             if path is not None and _answers(self.path):
                 raise ConfigError(f"another process serves {self.path}; choose another socket path")
-            os.unlink(self.path)
+            _fs.FS.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             old = os.umask(0o177)  # the socket file is created 0600, never wider for a moment
@@ -154,7 +154,7 @@ class Server:
         try:
             st = os.lstat(self.path)
             if st.st_uid == self._uid:
-                os.unlink(self.path)
+                _fs.FS.unlink(self.path)
         except OSError:
             pass
 
