@@ -18,6 +18,7 @@ from . import errors
 from ._fail import failpoints
 from ._version import __version__ as __version__
 from .check import CheckReport, check
+from .client import Client, connect
 from .config import Config, FixedConfig, QueueConfig, TxConfig
 from .db import Db
 from .errors import (
@@ -39,6 +40,7 @@ from .errors import (
     ReplicationError,
     ReplicationFrameError,
     SchemaMismatch,
+    ServerGone,
     StaleToken,
     StorageError,
     StreamSourceRequiresTx,
@@ -48,12 +50,15 @@ from .errors import (
 from .queue import Job, Lease, LeaseBatch, LeaseToken, Queue, QueueSpec, QueueStats, State, queue
 from .salvage import Cut, SalvageReport, salvage
 from .streams import Change, SchemaRegistry
+from .worker import Worker
 
 __all__ = [
     "ArmdbError",
     "Change",
     "CheckReport",
     "check",
+    "Client",
+    "connect",
     "Config",
     "ConfigError",
     "CorruptionError",
@@ -84,6 +89,7 @@ __all__ = [
     "ReplicationFrameError",
     "SalvageReport",
     "SchemaMismatch",
+    "ServerGone",
     "StaleToken",
     "SchemaRegistry",
     "State",
@@ -91,6 +97,7 @@ __all__ = [
     "StreamSourceRequiresTx",
     "TxConfig",
     "TxFailedAfterLog",
+    "Worker",
     "WrongKey",
     "errors",
     "failpoints",

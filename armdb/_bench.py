@@ -4,9 +4,17 @@ Each :class:`Case` is one system running one workload.  A repeat runs in a fresh
 temporary directory; the table shows the median of the repeats, and every ratio
 is computed from figures taken in the same run, so the machine's speed cancels out.
 
+Every armdb row runs at the defaults a user gets (``Db.open(path)``,
+``db.open_queue(spec)`` with no config, i.e. ``QueueConfig.balanced()``) unless its
+system column names other settings: the tuned cycle rows (no fsync, leases of an
+hour, a named payload cache) stand beside the default ones, the durable rows name
+``sync_interval(0)``, and the transaction rows their shard count.
+
 Durability is matched honestly.  Rows marked "process-crash safe" survive a killed
-process but may lose their last writes on power loss: armdb without fsync, SQLite
-in WAL mode with ``synchronous=NORMAL``, litequeue (which sets the same).  Rows marked
+process but may lose their last writes on power loss: armdb at its defaults (the
+stores fsync on a 50 ms timer) or without fsync, SQLite in WAL mode with
+``synchronous=NORMAL``, litequeue (which sets the same), localqueue at its default
+``DurabilityMode.RELAXED`` (WAL, ``synchronous=NORMAL``; ``DURABLE`` sets ``FULL``).  Rows marked
 "power-loss safe" sync every operation: armdb with ``sync_interval(0)`` (each write
 msyncs its page), SQLite with ``synchronous=FULL``, persist-queue (``SQLiteAckQueue``,
 which commits every call in WAL mode at the default ``FULL``), and a raw
@@ -114,20 +122,26 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def open_armdb(path: str, spec: QueueSpec, *, durable: bool = False) -> tuple[Db, Queue[Any]]:
-    """A Db and a queue configured as the benchmarks use them.
+def open_armdb(path: str, spec: QueueSpec, *, tuned: bool = False, durable: bool = False) -> tuple[Db, Queue[Any]]:
+    """A Db and a queue configured as a benchmark row says.
 
-    ``durable=False``: no fsync at all (header and payload stores).  ``durable=True``:
-    the header store syncs on every write (``sync_interval(0)``).  A var queue gets a
-    payload cache of :data:`PAYLOAD_CACHE_BYTES`.
+    By default, what a user gets: ``Db.open(path)`` and ``db.open_queue(spec)`` with no
+    config (``QueueConfig.balanced()``: header and body stores fsync on a 50 ms timer,
+    a 30 s lease, a 2,000 KiB body cache).  ``tuned=True`` is the labelled tuned row:
+    no fsync at all, leases of :data:`LONG_LEASE`, and a var queue's payload cache of
+    :data:`PAYLOAD_CACHE_BYTES` (:data:`TUNED` names it).  ``durable=True``: the header
+    store syncs on every write (``sync_interval(0)``), bodies fsync, long leases.
     """
-    header = FixedConfig.balanced().grow_step(QUEUE_GROW_STEP)
-    header = header.sync_interval(0) if durable else header.enable_fsync(False)
-    cfg = QueueConfig.balanced().lease_timeout(LONG_LEASE).header_config(header.build())
-    if spec.var:
-        cfg = cfg.payload_config(Config.balanced().enable_fsync(durable).cache_bytes(PAYLOAD_CACHE_BYTES).build())
     db = Db.open(path)
     try:
+        if not tuned and not durable:
+            return db, db.open_queue(spec)
+        header = FixedConfig.balanced().grow_step(QUEUE_GROW_STEP)
+        header = header.sync_interval(0) if durable else header.enable_fsync(False)
+        cfg = QueueConfig.balanced().lease_timeout(LONG_LEASE).header_config(header.build())
+        if spec.var:
+            cfg = cfg.payload_config(
+                Config.balanced().enable_fsync(durable).cache_bytes(PAYLOAD_CACHE_BYTES).build())
         return db, db.open_queue(spec, cfg.build())
     except BaseException:
         db.close()
@@ -150,9 +164,10 @@ def _timed_rate(n: int, fn: Callable[[int], None]) -> float:
 # -- armdb workloads ----------------------------------------------------------------------------------
 
 
-def armdb_cycle(path: str, n: int, spec: QueueSpec, *, durable: bool = False, warmup: int = 200) -> float:
-    """push → lease(1) → ack, ``n`` times; cycles per second."""
-    db, q = open_armdb(path, spec, durable=durable)
+def armdb_cycle(path: str, n: int, spec: QueueSpec, *, tuned: bool = False, durable: bool = False,
+                warmup: int = 200) -> float:
+    """push → lease(1) → ack, ``n`` times; cycles per second (config: :func:`open_armdb`)."""
+    db, q = open_armdb(path, spec, tuned=tuned, durable=durable)
     make: Callable[[int], Any] = body if spec.var else _fixed_payload
     try:
         def cycle(i: int) -> None:
@@ -255,8 +270,8 @@ def armdb_lease_scan(path: str, outstanding: int, samples: int) -> float:
         for i in range(outstanding):
             q.push(_fixed_payload(i))
         leased = 0
-        while leased < outstanding:
-            leased += len(q.lease(min(1000, outstanding - leased)))
+        while leased < outstanding:  # leases that stay unexpired for the whole run
+            leased += len(q.lease(min(1000, outstanding - leased), lease_timeout=LONG_LEASE))
         for i in range(samples):
             q.push(_fixed_payload(outstanding + i))
         times = []
@@ -340,7 +355,7 @@ def armdb_extend(path: str, n: int, warmup: int = 200) -> float:
     """``extend`` of one held lease, ``n`` times, at the defaults; extends per second."""
     db = Db.open(path)
     try:
-        q = db.open_queue(BenchFixed)
+        q: Queue[Any] = db.open_queue(BenchFixed)
         q.push(_fixed_payload(1))
         (lease,) = q.lease(1)
 
@@ -638,6 +653,107 @@ def persistqueue_lease_scan(path: str, outstanding: int, samples: int) -> float:
         q.close()
 
 
+# -- localqueue ---------------------------------------------------------------------------------------------
+
+
+class _RawBytes:
+    """A localqueue serializer that stores the bytes it is given, so that localqueue
+    carries the same payloads as the other SQLite peers (12-byte records, or msgpack
+    bodies packed by the workload) instead of its default JSON."""
+
+    def dumps(self, obj: bytes, /) -> bytes:
+        return obj
+
+    def loads(self, data: bytes, /) -> bytes:
+        return data
+
+
+def _localqueue(path: str) -> Any:
+    """A ``localqueue.SimpleQueue`` at its defaults (``DurabilityMode.RELAXED``: WAL with
+    ``synchronous=NORMAL``, a 60 s lease)."""
+    from localqueue import SimpleQueue
+
+    return SimpleQueue(os.path.join(path, "lq"), serializer=_RawBytes())
+
+
+def localqueue_cycle(path: str, n: int, var: bool, warmup: int = 200) -> float:
+    """localqueue's put → get (a lease) → ack, ``n`` times; cycles per second."""
+    q = _localqueue(path)
+    try:
+        def cycle(i: int) -> None:
+            q.put(msgpack.packb(body(i)) if var else _PING.pack(i, 1))
+            job = q.get(block=False)
+            if var:
+                msgpack.unpackb(job.data)
+            q.ack(job)
+
+        for i in range(warmup):
+            cycle(i)
+        return _timed_rate(n, cycle)
+    finally:
+        q.close()
+
+
+PUT_MANY = 1000  # payloads per push_many / put_many call
+
+
+def armdb_push_many(path: str, jobs: int, size: int, spec: QueueSpec) -> float:
+    """``push_many(size)`` at the defaults a user gets, into a growing queue; jobs per
+    second.  A fixed queue pushes one NumPy array of its dtype (built once), a var queue
+    a list of 100-byte dicts (packed by the call)."""
+    db = Db.open(path)
+    try:
+        q = db.open_queue(spec)
+        if spec.var:
+            payloads: Any = [body(i) for i in range(size)]
+        else:
+            payloads = np.zeros(size, dtype=spec.dtype)
+            payloads["doc"] = np.arange(size)
+        q.push_many(payloads)  # warm-up
+        return _timed_rate(_batches(jobs, size), lambda _: q.push_many(payloads)) * size
+    finally:
+        db.shutdown()
+
+
+def localqueue_put_many(path: str, jobs: int, size: int, var: bool) -> float:
+    """localqueue's ``put_many(size)`` (one transaction per call); jobs per second.  Fixed
+    records are packed once, as armdb's NumPy array is built once; var bodies are
+    packed with msgpack in each call, as armdb's ``push_many`` packs its dicts."""
+    q = _localqueue(path)
+    try:
+        records = [_PING.pack(i, 1) for i in range(size)]
+        dicts = [body(i) for i in range(size)]
+
+        def put(_: int) -> None:
+            q.put_many([msgpack.packb(d) for d in dicts] if var else records)
+
+        put(0)  # warm-up
+        return _timed_rate(_batches(jobs, size), put) * size
+    finally:
+        q.close()
+
+
+def sqlite_push_many(path: str, jobs: int, size: int, var: bool) -> float:
+    """``size`` inserts in one transaction (WAL, synchronous=NORMAL); jobs per second."""
+    q = SqliteQueue(path, "NORMAL")
+    try:
+        records = [_PING.pack(i, 1) for i in range(size)]
+        dicts = [body(i) for i in range(size)]
+        conn = q.conn
+
+        def put(_: int) -> None:
+            now = _now_ms()
+            conn.execute("BEGIN")
+            conn.executemany("INSERT INTO q (due, state, body) VALUES (?, 0, ?)",
+                             [(now, msgpack.packb(d)) for d in dicts] if var else [(now, r) for r in records])
+            conn.execute("COMMIT")
+
+        put(0)  # warm-up
+        return _timed_rate(_batches(jobs, size), put) * size
+    finally:
+        q.close()
+
+
 # -- the case table -----------------------------------------------------------------------------------------------
 
 
@@ -666,27 +782,60 @@ class Case:
         return sizes.durable_repeats if self.durability.startswith(SYNCED) else sizes.repeats
 
 
+def _bind(fn: Callable[[str, int, int, Any], float], size: int, arg: Any) -> Callable[[str, Sizes], float]:
+    """``run`` of a batch row: ``fn(directory, sizes.batch_jobs, size, arg)``."""
+    return lambda d, s: fn(d, s.batch_jobs, size, arg)
+
+
 LITEQUEUE = "litequeue"
+LOCALQUEUE = "localqueue"
 PERSISTQUEUE = "persistqueue"
 INSTALL_HINT = "pip install -e '.[bench]'"
 
+# System names: a row at the defaults a user gets says so; a tuned row names its settings.
+ARMDB_FIXED = "armdb fixed queue (defaults)"
+ARMDB_VAR = "armdb var queue (defaults)"
+TUNED = "tuned: no fsync, 3600 s leases"
+ARMDB_FIXED_TUNED = f"armdb fixed queue ({TUNED})"
+ARMDB_VAR_TUNED = f"armdb var queue ({TUNED}, payload cache {PAYLOAD_CACHE_BYTES // 1024:,} KiB)"
+ARMDB_DURABLE = "armdb fixed queue (header sync_interval(0))"
+TIMED = f"{NO_SYNC} (fsync every 50 ms)"
+LOCALQUEUE_DURABILITY = f"{NO_SYNC} (RELAXED: synchronous=NORMAL)"
+
 CASES: list[Case] = [
-    # push → lease → ack with no fsync: fixed payload.
-    Case("cycle/fixed", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "cycles/s",
+    # push → lease → ack, fixed 12-byte payload: the defaults, raw SQLite, the tuned row, the peers.
+    Case("cycle/fixed", ARMDB_FIXED, TIMED, "cycles/s",
          lambda d, s: armdb_cycle(d, s.cycle_ops, BenchFixed, warmup=s.warmup), reference=True),
     Case("cycle/fixed", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
          lambda d, s: sqlite_cycle(d, s.cycle_ops, "NORMAL", False, s.warmup)),
+    Case("cycle/fixed", ARMDB_FIXED_TUNED, f"{NO_SYNC} (no fsync)", "cycles/s",
+         lambda d, s: armdb_cycle(d, s.cycle_ops, BenchFixed, tuned=True, warmup=s.warmup)),
+    Case("cycle/fixed", "localqueue", LOCALQUEUE_DURABILITY, "cycles/s",
+         lambda d, s: localqueue_cycle(d, s.cycle_ops, False, s.warmup), requires=LOCALQUEUE),
     Case("cycle/fixed", "litequeue", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
          lambda d, s: litequeue_cycle(d, s.cycle_ops, False, s.warmup), requires=LITEQUEUE),
     # push → lease → ack with a 100-byte msgpack body.
-    Case("cycle/var-100B", "armdb var queue", f"{NO_SYNC} (no fsync)", "cycles/s",
+    Case("cycle/var-100B", ARMDB_VAR, TIMED, "cycles/s",
          lambda d, s: armdb_cycle(d, s.cycle_ops, BenchVar, warmup=s.warmup), reference=True),
     Case("cycle/var-100B", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
          lambda d, s: sqlite_cycle(d, s.cycle_ops, "NORMAL", True, s.warmup)),
+    Case("cycle/var-100B", ARMDB_VAR_TUNED, f"{NO_SYNC} (no fsync)", "cycles/s",
+         lambda d, s: armdb_cycle(d, s.cycle_ops, BenchVar, tuned=True, warmup=s.warmup)),
+    Case("cycle/var-100B", "localqueue", LOCALQUEUE_DURABILITY, "cycles/s",
+         lambda d, s: localqueue_cycle(d, s.cycle_ops, True, s.warmup), requires=LOCALQUEUE),
     Case("cycle/var-100B", "litequeue", f"{NO_SYNC} (synchronous=NORMAL)", "cycles/s",
          lambda d, s: litequeue_cycle(d, s.cycle_ops, True, s.warmup), requires=LITEQUEUE),
+    # push_many(1000) beside localqueue's put_many(1000), into a growing queue.
+    *[c for kind, spec in (("fixed-numpy", BenchFixed), ("var-100B", BenchVar)) for c in (
+        Case(f"push_many/{kind}-{PUT_MANY}", ARMDB_VAR if spec.var else ARMDB_FIXED, TIMED, "jobs/s",
+             _bind(armdb_push_many, PUT_MANY, spec), reference=True),
+        Case(f"push_many/{kind}-{PUT_MANY}", "localqueue put_many", LOCALQUEUE_DURABILITY, "jobs/s",
+             _bind(localqueue_put_many, PUT_MANY, spec.var), requires=LOCALQUEUE),
+        Case(f"push_many/{kind}-{PUT_MANY}", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "jobs/s",
+             _bind(sqlite_push_many, PUT_MANY, spec.var)),
+    )],
     # One lease that must skip 10,000 unexpired leases.
-    Case("lease_scan/10k_outstanding", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "µs/lease",
+    Case("lease_scan/10k_outstanding", ARMDB_FIXED, TIMED, "µs/lease",
          lambda d, s: armdb_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False, reference=True),
     Case("lease_scan/10k_outstanding", "sqlite3 WAL + state index", f"{NO_SYNC} (synchronous=NORMAL)", "µs/lease",
          lambda d, s: sqlite_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False),
@@ -697,7 +846,7 @@ CASES: list[Case] = [
          lambda d, s: persistqueue_lease_scan(d, s.outstanding, s.scan_samples), higher_is_better=False,
          requires=PERSISTQUEUE),
     # Durable push: every operation reaches the disk before the call returns.
-    Case("push/durable", "armdb fixed queue", f"{SYNCED} (msync per push)", "pushes/s",
+    Case("push/durable", ARMDB_DURABLE, f"{SYNCED} (msync per push)", "pushes/s",
          lambda d, s: armdb_durable_push(d, s.durable_ops, warmup=s.warmup), reference=True),
     Case("push/durable", "sqlite3 WAL", f"{SYNCED} (synchronous=FULL)", "pushes/s",
          lambda d, s: sqlite_durable_push(d, s.durable_ops, s.warmup)),
@@ -706,12 +855,12 @@ CASES: list[Case] = [
     Case("push/durable", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
          lambda d, s: raw_fdatasync(d, s.durable_ops, warmup=min(50, s.warmup))),
     # The same with 8 threads: what group commit could win.
-    Case("push/durable-8-threads", "armdb fixed queue", f"{SYNCED} (msync per push)", "pushes/s",
+    Case("push/durable-8-threads", ARMDB_DURABLE, f"{SYNCED} (msync per push)", "pushes/s",
          lambda d, s: armdb_durable_push(d, s.thread_ops, threads=s.threads, warmup=s.warmup), reference=True),
     Case("push/durable-8-threads", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
          lambda d, s: raw_fdatasync(d, s.thread_ops, threads=s.threads, warmup=min(50, s.warmup))),
     # Durable cycles, to place persist-queue (it fsyncs every call).
-    Case("cycle/durable", "armdb fixed queue", f"{SYNCED} (msync per op)", "cycles/s",
+    Case("cycle/durable", ARMDB_DURABLE, f"{SYNCED} (msync per op)", "cycles/s",
          lambda d, s: armdb_cycle(d, s.durable_cycle_ops, BenchFixed, durable=True, warmup=min(20, s.warmup)),
          reference=True),
     Case("cycle/durable", "sqlite3 WAL", f"{SYNCED} (synchronous=FULL)", "cycles/s",
@@ -719,33 +868,33 @@ CASES: list[Case] = [
     Case("cycle/durable", "persist-queue SQLiteAckQueue", f"{SYNCED} (fsync per op)", "cycles/s",
          lambda d, s: persistqueue_cycle(d, s.durable_cycle_ops, min(20, s.warmup)), requires=PERSISTQUEUE),
     # Transactions: a map put + a queue push in one commit (the outbox shape).
-    Case("tx/2-row", "armdb db.tx()", f"{NO_SYNC} (log appended, not synced)", "commits/s",
+    Case("tx/2-row", "armdb db.tx() (8 shards, stores without fsync)", f"{NO_SYNC} (log appended, not synced)", "commits/s",
          lambda d, s: armdb_tx_commit(d, s.cycle_ops // 4, durable=False, warmup=s.warmup), reference=True),
-    Case("tx/2-row-durable", "armdb db.tx().durable()", f"{SYNCED} (log fdatasync per commit)", "commits/s",
+    Case("tx/2-row-durable", "armdb db.tx().durable() (8 shards, stores without fsync)", f"{SYNCED} (log fdatasync per commit)", "commits/s",
          lambda d, s: armdb_tx_commit(d, s.durable_ops, durable=True, warmup=min(20, s.warmup)), reference=True),
-    Case("tx/2-row-durable-8-threads", "armdb db.tx().durable()", f"{SYNCED} (group commit)", "commits/s",
+    Case("tx/2-row-durable-8-threads", "armdb db.tx().durable() (8 shards, stores without fsync)", f"{SYNCED} (group commit)", "commits/s",
          lambda d, s: armdb_tx_commit(d, s.thread_ops, durable=True, threads=s.threads, warmup=min(20, s.warmup)),
          reference=True),
     Case("tx/2-row-durable", "raw pwrite+fdatasync, 64 B", f"{SYNCED} (the disk's limit)", "writes/s",
          lambda d, s: raw_fdatasync(d, s.durable_ops, warmup=min(50, s.warmup))),
     # Batches at the defaults a user gets: push_many → lease_batch → ack_many (Q31, Q32).
     *[c for size in BATCH_SIZES for c in (
-        Case(f"batch/fixed-numpy-{size}", "armdb fixed queue (defaults)", f"{NO_SYNC} (timed fsync)", "jobs/s",
-             lambda d, s, size=size: armdb_batch_cycle(d, s.batch_jobs, size, BenchFixed), reference=True),
+        Case(f"batch/fixed-numpy-{size}", ARMDB_FIXED, TIMED, "jobs/s",
+             _bind(armdb_batch_cycle, size, BenchFixed), reference=True),
         Case(f"batch/fixed-numpy-{size}", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "jobs/s",
-             lambda d, s, size=size: sqlite_batch_cycle(d, s.batch_jobs, size, False)),
-        Case(f"batch/var-100B-{size}", "armdb var queue (defaults)", f"{NO_SYNC} (timed fsync)", "jobs/s",
-             lambda d, s, size=size: armdb_batch_cycle(d, s.batch_jobs, size, BenchVar), reference=True),
+             _bind(sqlite_batch_cycle, size, False)),
+        Case(f"batch/var-100B-{size}", ARMDB_VAR, TIMED, "jobs/s",
+             _bind(armdb_batch_cycle, size, BenchVar), reference=True),
         Case(f"batch/var-100B-{size}", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "jobs/s",
-             lambda d, s, size=size: sqlite_batch_cycle(d, s.batch_jobs, size, True)),
+             _bind(sqlite_batch_cycle, size, True)),
     )],
     # Extending a held lease (the heartbeat of a long handler, Q29).
-    Case("extend", "armdb fixed queue (defaults)", f"{NO_SYNC} (timed fsync)", "extends/s",
+    Case("extend", ARMDB_FIXED, TIMED, "extends/s",
          lambda d, s: armdb_extend(d, s.extend_ops, s.warmup), reference=True),
     Case("extend", "sqlite3 WAL", f"{NO_SYNC} (synchronous=NORMAL)", "extends/s",
          lambda d, s: sqlite_extend(d, s.extend_ops, s.warmup)),
     # Opening a queue full of live rows (index rebuild from the header file).
-    Case("cold_open", "armdb fixed queue", f"{NO_SYNC} (no fsync)", "s",
+    Case("cold_open", ARMDB_FIXED, TIMED, "s",
          lambda d, s: armdb_cold_open(d, s.open_rows, repeats=2), higher_is_better=False, reference=True,
          repeats=1),
 ]
@@ -920,23 +1069,42 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
         peer = f", SQLite {scan_sql:,.1f} µs" if scan_sql is not None else ""
         out.append(Target("lease_scan/10k_outstanding", "≤ 20 µs and faster than raw SQLite",
                           f"{scan:,.1f} µs{peer}", scan <= 20 and faster))
-    for workload, floor, times in (("cycle/fixed", 200_000, 15), ("cycle/var-100B", 80_000, 6)):
-        a = _find(results, workload, "armdb")
+    # Each target is judged on the row it names: "no fsync" on the tuned rows, "at the
+    # defaults" on the default rows (docs/spec.md, section 8).
+    for name, workload, system, floor, times in (
+            ("cycle/fixed, no fsync (tuned row)", "cycle/fixed", ARMDB_FIXED_TUNED, 200_000, 15),
+            ("cycle/var-100B, no fsync (tuned row)", "cycle/var-100B", ARMDB_VAR_TUNED, 80_000, 6),
+            ("cycle/var-100B at the defaults", "cycle/var-100B", ARMDB_VAR, None, 4)):
+        a = _find(results, workload, system)
         s = _find(results, workload, "sqlite3")
         if a is not None:
             ratio = a / s if s else None
             ratio_s = f" = {ratio:.2f}× SQLite NORMAL" if ratio is not None else ""
-            out.append(Target(workload, f"≥ {floor:,} cycles/s (≥ {times}× raw SQLite)",
-                              f"{a:,.0f} cycles/s{ratio_s}", a >= floor and (ratio is None or ratio >= times)))
-    for workload, floor, times in (("batch/var-100B-64", 300_000, 3), ("batch/fixed-numpy-1024", 2_000_000, None)):
+            goal = (f"≥ {floor:,} cycles/s and " if floor else "") + f"≥ {times}× raw SQLite"
+            met = (floor is None or a >= floor) and (ratio >= times if ratio is not None else None)
+            out.append(Target(name, goal, f"{a:,.0f} cycles/s{ratio_s}", met))
+    for name, workload, system, peer, times in (
+            ("cycle/fixed at the defaults vs localqueue", "cycle/fixed", ARMDB_FIXED, "localqueue", 5),
+            ("cycle/var-100B at the defaults vs localqueue", "cycle/var-100B", ARMDB_VAR, "localqueue", 5),
+            (f"push_many({PUT_MANY}) fixed NumPy vs put_many", f"push_many/fixed-numpy-{PUT_MANY}", ARMDB_FIXED,
+             "localqueue", 3),
+            (f"push_many({PUT_MANY}) var vs put_many", f"push_many/var-100B-{PUT_MANY}", ARMDB_VAR, "localqueue", 3)):
+        a = _find(results, workload, system)
+        p = _find(results, workload, peer)
+        if a is not None and p is not None:
+            out.append(Target(name, f"≥ {times}× localqueue", f"{a:,.0f}/s vs {p:,.0f}/s = {a / p:.2f}×",
+                              a / p >= times))
+    batch_targets: tuple[tuple[str, int, int | None], ...] = (
+        ("batch/var-100B-64", 300_000, 3), ("batch/fixed-numpy-1024", 2_000_000, None))
+    for workload, floor, least in batch_targets:
         a = _find(results, workload, "armdb")
         s = _find(results, workload, "sqlite3")
         if a is not None:
             ratio = a / s if s else None
             ratio_s = f" = {ratio:.2f}× SQLite batched" if ratio is not None else ""
-            goal = f"≥ {floor:,} jobs/s" + (f" (≥ {times}× SQLite batched)" if times else "")
+            goal = f"≥ {floor:,} jobs/s" + (f" (≥ {least}× SQLite batched)" if least else "")
             out.append(Target(workload, goal, f"{a:,.0f} jobs/s{ratio_s}",
-                              a >= floor and (times is None or ratio is None or ratio >= times)))
+                              a >= floor and (least is None or ratio is None or ratio >= least)))
     d = _find(results, "push/durable", "armdb")
     raw = _find(results, "push/durable", "raw")
     if d is not None and raw is not None:
@@ -988,7 +1156,7 @@ def main(*, quick: bool = False, json_path: str | None = None, only: str | None 
     started = time.perf_counter()
     results = run(sizes, cases, lambda done, total, label: bar.update(done, label))
     bar.close(bar.total, "done")
-    idle = None
+    idle: int | None = None
     if only is None:
         with tempfile.TemporaryDirectory(prefix="armdb-bench-") as d:
             idle = armdb_idle_shard_bytes(d)

@@ -7,6 +7,10 @@
 ``bench``
     armdb's queue benchmarks beside SQLite-based peers, in one run (C3); the
     workloads live in :mod:`armdb._bench`.
+``serve DIR``
+    Open the database and serve it to other processes until SIGINT/SIGTERM (C5, P1).
+``work DIR module:function [-p N] [--batch B] [--threads T] [--queue NAME]``
+    Run :class:`armdb.Worker` over a queue the module declares (C5, P6).
 ``salvage DIR [--dry-run]``
     Cut the files that open refuses under S7 at their bad record
     (:func:`armdb.salvage`; docs/operations.md).
@@ -27,32 +31,45 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from . import _bench, _fs
 from ._term import ProgressBar, format_table
 from ._version import __version__
 from .check import _check
+from .client import Client
 from .config import QueueConfig, TxConfig
 from .db import Db
 from .dbkeys import key_file_warning, read_key_file, resolve_keys
-from .errors import ArmdbError, DbLocked, EncryptionKeyRequired, KeyFileError, WrongKey
+from .errors import (
+    ArmdbError,
+    ConfigError,
+    DbLocked,
+    EncryptionKeyRequired,
+    KeyFileError,
+    ServerGone,
+    WrongKey,
+)
 from .inspect import QueueFileStats, inspect_queue, queue_names
 from .layout import META_FILE, DirLock
-from .qspec import queue
+from .qspec import QueueSpec, queue
 from .queue import Queue, QueueStats
 from .salvage import _salvage
+from .worker import Worker
 
 __all__ = ["ProgressBar", "QueueFileStats", "format_stats", "format_table", "inspect_queue", "main", "run_demo"]
 
@@ -417,6 +434,93 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _bench.main(quick=args.quick, json_path=args.json, only=args.only)
 
 
+# -- serve and work (C5) ----------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serve DIR in the foreground; SIGINT/SIGTERM stop accepting, finish the calls in
+    flight and close the database."""
+    stop = threading.Event()
+    old = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        db = Db.open(args.dir)
+        try:
+            srv = db.serve(args.socket)
+            print(f"armdb serve: serving {db.path} on {srv.path} (process {os.getpid()}); "
+                  f"stop with Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
+            while not stop.wait(1.0):
+                pass
+            srv.close()
+        finally:
+            db.shutdown()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    print("armdb serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _load_handler(target: str, queue_name: str | None) -> tuple[QueueSpec, Callable[..., Any]]:
+    mod_name, sep, func_name = target.partition(":")
+    if not sep or not mod_name or not func_name:
+        raise ConfigError(f"give the handler as module:function, got {target!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(mod_name)
+    handler = getattr(module, func_name, None)
+    if not callable(handler):
+        raise ConfigError(f"{mod_name} has no function {func_name!r}")
+    specs = {v.name: v for v in vars(module).values() if isinstance(v, QueueSpec)}
+    if queue_name is not None:
+        if queue_name not in specs:
+            raise ConfigError(f"{mod_name} declares no queue {queue_name!r} (it declares: {sorted(specs) or 'none'})")
+        return specs[queue_name], handler
+    if len(specs) != 1:
+        raise ConfigError(f"{mod_name} declares {len(specs)} queues ({sorted(specs)}); pick one with --queue NAME")
+    return next(iter(specs.values())), handler
+
+
+def _cmd_work(args: argparse.Namespace) -> int:
+    spec, handler = _load_handler(args.target, args.queue)
+    db: Db | None = None
+    try:
+        source: Client | Db = Client(args.dir)
+        where = f"connected to the owner of {args.dir}"
+    except ServerGone:
+        db = Db.open(args.dir)  # nobody serves it: own it, and serve it (to worker processes, and others)
+        srv = db.serve()
+        source = db
+        where = f"owning {db.path}, serving it on {srv.path}"
+    try:
+        w = Worker(source, spec, handler, processes=args.processes, threads=args.threads, batch=args.batch)
+        print(f"armdb work: {spec.name} with {args.target} ({where}; {args.processes or 1} process(es) x "
+              f"{args.threads} thread(s)); stop with Ctrl-C or SIGTERM", file=sys.stderr, flush=True)
+        stop_progress = threading.Event()
+
+        def progress() -> None:
+            t0 = time.monotonic()
+            while not stop_progress.wait(1.0):
+                done, failed = w.counts()
+                rate = done / max(1e-9, time.monotonic() - t0)
+                print(f"\r{done:,} done, {failed:,} failed, {rate:,.0f}/s", end="", file=sys.stderr, flush=True)
+
+        pt = threading.Thread(target=progress, daemon=True)
+        pt.start()
+        try:
+            w.run()
+        finally:
+            stop_progress.set()
+            pt.join()
+        done, failed = w.counts()
+        print(f"\narmdb work: stopped; {done:,} done, {failed:,} failed", file=sys.stderr)
+    finally:
+        if isinstance(source, Client):
+            source.close()
+        if db is not None:
+            db.shutdown()
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------
 
 
@@ -453,6 +557,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
     bench.add_argument("--only", metavar="SUBSTR", help="run only workloads whose name contains SUBSTR")
     bench.set_defaults(func=_cmd_bench)
+
+    srv = sub.add_parser("serve", help="open a database and serve it to other processes (armdb.connect)")
+    srv.add_argument("dir", help="database directory")
+    srv.add_argument("--socket", help="socket path (default: DIR/armdb.sock)")
+    srv.set_defaults(func=_cmd_serve)
+
+    work = sub.add_parser("work", help="run a worker: call module:function for every job of a queue")
+    work.add_argument("dir", help="database directory (served by its owner, or opened and served here)")
+    work.add_argument("target", metavar="module:function", help="the handler; its module declares the queue")
+    work.add_argument("-p", "--processes", type=int, default=0, help="child processes (default 0: this one)")
+    work.add_argument("--threads", type=int, default=1, help="handler threads per process (default 1)")
+    work.add_argument("--batch", type=int, default=16, help="rows leased at once (default 16)")
+    work.add_argument("--queue", help="the queue, when the module declares several")
+    work.set_defaults(func=_cmd_work)
 
     salv = sub.add_parser(
         "salvage", help="cut the files that open refuses (a bad record with valid ones after it) at the bad record"

@@ -52,6 +52,7 @@ from .layout import (  # noqa: F401
 from .maps import Map
 from .queue import Commits, Queue, QueueSpec, open_queue, start_queue_workers
 from .seqmap import SeqMap
+from .server import Server
 from .tx import Tx, commit_batch, commit_dead_rows, commit_settle
 from .txlog import TxLog
 
@@ -108,9 +109,9 @@ def _after_fork_in_child() -> None:
             db._closed = True
             db._closed_why = (
                 f" (inherited across fork() from process {os.getppid()}: a Db belongs to the process "
-                f"that opened it, and a database has one owner at a time. Hand work to other processes "
-                f"through the owner: the owner pushes and leases, workers get payloads over a pipe or "
-                f"queue and report back (docs/operations.md, 'Processes'); do not Db.open the same "
+                f"that opened it, and a database has one owner at a time. Let the owner serve it with "
+                f"db.serve() and call armdb.connect(path) in this process, or run armdb.Worker(db, spec, "
+                f"handler, processes=N) in the owner (docs/processes.md); do not Db.open the same "
                 f"directory in the workers, that fails with DbLocked while the owner runs)"
             )
     _OPEN.clear()
@@ -139,6 +140,7 @@ class Db:
         self._waker: Any = None
         self._closed_why = ""  # why an operation finds the Db closed, when not close()
         self._primary: replication.Primary | None = None  # db.replicate(): the stream's server
+        self._servers: list[Server] = []  # db.serve(): stopped first by close()
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod
@@ -266,8 +268,8 @@ class Db:
     def __reduce__(self) -> Any:
         raise ProcessBound(
             "a Db cannot be pickled or sent to another process: a handle belongs to the process that "
-            "opened the database. Send payloads (and ids) instead, and let the owning process lease and "
-            "settle (docs/operations.md, 'Processes')"
+            "opened the database. Serve it (db.serve()) and call armdb.connect(path) in the other process, "
+            "or send payloads and let the owning process lease and settle (docs/processes.md)"
         )
 
     def __enter__(self) -> Db:
@@ -302,11 +304,15 @@ class Db:
         closed, so nothing ever touches a file or mapping after it was closed.
         """
         with self._lock:
+            servers, self._servers = self._servers, []
+            if self._primary is not None and not self._closed:
+                self._primary.release()  # commits waiting for followers (R4) return: we close
+        for srv in servers:  # the calls in flight finish before the collections close (P1)
+            srv.close()
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._primary is not None:
-                self._primary.release()  # commits waiting for followers (R4) return: we close
             for w in self._workers:
                 w.stop()
             queues = list(self._queues.values())
@@ -496,6 +502,30 @@ class Db:
         # A var queue's ack and nack are logged commits (Q14): the queue gets them from
         # here, the one module that knows both the queue and the transaction.
         return open_queue(self, spec, config, Commits(commit_settle, commit_dead_rows, commit_batch))
+
+    def serve(self, path: str | os.PathLike[str] | None = None) -> Server:
+        """Serve this database to other processes of the same user (P1).
+
+        Starts a :class:`armdb.server.Server` on a Unix socket, by default
+        ``DIR/armdb.sock`` (mode 0600); clients use ``armdb.connect(DIR)``.  The server
+        calls this Db's own queues, maps and transactions.  ``server.close()`` stops it;
+        closing the Db stops it too.
+
+        Raises
+        ------
+        ConfigError
+            The socket cannot be created there, or another process serves that path.
+        DbClosed
+            The database is closed.
+        """
+        self.check_open()
+        srv = Server(self, None if path is None else os.fspath(path))
+        with self._lock:
+            if self._closed:
+                srv.close()
+                self.check_open()
+            self._servers.append(srv)
+        return srv
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""

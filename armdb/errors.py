@@ -26,6 +26,7 @@ __all__ = [
     "ReplicationError",
     "ReplicationFrameError",
     "SchemaMismatch",
+    "ServerGone",
     "StaleToken",
     "StorageError",
     "StreamSourceRequiresTx",
@@ -56,6 +57,15 @@ class DbClosed(ArmdbError):
 
     def __init__(self, what: str = "this Db") -> None:
         super().__init__(f"{what} is closed; open the database again with armdb.Db.open(path)")
+
+
+class ServerGone(DbClosed):
+    """A client (``armdb.connect``) finds no serving owner: none listens on the socket, the
+    owner exited or crashed, it did not answer within the client's timeout, or the client
+    was closed.  A ``DbClosed``, so code written for a direct ``Db`` handles it the same."""
+
+    def __init__(self, message: str) -> None:
+        ArmdbError.__init__(self, message)
 
 
 class ConfigError(ArmdbError, ValueError):

@@ -271,8 +271,8 @@ class Map:
     def __reduce__(self) -> Any:
         raise ProcessBound(
             "a Map handle cannot be pickled or sent to another process: a handle belongs to the process that "
-            "opened the database. Send payloads (and ids) instead, and let the owning process lease and "
-            "settle (docs/operations.md, 'Processes')"
+            "opened the database. Serve it (db.serve()) and use armdb.connect(path).open_map(name) in the "
+            "other process (docs/processes.md)"
         )
 
     def __repr__(self) -> str:

@@ -129,3 +129,34 @@ def kill_and_read(p: subprocess.Popen[str]) -> tuple[str, str]:
         out, err = p.stdout.read(), p.stderr.read()  # the child is dead: both reach EOF
     p.wait()
     return out, err
+
+
+# -- PostgreSQL (armdb.pg, SPEC G8) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[typing.Any]:
+    """One real PostgreSQL server for the whole run (tests/pgserver.py); fails, never
+    skips, when none can be started."""
+    from tests import pgserver
+
+    try:
+        srv = pgserver.start()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield srv
+    srv.close()
+
+
+_pg_namespaces = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def pg_namespace(pg_server: typing.Any) -> str:
+    """A fresh namespace (PostgreSQL schema) for one test."""
+    return f"t{os.getpid()}_{next(_pg_namespaces)}"
+
+
+@pytest.fixture
+def pg_dsn(pg_server: typing.Any) -> str:
+    return str(pg_server.dsn)

@@ -383,13 +383,18 @@ class BitcaskStore:
         shard rotated (then each record went on its own, as a rotation may fall between)."""
         act = sh.active
         recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
-        for i, (key, value, seq) in enumerate(items):
-            gsn_word = seq | (TOMBSTONE if value is None else 0)
-            if i == 0 and act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
-                gsn_word |= SYNCED_BEFORE
-            rec, kf, vlen = self._encode(key, value, gsn_word)
-            recs.append((rec, kf, vlen, gsn_word))
-        data = b"".join(r[0] for r in recs)
+        flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
+        plain = self._sealer is None
+        for key, value, seq in items:
+            gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
+            flag = 0  # only the first record can say that everything before it was synced
+            if plain:  # what _encode does without a key, one call less per record
+                v = b"" if value is None else value
+                recs.append((bitcask_record(gsn_word, key, v, RECORD_MAGIC), key, len(v), gsn_word))
+            else:
+                rec, kf, vlen = self._encode(key, value, gsn_word)
+                recs.append((rec, kf, vlen, gsn_word))
+        data = b"".join([r[0] for r in recs])
         if act.total and act.size + len(data) > self.config.max_file_size:
             rotated = False
             for key, value, seq in items:
@@ -401,10 +406,15 @@ class BitcaskStore:
         act.total += len(data)
         sh.dirty = True
         _fail.point("bitcask.after_append")
-        for (key, _, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
-            sh.hint.add(gsn_word, off, vlen, kf)
-            self._index_update(sh, key, act.fid, off, len(rec), gsn_word)
-            off += len(rec)
+        index, tombs, fid, hint_add = sh.index, sh.tombs, act.fid, sh.hint.add
+        for (key, value, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
+            size = len(rec)
+            hint_add(gsn_word, off, vlen, kf)
+            if value is not None and key not in index and key not in tombs:
+                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
+            else:
+                self._index_update(sh, key, fid, off, size, gsn_word)
+            off += size
         sh.highest = items[-1][2]
         return False
 

@@ -21,6 +21,8 @@ QUICK = os.environ.get("ARMDB_ASV_QUICK") == "1"
 SEED = 1234
 BATCH = 100 if QUICK else 1_000
 FLAVOURS = ["fixed", "var", "var-encrypted"]
+CONFIGS = ["defaults", "tuned"]  # the bench's default rows and its tuned rows
+WARMUP = 20 if QUICK else 200  # calls made in setup before timing, as the bench warms up
 
 # Fixed keys so that every run encrypts the same way (benchmarks only, never real data).
 PAYLOAD_KEY = bytes(range(32))
@@ -44,8 +46,20 @@ def payload_for(flavour: str) -> Any:
     return fixed_payload if flavour == "fixed" else body
 
 
-def queue_config(flavour: str = "fixed", *, durable: bool = False, lease_timeout: float = 3600.0) -> QueueConfig:
-    """The benchmark configuration: no fsync unless ``durable``; long leases."""
+def queue_config(flavour: str = "fixed", *, durable: bool = False, lease_timeout: float = 3600.0,
+                 config: str = "tuned") -> QueueConfig:
+    """A benchmark configuration.
+
+    ``config="defaults"``: what a user gets, ``QueueConfig.balanced()`` with nothing set
+    (only the encryption key of ``var-encrypted``), as the default rows of ``python -m
+    armdb bench``.  ``config="tuned"``: the bench's tuned rows, no fsync unless
+    ``durable``, leases of ``lease_timeout``.
+    """
+    if config == "defaults":
+        base = QueueConfig.balanced()
+        if flavour == "var-encrypted":
+            base = base.payload_config(Config.balanced().encryption_key(PAYLOAD_KEY).build())
+        return base.build()
     header = FixedConfig.balanced().grow_step(armdb.config.QUEUE_GROW_STEP)
     header = header.sync_interval(0) if durable else header.enable_fsync(False)
     cfg = QueueConfig.balanced().lease_timeout(lease_timeout).header_config(header.build())
@@ -67,7 +81,8 @@ def open_db(path: str, flavour: str = "fixed") -> Db:
 
 
 class QueueFixture:
-    """A fresh temporary directory, a Db and one queue of ``flavour``; ``close()`` removes it."""
+    """A fresh temporary directory, a Db and one queue of ``flavour``; ``close()`` removes it.
+    ``config`` and the other keywords go to :func:`queue_config`."""
 
     def __init__(self, flavour: str = "fixed", **config: Any) -> None:
         random.seed(SEED)

@@ -5,7 +5,8 @@
 #
 # Usage: asv_bench/scripts/cycle_instructions.sh [var|fixed] [N] [TREE]
 #   TREE: the checkout whose armdb to import (default: this one); build it first.
-# Needs valgrind.  Queues are configured as `python -m armdb bench` configures them.
+# Needs valgrind.  Queues at the defaults a user gets (Db.open, no config), as the default
+# rows of `python -m armdb bench` run them; TUNED=1 runs the tuned rows' configuration.
 set -eu
 kind=${1:-var}
 n=${2:-6000}
@@ -13,13 +14,13 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 tree=${3:-$here}
 py=${PYTHON:-$here/.venv/bin/python}
 prog='
-import sys, tempfile
+import os, sys, tempfile
 from armdb import _bench as B
 kind, n = sys.argv[1], int(sys.argv[2])
 spec = B.BenchVar if kind == "var" else B.BenchFixed
 make = B.body if kind == "var" else B._fixed_payload
 with tempfile.TemporaryDirectory() as d:
-    db, q = B.open_armdb(d, spec)
+    db, q = B.open_armdb(d, spec, tuned=os.environ.get("TUNED") == "1")
     items = [make(i) for i in range(n)]
     for x in items:
         q.push(x)

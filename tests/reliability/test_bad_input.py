@@ -890,7 +890,9 @@ ROWS: list[R] = [
 
 #: Error classes no bad *input* can cause (raised by storage faults and interrupted commits);
 #: harnesses (c) and (a2) cover them.
-NOT_FROM_BAD_INPUT = {"ArmdbError", "TxFailedAfterLog"}
+# ServerGone: a client finding no serving owner; tests/test_server.py and
+# tests/test_processes.py cause it (no server, a closed Db, a killed owner).
+NOT_FROM_BAD_INPUT = {"ArmdbError", "TxFailedAfterLog", "ServerGone"}
 
 
 @pytest.fixture(scope="module", autouse=True)

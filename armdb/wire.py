@@ -1,0 +1,183 @@
+"""The protocol between a serving owner and its clients (SPEC P5; docs/format.md, "Wire
+protocol").
+
+A frame is a 4-byte big-endian length, then that many bytes of msgpack.  The client
+speaks first: ``{"armdb": MAGIC, "versions": [1]}``; the server answers ``{"armdb": MAGIC,
+"version": 1, "pid": ..., "server": __version__}``.  After that every request is
+``[id, op, args]`` (``id`` a client-chosen int echoed in the reply, ``op`` a name of the
+server's operation table, ``args`` a map) and every reply ``[id, 0, result]`` or
+``[id, 1, [error class name, message]]``.  Replies to one connection's requests may come
+out of order (a wait does not hold back an ack), hence the ids.
+
+This module only encodes: the framing, the handshake values, and how configurations,
+tokens and errors travel.  It runs no store and no socket loop (armdb.server and
+armdb.client do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from . import errors
+from .config import Config, FixedConfig, QueueConfig
+from .errors import ArmdbError, ConfigError
+
+MAGIC = "armdb-wire"
+VERSION = 1
+MAX_FRAME = 64 << 20  # bytes of msgpack in one frame (the length prefix excluded)
+_LEN = struct.Struct(">I")
+SOCKET_NAME = "armdb.sock"
+
+OK = 0
+ERR = 1
+
+
+class BadFrame(Exception):
+    """A frame that breaks the protocol (internal: the server closes that connection)."""
+
+
+def frame(obj: Any) -> bytes:
+    """``obj`` as one frame: its msgpack bytes behind their length."""
+    body = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ConfigError(
+            f"a request or reply of {len(body):,} bytes exceeds the {MAX_FRAME:,}-byte frame limit; "
+            f"send smaller batches"
+        )
+    return _LEN.pack(len(body)) + body
+
+
+def length_of(prefix: bytes) -> int:
+    """The body length a 4-byte prefix announces; ``BadFrame`` past the limit."""
+    (n,) = _LEN.unpack(prefix)
+    if n > MAX_FRAME:
+        raise BadFrame(f"a frame announces {n:,} bytes, over the {MAX_FRAME:,}-byte limit")
+    return n
+
+
+def unpack(body: bytes) -> Any:
+    """One frame's msgpack body; ``BadFrame`` for anything malformed or trailing."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated classes
+        raise BadFrame(f"malformed msgpack ({type(e).__name__}: {e})") from None
+
+
+# -- values ---------------------------------------------------------------------------
+
+
+def dt_to_ms(dt: datetime) -> int:
+    return (dt - _EPOCH) // timedelta(milliseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def config_to_wire(cfg: QueueConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _build(builder: Any, values: Any, what: str) -> Any:
+    if not isinstance(values, dict):
+        raise BadFrame(f"{what} must be a map")
+    for name, value in values.items():
+        if not isinstance(name, str) or name.startswith("_") or name in ("build", "balanced"):
+            raise BadFrame(f"{what} has an unknown setting {name!r}")
+        method = getattr(builder, name, None)
+        if method is None or not callable(method):
+            raise BadFrame(f"{what} has an unknown setting {name!r}")
+        builder = method(value)
+    return builder.build()
+
+
+def config_from_wire(values: Any) -> QueueConfig:
+    """A ``QueueConfig`` built (so validated) from :func:`config_to_wire`'s map."""
+    if not isinstance(values, dict):
+        raise BadFrame("a queue config must be a map")
+    values = dict(values)
+    header = values.pop("header_config", None)
+    payload = values.pop("payload_config", None)
+    b = QueueConfig.balanced()
+    if header is not None:
+        h = dict(header) if isinstance(header, dict) else header
+        if isinstance(h, dict) and h.get("shard_count") is None:
+            h.pop("shard_count", None)
+        b = b.header_config(_build(FixedConfig.balanced(), h, "header_config"))
+    if payload is not None:
+        p = dict(payload) if isinstance(payload, dict) else payload
+        if isinstance(p, dict):
+            for opt in ("shard_count", "encryption_key"):
+                if p.get(opt) is None:
+                    p.pop(opt, None)
+        b = b.payload_config(_build(Config.balanced(), p, "payload_config"))
+    return _build(b, values, "queue config")  # type: ignore[no-any-return]
+
+
+def dtype_to_wire(dtype: np.dtype) -> Any:
+    return dtype.descr if dtype.names is not None else dtype.str
+
+
+def _descr(d: Any) -> Any:
+    """A descr list as msgpack returns it (every tuple a list) back in NumPy's shape:
+    a list of ``(name, type[, shape])`` tuples, a nested record's type a descr list."""
+    if not isinstance(d, list):
+        return d
+    out = []
+    for entry in d:
+        if not isinstance(entry, list) or len(entry) not in (2, 3):
+            raise BadFrame(f"not a NumPy dtype description: {d!r}")
+        name = tuple(entry[0]) if isinstance(entry[0], list) else entry[0]
+        item = [name, _descr(entry[1])]
+        if len(entry) == 3:
+            item.append(tuple(entry[2]) if isinstance(entry[2], list) else entry[2])
+        out.append(tuple(item))
+    return out
+
+
+def dtype_from_wire(d: Any) -> np.dtype:
+    try:
+        return np.dtype(_descr(d))
+    except Exception as e:  # noqa: BLE001 - NumPy raises several classes for a bad descr
+        raise BadFrame(f"not a NumPy dtype description: {d!r} ({e})") from None
+
+
+def token_to_wire(token: Any) -> list[Any]:
+    """A ``LeaseToken`` as ``[handle (16 bytes, big-endian), shard, due, seq, epoch]``: a
+    handle id is wider than msgpack's 64-bit ints."""
+    return [token[0].to_bytes(16, "big"), token[1], token[2], token[3], token[4]]
+
+
+def token_fields(raw: Any) -> tuple[int, int, int, int, int]:
+    if not (isinstance(raw, list) and len(raw) == 5 and isinstance(raw[0], bytes) and len(raw[0]) == 16
+            and all(type(x) is int for x in raw[1:])):
+        raise BadFrame("a token must be [16 bytes, shard, due, seq, epoch]")
+    return int.from_bytes(raw[0], "big"), raw[1], raw[2], raw[3], raw[4]
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+def error_to_wire(e: BaseException) -> list[str]:
+    name = type(e).__name__ if isinstance(e, ArmdbError) else "ArmdbError"
+    msg = str(e) if isinstance(e, ArmdbError) else f"the server failed: {type(e).__name__}: {e}"
+    return [name, msg]
+
+
+def error_from_wire(value: Any) -> ArmdbError:
+    """The ``armdb.errors`` class a reply names, with the server's message."""
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        name, msg = value
+    else:
+        name, msg = "ArmdbError", f"the server sent an unreadable error: {value!r}"
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ArmdbError)):
+        cls = ArmdbError
+    e = cls.__new__(cls)
+    Exception.__init__(e, msg)  # the class's own __init__ would rebuild the message
+    return e

@@ -1,0 +1,333 @@
+"""``armdb.Worker``: a worker loop over a queue, in threads or in child processes (SPEC P6).
+
+The loop leases in batches, calls the handler for each lease, acks on return and nacks on
+an exception (logged with its traceback).  A heartbeat thread extends every lease the
+worker holds (running or waiting in its batch) every ``lease_timeout / 3``, so a handler
+that runs longer than the lease timeout is not delivered twice while its worker lives.
+``stop()`` (or SIGTERM/SIGINT while ``run()`` runs in the main thread) stops leasing, lets
+running handlers finish, and releases the leases not yet started at once: their lease is
+made to expire 1 ms later (``extend``), so the next lease redelivers them with the attempt
+counted, as when a client's connection closes (armdb.server).
+
+With ``processes=N`` the handlers run in N child processes started with the ``spawn``
+method (never ``fork``: a forked child would inherit the owner's database and sockets),
+each connected to the owner as a :class:`armdb.client.Client` and running this loop with
+``threads`` threads.  A source ``Db`` is served for them (``db.serve()``) if it is not
+served already.  The handler must be importable by name (a module-level function).
+
+Lock policy: ``Worker._lock`` guards the set of held leases and the counters; it is never
+held while calling the queue.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import multiprocessing
+import signal
+import threading
+import typing
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ._clock import to_seconds
+from .client import Client
+from .errors import ArmdbError, ConfigError, DbClosed, QueueAlreadyOpen, StaleToken
+from .qspec import QueueSpec
+from .queue import Lease, LeaseToken
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("armdb")
+
+IDLE_WAIT = 0.25  # seconds a thread waits for a due row before it looks at the stop flag again
+RELEASE = timedelta(milliseconds=1)
+
+
+def _takes_lease(handler: Callable[..., Any]) -> bool:
+    """Whether the handler's first parameter is annotated ``armdb.Lease`` (or ``Lease[T]``)."""
+    try:
+        params = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if not params:
+        return False
+    try:
+        hints = typing.get_type_hints(handler)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: not a Lease
+        hints = {}
+    ann = hints.get(params[0].name, params[0].annotation)
+    return ann is Lease or typing.get_origin(ann) is Lease or ann == "Lease" or (
+        isinstance(ann, str) and ann.split("[")[0] in ("Lease", "armdb.Lease"))
+
+
+class Worker:
+    """Run ``handler`` over the queue ``spec`` of ``source`` (a ``Db`` or a ``Client``).
+
+    Parameters
+    ----------
+    source : Db or Client
+        Where the queue is: an open ``Db`` (its owner) or ``armdb.connect(...)``.
+    spec : QueueSpec
+        The queue, as declared with ``armdb.queue``.
+    handler : callable
+        Called with the payload, or with the ``Lease`` when its first parameter is
+        annotated ``armdb.Lease``.  Returning acks; raising nacks (with backoff).
+    processes : int
+        0: run the handlers in this process.  N: in N child processes.
+    threads : int
+        Handler threads (per process).
+    batch : int
+        Rows leased at once by each thread.
+    heartbeat : float or timedelta, optional
+        Seconds between lease extensions; default ``lease_timeout / 3``.
+    """
+
+    def __init__(self, source: Any, spec: QueueSpec[Any], handler: Callable[..., Any], *, processes: int = 0,
+                 threads: int = 1, batch: int = 16, heartbeat: timedelta | float | None = None) -> None:
+        if not isinstance(spec, QueueSpec):
+            raise ConfigError("Worker takes the QueueSpec returned by armdb.queue(...)")
+        if not callable(handler):
+            raise ConfigError("handler must be callable: handler(payload) or handler(lease: armdb.Lease)")
+        for name, v, low in (("processes", processes, 0), ("threads", threads, 1), ("batch", batch, 1)):
+            if type(v) is not int or v < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {v!r}")
+        if not hasattr(source, "open_queue"):
+            raise ConfigError("source must be an open armdb.Db or an armdb.connect(...) client")
+        self.source = source
+        self.spec = spec
+        self.handler = handler
+        self.processes = processes
+        self.threads = threads
+        self.batch = batch
+        self._heartbeat = None if heartbeat is None else to_seconds(heartbeat, "heartbeat")
+        if self._heartbeat is not None and self._heartbeat <= 0:
+            raise ConfigError(f"heartbeat must be positive, got {heartbeat!r}")
+        self._pass_lease = _takes_lease(handler)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._held: dict[LeaseToken, Lease[Any]] = {}
+        self.done = 0  # handlers that returned (acked)
+        self.failed = 0  # handlers that raised (nacked)
+        self._thread: threading.Thread | None = None
+        self._mp_stop: Any = None
+        self._mp_counts: Any = None
+        self.error: BaseException | None = None
+        self._live: Any = None  # a child's share of the parent's counters
+
+    # -- control ------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop leasing; running handlers finish, leases not yet started are released."""
+        self._stop.set()
+        if self._mp_stop is not None:
+            self._mp_stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> Worker:
+        """Run the loop in a background thread; :meth:`join` waits for it."""
+        if self._thread is not None:
+            raise ConfigError("this Worker was already started")
+        self._thread = threading.Thread(target=self._run_catching, name="armdb-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run_catching(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # noqa: BLE001 - kept for join()
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a started worker; re-raises what stopped it, if anything."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def counts(self) -> tuple[int, int]:
+        """(acked, nacked) so far, over every process."""
+        if self._mp_counts is not None:
+            return int(self._mp_counts[0]), int(self._mp_counts[1])
+        with self._lock:
+            return self.done, self.failed
+
+    def run(self) -> None:
+        """Run until :meth:`stop`, SIGTERM or SIGINT (the signals only when called in the
+        main thread), then drain and return."""
+        restore: list[tuple[signal.Signals, Any]] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                restore.append((sig, signal.signal(sig, lambda *_: self.stop())))
+        try:
+            if self.processes:
+                self._run_processes()
+            else:
+                self._run_threads(_open(self.source, self.spec))
+        finally:
+            for sig, old in restore:
+                signal.signal(sig, old)
+
+    # -- in this process ----------------------------------------------------------------
+    def _run_threads(self, q: Any) -> None:
+        beat = self._heartbeat or max(0.001, q.config.lease_timeout / 3)
+        hb = threading.Thread(target=self._heartbeat_loop, args=(q, beat), name="armdb-heartbeat", daemon=True)
+        workers = [threading.Thread(target=self._loop, args=(q,), name=f"armdb-worker-{i}", daemon=True)
+                   for i in range(self.threads)]
+        hb.start()
+        for t in workers:
+            t.start()
+        try:
+            while any(t.is_alive() for t in workers):
+                for t in workers:
+                    t.join(0.2)
+        finally:
+            self._stop.set()
+            hb.join()
+
+    def _loop(self, q: Any) -> None:
+        try:
+            while not self._stop.is_set():
+                leases = q.lease(self.batch)
+                if not leases:
+                    q.wait_due_timeout(IDLE_WAIT)
+                    continue
+                with self._lock:
+                    for lz in leases:
+                        self._held[lz.token] = lz
+                for i, lz in enumerate(leases):
+                    if self._stop.is_set():
+                        self._release(q, leases[i:])
+                        break
+                    self._handle(q, lz)
+        except DbClosed:
+            if not self._stop.is_set():
+                log.warning("armdb worker: the queue %s closed under the worker; stopping", self.spec.name)
+            self._stop.set()
+        except Exception:
+            log.exception("armdb worker: the loop over queue %s failed; stopping", self.spec.name)
+            self._stop.set()
+
+    def _handle(self, q: Any, lz: Lease[Any]) -> None:
+        try:
+            self.handler(lz if self._pass_lease else lz.payload)
+        except Exception:
+            log.exception("armdb worker: the handler failed on row %d of queue %s (attempt %d); nacked it",
+                          lz.id, self.spec.name, lz.attempt)
+            self._settle(q, lz, False)
+            return
+        self._settle(q, lz, True)
+
+    def _settle(self, q: Any, lz: Lease[Any], ack: bool) -> None:
+        with self._lock:
+            self._held.pop(lz.token, None)
+        try:
+            if ack:
+                q.ack(lz)
+            else:
+                q.nack(lz)
+        except StaleToken as e:
+            log.warning("armdb worker: row %d of queue %s was no longer leased to this worker when it was "
+                        "%s (%s)", lz.id, self.spec.name, "acked" if ack else "nacked", e)
+            return
+        with self._lock:
+            if ack:
+                self.done += 1
+            else:
+                self.failed += 1
+        live = self._live
+        if live is not None:
+            with live.get_lock():
+                live[0 if ack else 1] += 1
+
+    def _release(self, q: Any, leases: list[Lease[Any]]) -> None:
+        for lz in leases:
+            with self._lock:
+                self._held.pop(lz.token, None)
+            try:
+                q.extend(lz, by=RELEASE)  # expires in 1 ms: redelivered with the attempt counted
+            except (StaleToken, DbClosed):
+                pass
+
+    def _heartbeat_loop(self, q: Any, beat: float) -> None:
+        while not self._stop.wait(beat):
+            with self._lock:
+                held = list(self._held.values())
+            for lz in held:
+                try:
+                    q.extend(lz)
+                except StaleToken:
+                    pass  # settled meanwhile (or lost: its ack will say so)
+                except ArmdbError:
+                    return
+
+    # -- child processes ------------------------------------------------------------------
+    def _socket_path(self) -> tuple[str, Any]:
+        src = self.source
+        if isinstance(src, Client):
+            return src.path, None
+        servers = [s for s in getattr(src, "_servers", []) if not s.closed]
+        if servers:
+            return servers[0].path, None
+        srv = src.serve()
+        return srv.path, srv
+
+    def _run_processes(self) -> None:
+        path, own = self._socket_path()
+        ctx = multiprocessing.get_context("spawn")
+        self._mp_stop = ctx.Event()
+        self._mp_counts = ctx.Array("q", 2, lock=True)
+        if self._stop.is_set():
+            self._mp_stop.set()
+        procs = [ctx.Process(target=_child, name=f"armdb-worker-{i}", daemon=True,
+                             args=(path, self.spec, self.handler, self.threads, self.batch, self._heartbeat,
+                                   self._mp_stop, self._mp_counts))
+                 for i in range(self.processes)]
+        try:
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs):
+                if self._stop.is_set():
+                    self._mp_stop.set()
+                for p in procs:
+                    p.join(0.1)
+        finally:
+            self._mp_stop.set()
+            for p in procs:
+                p.join()
+            if own is not None:
+                own.close()
+        bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+        if bad and not self._stop.is_set():
+            raise ArmdbError(f"{len(bad)} worker process(es) exited with status {bad}; see their log above")
+
+
+def _open(source: Any, spec: QueueSpec[Any]) -> Any:
+    """The queue ``spec`` of ``source``: opened, or the handle its owner already has."""
+    try:
+        return source.open_queue(spec)
+    except QueueAlreadyOpen:
+        q = source._queues.get(spec.name)  # the Db's table of open queues: share its handle
+        if q is None or q.spec.fingerprint != spec.fingerprint:
+            raise
+        return q
+
+
+def _child(path: str, spec: QueueSpec[Any], handler: Callable[..., Any], threads: int, batch: int,
+           heartbeat: float | None, stop: Any, counts: Any) -> None:
+    """A worker process: connect, run the loop until the parent says stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (a Ctrl-C reaches both)
+    with Client(path) as client:
+        w = Worker(client, spec, handler, threads=threads, batch=batch, heartbeat=heartbeat)
+        signal.signal(signal.SIGTERM, lambda *_: w.stop())
+        def watch() -> None:
+            stop.wait()
+            w.stop()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        w._live = counts
+        w._run_threads(client.open_queue(spec))
