@@ -367,9 +367,16 @@ class Primary:
                 if self.closed:
                     return
                 self._streaming.add(conn)
-            threading.Thread(target=self._read_acks, args=(conn, reader), name="armdb-replicate-acks",
-                             daemon=True).start()
+            acks = threading.Thread(target=self._read_acks, args=(conn, reader), name="armdb-replicate-acks",
+                                    daemon=True)
+            acks.start()
             self._stream(conn, start)
+            # The end of the stream: FIN after the last frame, then wait for the follower
+            # to hang up.  Closing with its acks unread would send a reset, and a reset
+            # makes the follower's kernel drop frames it has received but not yet read.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_WR)
+            acks.join(DEAD_PEER_S)
         except (OSError, ReplicationError) as e:
             LOG.info("replication: a follower connection ended (%s)", e)
         finally:
