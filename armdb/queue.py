@@ -1133,6 +1133,21 @@ class Queue(Generic[T]):
             raise self._stale(token, False)
         return slot, hdr
 
+    def _holds(self, token: LeaseToken) -> bool:
+        """Whether ``token`` still holds its lease (a settle or extend would accept it):
+        one index lookup and one header read under the shard lock, nothing written.  The
+        server prunes the tokens a connection remembers with it.  ``DbClosed`` once closed."""
+        self._check()
+        if token.handle != self._handle or not 0 <= token.shard < len(self._shards):
+            return False
+        sh = self._shards[token.shard]
+        with sh.lock:
+            cur = sh.live.get(token.due, token.seq)
+            if cur is None:
+                return False
+            hdr = self._header(sh, cur[0])
+            return bool(hdr[0] == State.LEASED and hdr[3] == token.epoch)
+
     @staticmethod
     def _stale(token: LeaseToken, absent: bool) -> StaleToken:
         if absent:

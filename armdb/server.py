@@ -13,7 +13,13 @@ a thread of its own, so it holds back no other request of its connection.
 
 Tokens are bound to their connection (P3): each connection keeps the set of tokens its
 leases returned, and a settle, extend or transaction step with a token not in that set
-raises ``StaleToken``.  When a connection closes (the client closed it, its process died,
+raises ``StaleToken``.  The set stays bounded on a long-lived connection: a token the queue
+refuses as stale is dropped when it is used, and when the set passes twice its size after the
+last prune (at least ``PRUNE_MIN``) every token is checked against its queue
+(``Queue._holds``: a lookup, nothing written) and the stale ones (expired and leased again,
+settled through a transaction that failed, a closed queue) are dropped; the set is then at
+most about twice the leases the connection really holds, and the checks cost O(1) per
+lease on average.  When a connection closes (the client closed it, its process died,
 or it broke the protocol), every lease it still holds is given back at once, as if it had
 expired: ``Queue.extend`` to a deadline 1 ms from now, so the next lease applies the
 expiry rule of armdb.transitions (attempt counted, dead-lettered at ``max_attempts``).
@@ -58,6 +64,7 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a new connection may take to say hello
 MAX_CONNECTIONS = 1024
 MAX_WAITS = 64  # blocking waits one connection may have running at once
 RELEASE_MS = 1  # a released lease expires this many ms after its connection closed
+PRUNE_MIN = 4096  # a connection's token set is pruned when it passes max(this, 2 x its size after the last prune)
 
 
 _SERVERS: weakref.WeakSet[Server] = weakref.WeakSet()
@@ -217,6 +224,7 @@ class _Conn:
         self.wlock = threading.Lock()
         self.lock = threading.Lock()
         self.held: dict[LeaseToken, Queue[Any]] = {}  # this connection's leases
+        self.prune_at = PRUNE_MIN  # prune ``held`` when it grows past this
         self.queues: dict[str, _QueueRef] = {}
         self.maps: dict[str, Map] = {}
         self.waits = 0
@@ -393,6 +401,33 @@ class _Conn:
                 f"already acked or nacked); lease the row again through this client"
             )
         return tok
+
+    def remember(self, tokens: list[LeaseToken], q: Queue[Any]) -> None:
+        """Add a lease's tokens to this connection's set, pruning it when it has grown."""
+        with self.lock:
+            for t in tokens:
+                self.held[t] = q
+            grown = len(self.held) > self.prune_at
+        if grown:
+            self.prune()
+
+    def prune(self) -> int:
+        """Drop the tokens whose lease is gone (checked against the queue, no lock of this
+        connection held meanwhile); return how many were dropped."""
+        with self.lock:
+            items = list(self.held.items())
+        stale = []
+        for t, q in items:
+            try:
+                if not q._holds(t):
+                    stale.append(t)
+            except DbClosed:
+                stale.append(t)
+        with self.lock:
+            for t in stale:
+                self.held.pop(t, None)
+            self.prune_at = max(PRUNE_MIN, 2 * len(self.held))
+        return len(stale)
 
     def drop(self, tokens: list[LeaseToken]) -> None:
         with self.lock:
@@ -579,9 +614,7 @@ def _lease(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> l
     leases = ref.q.lease(n, lease_timeout=lease_timeout)
     if not leases:
         return []
-    with conn.lock:
-        for lz in leases:
-            conn.held[lz.token] = ref.q
+    conn.remember([lz.token for lz in leases], ref.q)
     out = []
     dl = wire.dt_to_ms(leases[0].deadline)
     for lz in leases:
@@ -610,9 +643,7 @@ def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None
     handle = b._handle
     toks = [LeaseToken(handle, sh, du, sq, ep) for sh, du, sq, ep in
             zip(b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist())]
-    with conn.lock:
-        for t in toks:
-            conn.held[t] = ref.q
+    conn.remember(toks, ref.q)
     payloads: Any = (np.ascontiguousarray(b.payloads).tobytes() if not ref.var
                      else [ref.payload_out(p) for p in b.payloads])
     return [handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
@@ -673,7 +704,11 @@ def _nack(conn: _Conn, q: str, t: list[Any], dead: bool, delay: float | None = N
 def _extend(conn: _Conn, q: str, t: list[Any], by: float | None = None) -> int:
     ref = conn.queue(q)
     tok = conn.token(t, ref)
-    return wire.dt_to_ms(ref.q.extend(tok, by=by))
+    try:
+        return wire.dt_to_ms(ref.q.extend(tok, by=by))
+    except StaleToken:
+        conn.drop([tok])  # leased again by another client, or settled: never valid again
+        raise
 
 
 @op("len", q=str)

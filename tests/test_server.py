@@ -538,3 +538,50 @@ def test_p2_cancelled_due_leaves_the_client_working(client: armdb.Client) -> Non
     q.push(Job(1, "after"))  # the reply to the cancelled wait arrives and is dropped
     time.sleep(0.1)
     assert q.len() == 1 and not client.closed
+
+
+def _conn_of(srv: server_mod.Server, before: set[Any]) -> Any:
+    with srv._lock:
+        (conn,) = srv._conns - before
+    return conn
+
+
+def test_p3_a_long_lived_connection_keeps_a_bounded_token_set(owner: tuple[armdb.Db, server_mod.Server],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # SPEC P3: tokens of leases that expired and were leased again (by this connection or
+    # another) do not pile up on a connection that stays open; the live ones stay valid
+    db, srv = owner
+    monkeypatch.setattr(server_mod, "PRUNE_MIN", 32)
+    with armdb.connect(db.path) as a:
+        conn_a = _conn_of(srv, set())
+        qa = a.open_queue(Jobs)
+        with armdb.connect(db.path) as b:
+            qb = b.open_queue(Jobs)
+            keep = qa.push(Job(0, "kept"))
+            (kept,) = qa.lease(1, lease_timeout=60)
+            assert kept.id == keep
+            peak = 0
+            for r in range(60):
+                # a's leases expire and b takes and acks the rows
+                qa.push_many([Job(r * 8 + i, "x") for i in range(8)])
+                got = qa.lease(8, lease_timeout=0.002)
+                assert len(got) == 8
+                time.sleep(0.004)
+                taken = qb.lease(16)  # (and the row a re-leased in the round before, or it is dead-lettered)
+                assert len(taken) >= 7
+                assert qb.ack_many(taken) == len(taken)
+                # a leases one row again and again after its lease expired
+                qa.push(Job(-1, "again"))
+                for _ in range(4):
+                    assert len(qa.lease(1, lease_timeout=0.002)) == 1
+                    time.sleep(0.004)
+                with conn_a.lock:
+                    peak = max(peak, len(conn_a.held))
+            # 60 x 12 = 720 tokens handed out; without pruning all of them would be kept
+            assert peak <= 2 * 32 + 12, f"the token set reached {peak}"
+            # the live lease's token was kept and still settles
+            qa.extend(kept, by=60)
+            qa.ack(kept)
+            assert conn_a.prune() >= 0
+            with conn_a.lock:
+                assert len(conn_a.held) <= 1  # at most the last re-leased row, expired but not taken
