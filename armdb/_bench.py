@@ -879,25 +879,31 @@ def localqueue_cpu(path: str, jobs: int, processes: int) -> float:
     ready, start, done = ctx.Semaphore(0), ctx.Event(), ctx.Value("q", 0)
     procs = [ctx.Process(target=_localqueue_child, args=(path, ready, start, done), daemon=True)
              for _ in range(processes)]
+    elapsed = _run_processes(procs, ready, start)
+    if done.value != jobs:
+        raise RuntimeError(f"localqueue's processes acked {done.value} of {jobs} jobs")
+    return jobs / elapsed
+
+
+def _run_processes(procs: list[Any], ready: Any, start: Any) -> float:
+    """Start ``procs``, wait until each has released ``ready``, set ``start`` and return
+    the seconds until all have exited (a process still alive after 300 s is killed)."""
     for p in procs:
         p.start()
     try:
         for _ in procs:
             if not ready.acquire(timeout=120):
-                raise RuntimeError("a localqueue process did not start")
+                raise RuntimeError("a benchmark process did not start")
         t0 = time.perf_counter()
         start.set()
         for p in procs:
             p.join(300)
-        elapsed = time.perf_counter() - t0
+        return time.perf_counter() - t0
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-    if done.value != jobs:
-        raise RuntimeError(f"localqueue's processes acked {done.value} of {jobs} jobs")
-    return jobs / elapsed
 
 
 def _bare_child(jobs: int, ready: Any, start: Any) -> None:
@@ -915,22 +921,7 @@ def bare_cpu(path: str, jobs: int, processes: int) -> float:
     ready, start = ctx.Semaphore(0), ctx.Event()
     share = [jobs // processes + (1 if i < jobs % processes else 0) for i in range(processes)]
     procs = [ctx.Process(target=_bare_child, args=(n, ready, start), daemon=True) for n in share]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            if not ready.acquire(timeout=120):
-                raise RuntimeError("a process did not start")
-        t0 = time.perf_counter()
-        start.set()
-        for p in procs:
-            p.join(300)
-        elapsed = time.perf_counter() - t0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    elapsed = _run_processes(procs, ready, start)
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"exit codes {[p.exitcode for p in procs]}")
     return jobs / elapsed

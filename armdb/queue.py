@@ -1889,14 +1889,20 @@ def _id_set(ids: Any) -> frozenset[int] | None:
     return frozenset(out)
 
 
-def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commits: Commits) -> Queue[Any]:
-    """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
+def queue_args(spec: object, config: object) -> QueueConfig:
+    """Check ``open_queue``'s arguments (any backend); returns the config (None: the defaults)."""
     if not isinstance(spec, QueueSpec):
         raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
     if config is None:
         config = QueueConfig.balanced().build()
     if not isinstance(config, QueueConfig):
         raise ConfigError("open_queue takes a built QueueConfig: QueueConfig.balanced()...build()")
+    return config
+
+
+def open_queue(db: Db, spec: QueueSpec, config: QueueConfig | None, commits: Commits) -> Queue[Any]:
+    """``db.open_queue``: validate, open the physical collections, recover (Q2)."""
+    config = queue_args(spec, config)
     with db._lock:
         db.check_open()
         if spec.name in db._queues:

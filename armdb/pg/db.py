@@ -44,7 +44,7 @@ from ..errors import (
 from ..layout import validate_name
 from ..mapcodec import decode_key, decode_value, encode_key, encode_value
 from ..qspec import FixedCodec, QueueSpec, VarCodec, evolve
-from ..queue import Lease, LeaseToken, as_token
+from ..queue import Lease, LeaseToken, as_token, queue_args
 from ..streams import Change, SchemaRegistry
 from . import schema
 from .queue import PgQueue
@@ -259,12 +259,7 @@ class PgDb:
         Raises ``ConfigError``, ``QueueAlreadyOpen``, ``SchemaMismatch``,
         ``EncryptionKeyRequired``, ``WrongKey``, ``FormatError``, ``StorageError``.
         """
-        if not isinstance(spec, QueueSpec):
-            raise ConfigError("open_queue takes the QueueSpec returned by armdb.queue(...)")
-        if config is None:
-            config = QueueConfig.balanced().build()
-        if not isinstance(config, QueueConfig):
-            raise ConfigError("open_queue takes a built QueueConfig: QueueConfig.balanced()...build()")
+        config = queue_args(spec, config)
         with self._lock:
             self.check_open()
             if spec.name in self._queues:
