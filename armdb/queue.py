@@ -1217,11 +1217,7 @@ class Queue(Generic[T]):
         if self._lease_timeouts:
             self._lease_timeouts.pop((token.seq, token.epoch), None)
         now = self._check()
-        if not isinstance(dead, bool):
-            raise ConfigError("dead must be True or False")
-        delay_ms = None if delay is None else to_ms(delay, "delay")
-        if delay_ms is not None and delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        delay_ms = nack_args(delay, dead)
         if self._payload is not None:
             # A var queue's transitions go through the transaction log (Q7, Q14).
             self._commit_settle(self._db, self, token, False, delay_ms, dead)
@@ -1887,6 +1883,17 @@ def _id_set(ids: Any) -> frozenset[int] | None:
             raise ConfigError(f"ids must be row ids (positive ints), got {i!r}")
         out.append(int(i))
     return frozenset(out)
+
+
+def nack_args(delay: timedelta | float | None, dead: object) -> int | None:
+    """Check a nack's ``delay`` and ``dead`` (any backend, direct or in a transaction);
+    returns the delay in ms, or None for the backoff."""
+    if not isinstance(dead, bool):
+        raise ConfigError("dead must be True or False")
+    delay_ms = None if delay is None else to_ms(delay, "delay")
+    if delay_ms is not None and delay_ms < 0:
+        raise ConfigError(f"delay must not be negative, got {delay!r}")
+    return delay_ms
 
 
 def queue_args(spec: object, config: object) -> QueueConfig:

@@ -54,7 +54,7 @@ from .errors import (
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
-from .queue import Lease, LeaseToken, Queue, as_token
+from .queue import Lease, LeaseToken, Queue, as_token, nack_args
 from .streams import Change
 
 if TYPE_CHECKING:
@@ -174,11 +174,7 @@ class Tx:
              dead: bool = False) -> Tx:
         self._open_step()
         token = as_token(token)
-        if not isinstance(dead, bool):
-            raise ConfigError("dead must be True or False")
-        delay_ms = None if delay is None else to_ms(delay, "delay")
-        if delay_ms is not None and delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        delay_ms = nack_args(delay, dead)
         self._steps.append(_Settle(self._queue_arg(queue), token, False, delay_ms, dead))
         return self
 

@@ -44,7 +44,7 @@ from ..errors import (
 from ..layout import validate_name
 from ..mapcodec import decode_key, decode_value, encode_key, encode_value
 from ..qspec import FixedCodec, QueueSpec, VarCodec, evolve
-from ..queue import Lease, LeaseToken, as_token, queue_args
+from ..queue import Lease, LeaseToken, as_token, nack_args, queue_args
 from ..streams import Change, SchemaRegistry
 from . import schema
 from .queue import PgQueue
@@ -609,11 +609,7 @@ class PgTx:
              dead: bool = False) -> PgTx:
         self._open_step()
         tok = as_token(token)
-        if not isinstance(dead, bool):
-            raise ConfigError("dead must be True or False")
-        delay_ms = None if delay is None else int(round(_seconds(delay) * 1000))
-        if delay_ms is not None and delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
+        delay_ms = nack_args(delay, dead)
         self._steps.append(("settle", self._queue(queue), tok, False, delay_ms, dead))
         return self
 
@@ -765,10 +761,3 @@ class PgTx:
                     raise QueueFull(f"queue {q.name!r}: this transaction would leave {live - acks + pushes} live "
                                     f"rows, above max_depth={cap}; nothing was written")
 
-
-def _seconds(value: object) -> float:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ConfigError(f"delay must be a datetime.timedelta or a number of seconds, not {type(value).__name__}")

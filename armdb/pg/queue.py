@@ -33,7 +33,7 @@ from ..config import QueueConfig
 from ..errors import ConfigError, DbClosed, NotALease, PayloadTypeError, ProcessBound, QueueFull, StaleToken
 from ..qrows import DEAD_BIT, MAX_DUE_MS, SNAPSHOT_DTYPE, State, header_of, key_of, pack_row
 from ..qspec import FixedCodec, QueueSpec, VarCodec
-from ..queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, as_token
+from ..queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, as_token, nack_args
 from . import schema
 from .schema import one
 
@@ -411,12 +411,7 @@ class PgQueue(Generic[T]):
         token = self._token(token)
         self._forget(token)
         self._check()
-        if not isinstance(dead, bool):
-            raise ConfigError("dead must be True or False")
-        delay_ms = None if delay is None else to_ms(delay, "delay")
-        if delay_ms is not None and delay_ms < 0:
-            raise ConfigError(f"delay must not be negative, got {delay!r}")
-        self._settle(token, False, delay_ms, dead)
+        self._settle(token, False, nack_args(delay, dead), dead)
 
     def _settle(self, token: LeaseToken, ack: bool, delay_ms: int | None, dead: bool, *,
                 poisoned: bool = False) -> None:
