@@ -1766,8 +1766,8 @@ class Queue(Generic[T]):
 
             def apply_bodies() -> None:
                 payload.write_many_locked(items)
-                for key, body, _ in items:
-                    self._cache_put(int.from_bytes(key, "big"), body)  # type: ignore[arg-type]
+                for i, body in enumerate(payloads):
+                    self._cache_put(first + i, body)
 
             plan.apply.append(apply_bodies)
         self._plan_blocks(plan, lambda sh, i0, nsh, buf: sh.plan_push_block(
@@ -1817,16 +1817,17 @@ class Queue(Generic[T]):
         plan.packed.append((rows, bytes(buf)))
         payload = self._payload
         if payload is not None:
-            g0 = plan.gsns(len(seqs))
+            ids = seqs.tolist()
+            g0 = plan.gsns(len(ids))
             pname = self.spec.payload_name
             items: list[tuple[bytes, bytes | None, int]] = [
-                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(seqs.tolist())]  # qrows.body_key
+                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(ids)]  # qrows.body_key
             plan.rows += [["B", pname, key, None, gsn] for key, _, gsn in items]
             plan.add_bitcask(payload)
 
             def apply_deletes() -> None:
                 payload.write_many_locked(items)
-                for seq in seqs.tolist():
+                for seq in ids:
                     self._cache_drop(seq)
 
             plan.apply.append(apply_deletes)
