@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _fail
-from ._core.atomicfile import pwrite_all
+from ._core.atomicfile import msync_range, pwrite_all
 
 PAGE = _mmap.PAGESIZE
 # New files and folders are private to their owner, like PostgreSQL's data directory
@@ -108,6 +108,9 @@ class RealFS:
 
     def close(self, fd: int) -> None:
         os.close(fd)
+
+    def dup(self, fd: int) -> int:
+        return os.dup(fd)
 
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
@@ -351,7 +354,10 @@ class RealFS:
         return MappedFile(self, fd, length)
 
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
-        mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
+        array = mf.array
+        if array is None:
+            raise OSError(errno.EBADF, "msync of a closed mapping")
+        msync_range(array, offset, length)  # mmap.flush would keep the GIL through the sync
 
 
 def _creation_mode(path: str, base: int) -> int:
@@ -387,6 +393,14 @@ def _synced(fn: Callable[[Any], None], arg: Any) -> None:
 
 
 FS: RealFS = RealFS()
+
+
+def background_sync_ok() -> bool:
+    """Whether a store may leave its timed syncs to the Db's flusher thread, which syncs
+    outside the store's lock: only on the plain file system with no failpoint armed.  A
+    recording or fault-injecting file system (the tests) gets every sync in the writing
+    thread, in order, as before."""
+    return type(FS) is RealFS and not _fail.armed()
 
 
 @contextlib.contextmanager

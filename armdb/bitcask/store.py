@@ -101,6 +101,12 @@ class BitcaskStore:
         self._gsn_limit = MAX_RESERVED
         self._compaction_bytes = 0
         self._compactions = 0
+        # Set by the Db: wakes its flusher to run a due timed sync (False: no flusher).
+        self.kick: Callable[[], bool] | None = None
+
+    def set_kick(self, kick: Callable[[], bool]) -> None:
+        """Let timed syncs wake the Db's flusher (see :meth:`_maybe_sync`)."""
+        self.kick = kick
 
     # -- opening ------------------------------------------------------------------------
 
@@ -452,21 +458,30 @@ class BitcaskStore:
         now = time.monotonic()
         if cfg.sync_interval and now - sh.last_sync < cfg.sync_interval:
             return
+        # Due: wake the Db's flusher, which syncs without the lock (_sync_shard), rather
+        # than make this writer and every thread waiting on the lock wait for the disk.
+        kick = self.kick
+        if cfg.sync_interval and kick is not None and _fs.background_sync_ok() and kick():
+            sh.last_sync = now
+            return
         self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
         self._synced_active(sh)
         sh.dirty = False
         sh.last_sync = now
         _fail.point("bitcask.after_sync")
 
-    def _synced_active(self, sh: _Shard) -> None:
-        """A completed sync just covered the whole active file (under ``sh.lock``): later
-        appends may carry the synced-before flag, and the synced mark moves.  The mark only
-        sharpens open's verdict, so a failure to write it is logged, not raised."""
+    def _synced_active(self, sh: _Shard, size: int | None = None) -> None:
+        """A completed sync just covered the active file up to ``size`` (all of it when
+        None; under ``sh.lock``): later appends may carry the synced-before flag, and the
+        synced mark moves.  The mark only sharpens open's verdict, so a failure to write
+        it is logged, not raised."""
         act = sh.active
-        sh.synced = act.size
+        if size is None:
+            size = act.size
+        sh.synced = size
         if sh.marks is not None:
             try:
-                sh.marks.write(act.size)
+                sh.marks.write(size)
             except OSError as e:
                 log.warning("%s: could not write the synced mark (%s); open will rely on record flags", act.path, e)
                 sh.marks = None
@@ -649,13 +664,51 @@ class BitcaskStore:
         """
         if not self.config.enable_fsync or self._closed or self._poisoned is not None:
             return
+        unlocked = _fs.background_sync_ok()
         for sh in self._shards:
+            if unlocked:
+                self._sync_shard(sh)
+                continue
             with sh.lock:
                 if sh.dirty and not self._closed and self._poisoned is None:
                     self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
                     self._synced_active(sh)
                     sh.dirty = False
                     sh.last_sync = time.monotonic()
+
+    def _sync_shard(self, sh: _Shard) -> None:
+        """The flusher's sync of one shard, with the lock held only around it: writers
+        append meanwhile.  It syncs a duplicate of the descriptor (a rotation or close may
+        close the original), and counts as synced only the size it saw; the shard stays
+        dirty if anything was appended since, and a sync under the lock (close, a log
+        checkpoint) syncs again rather than wait for this one."""
+        with sh.lock:
+            if not sh.dirty or sh.flushing or sh.closed or self._closed or self._poisoned is not None:
+                return
+            act = sh.active
+            size = act.size
+            fd = _fs.FS.dup(act.fd)
+            sh.flushing = True
+            sh.last_sync = time.monotonic()
+        err: OSError | None = None
+        try:
+            try:
+                _fs.FS.fdatasync(fd)
+            finally:
+                _fs.FS.close(fd)
+        except OSError as e:
+            err = e
+        with sh.lock:
+            sh.flushing = False
+            if err is not None:
+                raise self._sync_failed(err, act.path) from err
+            if sh.closed or self._closed or sh.active is not act:
+                return  # closed or rotated: both synced the file themselves
+            if size > sh.synced:
+                self._synced_active(sh, size)
+            if act.size == size:
+                sh.dirty = False
+        _fail.point("bitcask.after_sync")
 
     def sync_now(self) -> None:
         """``fdatasync`` every dirty active file even when ``enable_fsync`` is off.
