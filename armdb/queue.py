@@ -1609,6 +1609,20 @@ class Queue(Generic[T]):
             k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
             locks[k] = lock
 
+    def _tx_settle_locks(self, token: object, ack: bool) -> list[threading.Lock]:
+        """The locks a lone settle of ``token`` needs, in the global order
+        (docs/transactions.md): its header shard's and, for a var queue's ack, its body's
+        payload shard's.  None for a token that names no shard of this handle (the plan
+        refuses it as stale)."""
+        shards = self._shards
+        if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
+            return []
+        sh = shards[token.shard]
+        if not ack or self._payload is None:
+            return [sh.lock]
+        k, lock = self._payload.shard_lock(token.seq.to_bytes(8, "big"))  # qrows.body_key
+        return [sh.lock, lock] if sh.fixed.directory < k else [lock, sh.lock]
+
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
         """Add every lock of the queue: a change stream's destination (T7)."""
         for sh in self._shards:
