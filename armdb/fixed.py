@@ -166,10 +166,10 @@ def judge_redo_header(raw: bytes, path: str, slot_size: int) -> bool:
 class FixedShard(_k.SlotStore):
     """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack.
 
-    It implements ``armdb._core.fixed.SlotStore``, the typed interface through which the
-    compiled queue shard (armdb._core.qshard) reaches it: ``index``, ``poisoned``,
-    ``sync_error``, ``check_writable``, ``grow``, ``sync_redo``, ``after_write`` and
-    ``raise_sync_error``.
+    It derives from ``armdb._core.fixed.SlotStore``, through which the compiled queue
+    shard (armdb._core.qshard) reads ``index``, ``poisoned`` and ``sync_error`` and calls
+    ``raise_sync_error``; off the hot path it calls ``check_writable``, ``grow``,
+    ``sync_redo`` and ``after_write``, defined here.
     """
 
     def __init__(self, directory: str, index: int, key_size: int, value_size: int, config: FixedConfig) -> None:
