@@ -852,6 +852,36 @@ class Queue(Generic[T]):
                 _, old = self._cache.popitem(last=False)
                 self._cache_bytes -= len(old)
 
+    def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
+        """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
+        under one hold of the cache's lock."""
+        budget = self._cache_budget
+        if budget <= 0:
+            return
+        with self._cache_lock:
+            cache = self._cache
+            size = self._cache_bytes
+            for i, body in enumerate(bodies):
+                if len(body) <= budget:
+                    cache[first + i] = body
+                    size += len(body)
+            while size > budget:
+                _, old = cache.popitem(last=False)
+                size -= len(old)
+            self._cache_bytes = size
+
+    def _cache_drop_many(self, ids: list[int]) -> None:
+        """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
+        if self._cache:
+            with self._cache_lock:
+                pop = self._cache.pop
+                size = self._cache_bytes
+                for seq in ids:
+                    body = pop(seq, None)
+                    if body is not None:
+                        size -= len(body)
+                self._cache_bytes = size
+
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:
             return None
@@ -1821,8 +1851,7 @@ class Queue(Generic[T]):
 
             def apply_bodies() -> None:
                 payload.write_many_locked(items)
-                for i, body in enumerate(payloads):
-                    self._cache_put(first + i, body)
+                self._cache_put_many(first, payloads)
 
             plan.apply.append(apply_bodies)
         self._plan_blocks(plan, lambda sh, i0, nsh, buf: sh.plan_push_block(
@@ -1882,8 +1911,7 @@ class Queue(Generic[T]):
 
             def apply_deletes() -> None:
                 payload.write_many_locked(items)
-                for seq in ids:
-                    self._cache_drop(seq)
+                self._cache_drop_many(ids)
 
             plan.apply.append(apply_deletes)
         return len(seqs)

@@ -390,14 +390,19 @@ class BitcaskStore:
         act = sh.active
         recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
         flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
-        plain = self._sealer is None
-        for key, value, seq in items:
-            gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
-            flag = 0  # only the first record can say that everything before it was synced
-            if plain:  # what _encode does without a key, one call less per record
-                v = b"" if value is None else value
-                recs.append((bitcask_record(gsn_word, key, v, RECORD_MAGIC), key, len(v), gsn_word))
-            else:
+        if self._sealer is None:  # what _encode does without a key, one call less per record
+            recs = [(bitcask_record(w, key, v, RECORD_MAGIC), key, len(v), w)
+                    for key, v, w in [(key, b"" if value is None else value, seq | (TOMBSTONE if value is None else 0))
+                                      for key, value, seq in items]]
+            if flag:  # only the first record can say that everything before it was synced
+                _, key, vlen, w = recs[0]
+                value = items[0][1]
+                recs[0] = (bitcask_record(w | flag, key, b"" if value is None else value, RECORD_MAGIC), key, vlen,
+                           w | flag)
+        else:
+            for key, value, seq in items:
+                gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
+                flag = 0  # only the first record can say that everything before it was synced
                 rec, kf, vlen = self._encode(key, value, gsn_word)
                 recs.append((rec, kf, vlen, gsn_word))
         data = b"".join([r[0] for r in recs])
@@ -416,10 +421,10 @@ class BitcaskStore:
         for (key, value, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
             size = len(rec)
             hint_add(gsn_word, off, vlen, kf)
-            if value is not None and key not in index and key not in tombs:
-                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
-            else:
+            if value is None or key in index or key in tombs:
                 self._index_update(sh, key, fid, off, size, gsn_word)
+            else:
+                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
             off += size
         sh.highest = items[-1][2]
         return False
@@ -982,28 +987,37 @@ class BitcaskStore:
         appended to its data file in one write.  A delete of a missing key writes nothing."""
         groups: dict[int, list[tuple[bytes, bytes | None, int]]] = {}
         shards = self._shards
-        for key, value, gsn in items:
-            if len(key) > MAX_KEY_LEN or type(key) is not bytes:
+        nsh = len(shards)
+        prev = 0
+        for item in items:
+            key, value, gsn = item
+            if len(key) > MAX_KEY_LEN or type(key) is not bytes or value is not None and (
+                    type(value) is not bytes or len(value) > MAX_VALUE_LEN):
                 key = self._key_len_ok(self._key_arg(key))
-            if value is not None and (type(value) is not bytes or len(value) > MAX_VALUE_LEN):
-                value = self._value_arg(value)
-            i = 0 if len(shards) == 1 else zlib.crc32(key) % len(shards)
-            groups.setdefault(i, []).append((key, value, gsn))
+                if value is not None:
+                    value = self._value_arg(value)
+                item = (key, value, gsn)
+            if type(gsn) is not int or not prev < gsn <= SEQ_MASK:
+                raise ArmdbError(f"gsn {gsn!r} of a batch is not above the one before it ({prev}); draw a "
+                                 f"commit's gsns in order")
+            prev = gsn
+            i = 0 if nsh == 1 else zlib.crc32(key) % nsh
+            if value is None and key not in shards[i].index:
+                continue  # deleting a missing key writes nothing
+            group = groups.get(i)
+            if group is None:
+                groups[i] = [item]
+            else:
+                group.append(item)
         for i, group in groups.items():
             sh = shards[i]
             if sh.closed or self._poisoned is not None:
                 self.check_writable()
-            group = [it for it in group if it[1] is not None or it[0] in sh.index]
-            if not group:
-                continue
-            prev = sh.highest
-            for _, _, gsn in group:
-                if not isinstance(gsn, int) or not prev < gsn <= SEQ_MASK:
-                    raise ArmdbError(
-                        f"gsn {gsn!r} is not above this shard's highest gsn {prev}; draw gsns for a "
-                        f"commit while holding the shard lock"
-                    )
-                prev = gsn
+            if group[0][2] <= sh.highest:  # the batch's gsns increase: its first one says it all
+                raise ArmdbError(
+                    f"gsn {group[0][2]!r} is not above this shard's highest gsn {sh.highest}; draw gsns for a "
+                    f"commit while holding the shard lock"
+                )
             if self._write_group(sh, group):
                 sh.compact_due = True
                 self._compact_deferred = True
