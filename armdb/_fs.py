@@ -79,15 +79,24 @@ class MappedFile:
     def wrote(self, offset: int, length: int) -> None:
         """Report a store the caller made directly into ``array`` (a hook for tests)."""
 
-    def flush(self, offset: int = 0, length: int | None = None) -> None:
-        """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure."""
+    def flush(self, offset: int = 0, length: int | None = None, *, release_gil: bool = False) -> None:
+        """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure.
+
+        ``msync`` keeps the GIL (``mmap.flush``): a durable writer that gave it up would
+        wait for it behind any busy thread after every sync (docs/performance.md, "msync
+        keeps the GIL").  ``release_gil``: the flusher's background sync, which must not
+        stop the writers for the disk's time; only on the plain file system (the
+        flusher syncs in the background only there, ``background_sync_ok``)."""
         if length is None:
             length = self.length - offset
         start = offset - offset % PAGE
         end = min(self.length, offset + length)
         if end <= start:
             return
-        FS._msync(self, start, end - start)  # the installed file system, looked up now
+        if release_gil:
+            RealFS._msync_released(self, start, end - start)
+        else:
+            FS._msync(self, start, end - start)  # the installed file system, looked up now
 
     def close(self) -> None:
         """Drop the map.  The pages are unmapped once no array view refers to them."""
@@ -354,10 +363,14 @@ class RealFS:
         return MappedFile(self, fd, length)
 
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
+        mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
+
+    @staticmethod
+    def _msync_released(mf: MappedFile, offset: int, length: int) -> None:
         array = mf.array
         if array is None:
             raise OSError(errno.EBADF, "msync of a closed mapping")
-        msync_range(array, offset, length)  # mmap.flush would keep the GIL through the sync
+        msync_range(array, offset, length)  # compiled: the GIL is released through the sync
 
 
 def _creation_mode(path: str, base: int) -> int:

@@ -735,7 +735,7 @@ class FixedShard(_k.SlotStore):
             mapped = self.mapped  # a grow may remap meanwhile: this map stays valid until flushed
         err: OSError | None = None
         try:
-            mapped.flush(lo, hi - lo)
+            mapped.flush(lo, hi - lo, release_gil=True)
         except OSError as e:
             err = e
         with self.lock:

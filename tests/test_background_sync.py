@@ -40,6 +40,14 @@ class _Gate:
         return self.real(*args)
 
 
+def _stop_flusher(db: armdb.Db) -> None:
+    """The test runs the flusher's sync itself, when it wants (the writers then find no
+    flusher to wake and sync themselves, which these tests do not reach)."""
+    flusher = db._workers[0]
+    flusher.stop()
+    flusher.join()
+
+
 def _background_thread(fn) -> threading.Thread:
     t = threading.Thread(target=fn, name="test-flusher")
     t.start()
@@ -51,6 +59,7 @@ def test_s5_fixed_flush_runs_outside_the_lock(db_path, monkeypatch):
     # stays in the dirty range and is flushed by the next sync.
     gate = _Gate(_fs.msync_range)
     with armdb.Db.open(db_path) as db:
+        _stop_flusher(db)
         q = db.open_queue(Fixed)
         q.push((1, 1))
         shard = q._shards[0].fixed
@@ -78,6 +87,7 @@ def test_s5_bitcask_sync_runs_outside_the_lock(db_path, monkeypatch):
     real = os.fdatasync
     gate = _Gate(real)
     with armdb.Db.open(db_path) as db:
+        _stop_flusher(db)
         m = db.open_map("bg_map")
         m.put(b"k1", {"v": 1})
         store = m.store
@@ -131,6 +141,7 @@ def test_s12_failed_background_sync_poisons(db_path, monkeypatch, what):
     # SPEC S12: a sync that fails on the flusher's thread is never retried; the store
     # refuses writes until reopened, and what was written before is intact.
     with armdb.Db.open(db_path) as db:
+        _stop_flusher(db)
         q = db.open_queue(Fixed if what == "fixed" else Var)
         payload = (7, 7) if what == "fixed" else {"n": 7}
         jid = q.push(payload)
