@@ -421,7 +421,17 @@ class BitcaskStore:
         for (key, value, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
             size = len(rec)
             hint_add(gsn_word, off, vlen, kf)
-            if value is None or key in index or key in tombs:
+            if value is None:
+                old = index.get(key)
+                if old is not None and old[0] == fid and old[4] is None:
+                    # The common delete (a var ack's body): a put in this same file that no
+                    # older file's record can outlive, so both it and the tombstone are
+                    # garbage at once (what _index_update concludes, without the call).
+                    del index[key]
+                    act.dead += old[2] + size
+                else:
+                    self._index_update(sh, key, fid, off, size, gsn_word)
+            elif key in index or key in tombs:
                 self._index_update(sh, key, fid, off, size, gsn_word)
             else:
                 index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
