@@ -230,7 +230,7 @@ def test_p2_threads_share_a_client_and_pipeline(client: armdb.Client) -> None:
     # SPEC P2, P5: a client is thread-safe; requests are pipelined (many in flight at once)
     q = client.open_queue(Jobs)
     futs = [client._submit("push", q="jobs", p=q._encode(Job(i, "p")), delay=None) for i in range(200)]
-    ids = [f.result(10) for f in futs]
+    ids = [client._result(f) for f in futs]
     assert sorted(ids) == ids and len(set(ids)) == 200
 
     def work(k: int) -> int:
@@ -255,7 +255,7 @@ def test_p2_a_wait_does_not_hold_back_other_requests(client: armdb.Client) -> No
     w = client._submit("wait_due", q="jobs", timeout=2.0)
     assert q.len() == 0 and time.monotonic() - t0 < 1.0
     q.push(Job(1, "wake"))
-    assert w.result(5) is True
+    assert client._result(w) is True
     assert time.monotonic() - t0 < 1.5
 
 
@@ -435,7 +435,7 @@ def test_p5_forged_token_in_a_transaction_is_stale(owner: tuple[armdb.Db, server
         q.push(Job(1, "a"))
         fut = c._submit("tx", steps=[["ack", "jobs", _TOKEN]], durable=False)
         with pytest.raises(StaleToken):
-            fut.result(5)
+            c._result(fut)
         assert q.len() == 1
 
 
