@@ -35,7 +35,7 @@ import numpy as np
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
 from .config import QueueConfig
-from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone
+from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
 from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
@@ -488,6 +488,33 @@ class RemoteQueue(Generic[T]):
             raise NotALease(f"ack_many takes a LeaseBatch or a sequence of Leases or tokens, "
                             f"not {type(leases).__name__}")
         return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
+
+    def _ack_many_and_lease(self, acks: list[Lease[T]], n: int) -> tuple[BaseException | None, list[Lease[T]]]:
+        """``ack_many(acks)`` then ``lease(n)``, pipelined: both requests in one write, one
+        round trip (armdb.Worker).  The ``StaleToken`` that refused the acks, if any (none
+        was acked then), and the leases."""
+        c = self._client
+        calls = c._send_many([("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}),
+                              ("lease", {"q": self.name, "n": n})])
+        stale: BaseException | None = None
+        try:
+            c._result(calls[0])
+        except StaleToken as e:
+            stale = e
+        return stale, self._leases(c._result(calls[1]))
+
+    def _extend_many(self, leases: list[Lease[T]], by: timedelta) -> None:
+        """Extend each lease by ``by``, pipelined (a worker's release); a lease lost
+        meanwhile is skipped."""
+        c = self._client
+        b = _secs(by, "by")
+        calls = c._send_many([("extend", {"q": self.name, "t": wire.token_to_wire(as_token(t)), "by": b})
+                              for t in leases])
+        for call in calls:
+            try:
+                c._result(call)
+            except StaleToken:
+                pass
 
     def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> None:

@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 import typing
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,6 +43,7 @@ __all__ = ["Worker"]
 log = logging.getLogger("armdb")
 
 IDLE_WAIT = 0.25  # seconds a thread waits for a due row before it looks at the stop flag again
+ACK_WITHIN = 0.02  # seconds a returned handler's ack may wait to go out with the next lease
 RELEASE = timedelta(milliseconds=1)
 
 
@@ -189,9 +191,16 @@ class Worker:
             hb.join()
 
     def _loop(self, q: Any) -> None:
+        # The acks of handlers that returned wait for the next lease, which carries them
+        # (through a client: ack_many and lease in one write, one round trip per batch),
+        # but never longer than ACK_WITHIN: a slow handler's ack goes out before the next
+        # handler starts.
+        acks: list[Lease[Any]] = []
+        since = 0.0
         try:
             while not self._stop.is_set():
-                leases = q.lease(self.batch)
+                leases = self._ack_and_lease(q, acks)
+                acks = []
                 if not leases:
                     q.wait_due_timeout(IDLE_WAIT)
                     continue
@@ -202,7 +211,14 @@ class Worker:
                     if self._stop.is_set():
                         self._release(q, leases[i:])
                         break
-                    self._handle(q, lz)
+                    if acks and time.monotonic() - since >= ACK_WITHIN:
+                        self._ack(q, acks)
+                        acks = []
+                    if self._handle(q, lz):
+                        if not acks:
+                            since = time.monotonic()
+                        acks.append(lz)
+            self._ack(q, acks)
         except DbClosed:
             if not self._stop.is_set():
                 log.warning("armdb worker: the queue %s closed under the worker; stopping", self.spec.name)
@@ -211,15 +227,57 @@ class Worker:
             log.exception("armdb worker: the loop over queue %s failed; stopping", self.spec.name)
             self._stop.set()
 
-    def _handle(self, q: Any, lz: Lease[Any]) -> None:
+    def _ack_and_lease(self, q: Any, acks: list[Lease[Any]]) -> list[Lease[Any]]:
+        """Ack ``acks`` and lease the next batch: through a client, both requests in one
+        write; unless stopping (then only the acks)."""
+        if self._stop.is_set():
+            self._ack(q, acks)
+            return []
+        pipelined = getattr(q, "_ack_many_and_lease", None)
+        if pipelined is None or not acks:
+            self._ack(q, acks)
+            return q.lease(self.batch)  # type: ignore[no-any-return]
+        stale, leases = pipelined(acks, self.batch)
+        self._acked(q, acks, stale)
+        return leases  # type: ignore[no-any-return]
+
+    def _handle(self, q: Any, lz: Lease[Any]) -> bool:
+        """Run the handler on one lease: True when it returned (to be acked); an
+        exception nacks the lease at once."""
         try:
             self.handler(lz if self._pass_lease else lz.payload)
         except Exception:
             log.exception("armdb worker: the handler failed on row %d of queue %s (attempt %d); nacked it",
                           lz.id, self.spec.name, lz.attempt)
             self._settle(q, lz, False)
+            return False
+        return True
+
+    def _ack(self, q: Any, acks: list[Lease[Any]]) -> None:
+        if not acks:
             return
-        self._settle(q, lz, True)
+        try:
+            q.ack_many(acks)
+        except StaleToken as e:
+            self._acked(q, acks, e)
+            return
+        self._acked(q, acks, None)
+
+    def _acked(self, q: Any, acks: list[Lease[Any]], stale: BaseException | None) -> None:
+        """Count a batch's acks; when ``ack_many`` refused it (all or nothing: a lease in
+        it was lost), ack each alone, so only the lost ones are not acked."""
+        if stale is not None:
+            for lz in acks:
+                self._settle(q, lz, True)
+            return
+        with self._lock:
+            for lz in acks:
+                self._held.pop(lz.token, None)
+            self.done += len(acks)
+        live = self._live
+        if live is not None:
+            with live.get_lock():
+                live[0] += len(acks)
 
     def _settle(self, q: Any, lz: Lease[Any], ack: bool) -> None:
         with self._lock:
@@ -244,9 +302,17 @@ class Worker:
                 live[0 if ack else 1] += 1
 
     def _release(self, q: Any, leases: list[Lease[Any]]) -> None:
-        for lz in leases:
-            with self._lock:
+        with self._lock:
+            for lz in leases:
                 self._held.pop(lz.token, None)
+        many = getattr(q, "_extend_many", None)
+        if many is not None:  # through a client: every extend in one write
+            try:
+                many(leases, RELEASE)
+            except DbClosed:
+                pass
+            return
+        for lz in leases:
             try:
                 q.extend(lz, by=RELEASE)  # expires in 1 ms: redelivered with the attempt counted
             except (StaleToken, DbClosed):

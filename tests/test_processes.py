@@ -259,6 +259,43 @@ def test_p6_worker_processes_over_a_served_db(db: armdb.Db, tmp_path: Path) -> N
     assert w.counts() == (100, 0)
 
 
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_acks_go_out_in_batches_and_a_lost_lease_spares_the_others(db: armdb.Db, through: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # SPEC P6: a worker's acks go out together with its next lease (one round trip per
+    # batch through a client); when ack_many refuses a batch because one lease in it was
+    # lost (here: acked by the handler itself), the others are still acked, one by one
+    q = db.open_queue(Tasks, _cfg())
+    client = None
+    if through == "client":
+        db.serve()
+        client = armdb.connect(db.path, timeout=10)
+    source: Any = db if client is None else client
+    handle = q if client is None else client.open_queue(Tasks)
+    seen: list[int] = []
+
+    def handler(lease: armdb.Lease[Task]) -> None:
+        seen.append(lease.payload.n)
+        if lease.payload.n == 5:
+            handle.ack(lease)  # the worker's own ack of it will be stale
+
+    for i in range(40):
+        q.push(Task(i, "x"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="armdb"):
+            w = armdb.Worker(source, Tasks, handler, batch=8).start()
+            _until(lambda: q.len() == 0 and w.counts()[0] >= 39)
+            w.stop()
+            w.join()
+        assert sorted(seen) == list(range(40))  # each once: nothing redelivered
+        assert w.counts() == (39, 0)
+        assert "row 6 of queue tasks was no longer leased" in caplog.text
+        assert q.stats().expired_leases == 0
+    finally:
+        if client is not None:
+            client.close()
+
+
 def test_c5_serve_command_and_work_command(tmp_path: Path) -> None:
     # SPEC C5, P1, P6: python -m armdb serve DIR stops cleanly on SIGTERM; work runs a handler
     path = str(tmp_path / "db")
