@@ -819,7 +819,7 @@ def worker_cpu(path: str, jobs: int, processes: int) -> float:
     try:
         q = db.open_queue(BenchVar)
         srv = db.serve() if processes else None
-        w = Worker(db, BenchVar, cpu_job, processes=processes, batch=4).start()
+        w = Worker(db, BenchVar, cpu_job, processes=processes).start()  # the defaults (batch=16)
         try:
             deadline = time.monotonic() + 120
             while srv is not None and srv.connections() < processes:
