@@ -420,15 +420,27 @@ class RemoteQueue(Generic[T]):
             return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
         if not self.spec.var:
             return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=d))
-        return list(self._call("push_many", pb=self._pack_batch(payloads), delay=d))
+        payloads = self._checked_list(payloads)
+        try:
+            return list(self._call("push_many", pb=self._pack_batch(payloads), delay=d))
+        except PayloadTypeError as e:
+            if "cannot be read back" not in str(e):
+                raise
+            self._name_unreadable(payloads)  # raises for the first payload that cannot be read back
+            raise
 
-    def _pack_batch(self, payloads: Any) -> bytes:
-        """A var batch as one msgpack array: each payload checked as ``encode`` checks it,
-        and the array packed and read back once (not once per payload)."""
+    @staticmethod
+    def _checked_list(payloads: Any) -> list[Any]:
         if isinstance(payloads, (str, bytes, bytearray, memoryview, dict)) or not hasattr(payloads, "__iter__"):
             raise PayloadTypeError(f"push_many takes a sequence of payloads (e.g. a list), not "
                                    f"{type(payloads).__name__}; push one payload with push()")
-        payloads = list(payloads)
+        return list(payloads)
+
+    def _pack_batch(self, payloads: list[Any]) -> bytes:
+        """A var batch as one msgpack array, each payload checked as ``encode`` checks
+        its type.  Whether every payload reads back is checked where the array is
+        unpacked, once, by the server: a refusal comes back as ``PayloadTypeError``, and
+        only then is each payload encoded alone, to say which one."""
         plain = self._codec.plain
         objs = []
         for i, p in enumerate(payloads):
@@ -436,20 +448,23 @@ class RemoteQueue(Generic[T]):
                 objs.append(plain(p))
             except PayloadTypeError as e:
                 raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        if self._codec.rebuild_at_push:
+            self._name_unreadable(payloads)  # the class rebuilds itself: each checked as encode does
         try:
-            blob = wire.pack(objs)
-            wire.unpack_value(blob)
+            return wire.pack(objs)
         except (TypeError, ValueError, OverflowError):
-            blob = b""
-        if not blob or self._codec.rebuild_at_push:
-            # One payload cannot be stored or read back (or the class rebuilds itself):
-            # encode each alone, which says which and why.
-            for i, p in enumerate(payloads):
-                try:
-                    self._encode(p)
-                except PayloadTypeError as e:
-                    raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
-        return blob
+            self._name_unreadable(payloads)
+            raise PayloadTypeError("a payload of the batch cannot be serialised with msgpack; "
+                                   "nothing was pushed") from None
+
+    def _name_unreadable(self, payloads: list[Any]) -> None:
+        """Encode each payload alone; raise the first one's ``PayloadTypeError`` (by its
+        index in the batch)."""
+        for i, p in enumerate(payloads):
+            try:
+                self._encode(p)
+            except PayloadTypeError as e:
+                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
 
     def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
         """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`."""
