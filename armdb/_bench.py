@@ -1305,7 +1305,7 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
     sb = _find(results, f"serve/batch-var-100B-{SERVE_BATCH}", "armdb var queue through")
     if sb is not None:
         direct = _find(results, f"serve/batch-var-100B-{SERVE_BATCH}", "armdb var queue, direct")
-        beside = f" (direct calls {direct:,.0f} jobs/s)" if direct is not None else ""
+        beside = f" (direct calls {direct:,.0f} jobs/s: {sb / direct:.2f}× them)" if direct else ""
         out.append(Target(f"serve/batch-var-100B-{SERVE_BATCH}, one client through the socket", "≥ 100,000 jobs/s",
                           f"{sb:,.0f} jobs/s{beside}", sb >= 100_000))
     w2 = _find(results, "worker/cpu-1ms", "armdb Worker(processes=2)")
