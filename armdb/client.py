@@ -1,20 +1,24 @@
 """``armdb.connect``: use a database that another process owns and serves (SPEC P2-P5).
 
-A :class:`Client` holds one Unix socket to the owner's server (armdb.server) and one
-reader thread that matches replies to requests by id, so any number of threads may share
-a client and have requests in flight at once (pipelining).  A call waits at most the
+A :class:`Client` holds one Unix socket to the owner's server (armdb.server).  Replies
+are matched to requests by id, so any number of threads may share a client and have
+requests in flight at once (pipelining; ``_send_many`` sends several in one write).  It
+has no thread of its own: a caller waiting for its reply reads the socket itself (the
+reader role, one thread at a time) and hands the other callers their replies, so a call
+costs one write and usually one read, with no thread hop.  A call waits at most the
 client's ``timeout`` for its reply (a wait for a due row: its own timeout plus that); when
 the server is gone (the socket closed, or no reply in time) every call in flight and
 every later one raises :class:`armdb.errors.ServerGone`, a ``DbClosed``, and the
 connection is closed, which releases its leases at the server.
 
-Payloads are encoded here, with the codec of the client's own ``QueueSpec``, and decoded
-here from the bytes the server sends; errors come back as their own ``armdb.errors``
-class with the server's message.
+Payloads are encoded here, with the codec of the client's own ``QueueSpec``; a var
+batch is packed as one msgpack array, and leased var payloads arrive as msgpack values
+inside the reply; errors come back as their own ``armdb.errors`` class with the server's
+message.
 
 Lock policy: ``Client._wlock`` serialises frames written to the socket; ``Client._lock``
-guards the table of pending requests and the closed flag.  Neither is held while waiting
-for a reply.
+(the lock of the condition ``_cv``) guards the table of pending requests, the reader role
+and the closed flag.  Neither is held while reading the socket or waiting for a reply.
 """
 
 from __future__ import annotations
