@@ -540,9 +540,9 @@ class RemoteQueue(Generic[T]):
             stale = e
         return stale, self._leases(c._result(calls[1]))
 
-    def _extend_many(self, leases: list[Lease[T]], by: timedelta) -> None:
-        """Extend each lease by ``by``, pipelined (a worker's release); a lease lost
-        meanwhile is skipped."""
+    def _extend_many(self, leases: list[Lease[T]], by: timedelta | None) -> None:
+        """Extend each lease by ``by`` (None: the lease timeout), pipelined (a worker's
+        heartbeat and release); a lease lost meanwhile is skipped."""
         c = self._client
         b = _secs(by, "by")
         calls = c._send_many([("extend", {"q": self.name, "t": wire.token_to_wire(as_token(t)), "by": b})

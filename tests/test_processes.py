@@ -175,9 +175,15 @@ def _until(cond: Any, limit: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_p6_long_handler_is_delivered_once(db: armdb.Db) -> None:
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_long_handler_is_delivered_once(db: armdb.Db, through: str) -> None:
     # SPEC P6: a handler taking 3x the lease timeout is kept leased by the heartbeat
+    # (through a client: the extends of a beat pipelined in one write)
     q = db.open_queue(Tasks, _cfg(lease=0.2))
+    source: Any = db
+    if through == "client":
+        db.serve()
+        source = armdb.connect(db.path, timeout=10)
     calls: collections.Counter[int] = collections.Counter()
 
     def slow(task: Task) -> None:
@@ -186,10 +192,12 @@ def test_p6_long_handler_is_delivered_once(db: armdb.Db) -> None:
 
     for i in range(4):
         q.push(Task(i, "slow"))
-    w = armdb.Worker(db, Tasks, slow, threads=2, batch=2).start()
+    w = armdb.Worker(source, Tasks, slow, threads=2, batch=2).start()
     _until(lambda: q.len() == 0)
     w.stop()
     w.join()
+    if source is not db:
+        source.close()
     assert calls == {0: 1, 1: 1, 2: 1, 3: 1}
     assert q.stats().expired_leases == 0 and w.counts() == (4, 0)
 
