@@ -530,15 +530,27 @@ class RemoteQueue(Generic[T]):
         """``ack_many(acks)`` then ``lease(n)``, pipelined: both requests in one write, one
         round trip (armdb.Worker).  The ``StaleToken`` that refused the acks, if any (none
         was acked then), and the leases."""
+        return self._ack_many_and_lease_wait(self._ack_many_and_lease_send(acks, n))
+
+    def _ack_many_and_lease_send(self, acks: list[Lease[T]], n: int) -> list[Any]:
+        """Send what :meth:`_ack_many_and_lease` sends, without waiting: a worker leases
+        its next batch while its last handler runs.  :meth:`_ack_many_and_lease_wait`
+        takes the replies."""
+        reqs: list[tuple[str, dict[str, Any]]] = []
+        if acks:
+            reqs.append(("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}))
+        reqs.append(("lease", {"q": self.name, "n": n}))
+        return self._client._send_many(reqs)
+
+    def _ack_many_and_lease_wait(self, calls: list[Any]) -> tuple[BaseException | None, list[Lease[T]]]:
         c = self._client
-        calls = c._send_many([("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}),
-                              ("lease", {"q": self.name, "n": n})])
         stale: BaseException | None = None
-        try:
-            c._result(calls[0])
-        except StaleToken as e:
-            stale = e
-        return stale, self._leases(c._result(calls[1]))
+        if len(calls) == 2:
+            try:
+                c._result(calls[0])
+            except StaleToken as e:
+                stale = e
+        return stale, self._leases(c._result(calls[-1]))
 
     def _extend_many(self, leases: list[Lease[T]], by: timedelta | None) -> None:
         """Extend each lease by ``by`` (None: the lease timeout), pipelined (a worker's

@@ -194,19 +194,27 @@ class Worker:
         # The acks of handlers that returned wait for the next lease, which carries them
         # (through a client: ack_many and lease in one write, one round trip per batch),
         # but never longer than ACK_WITHIN: a slow handler's ack goes out before the next
-        # handler starts.
+        # handler starts.  Through a client the next batch is asked for before the last
+        # handler of a batch runs, so its round trip is not waited for.
         acks: list[Lease[Any]] = []
         since = 0.0
+        send_ahead = getattr(q, "_ack_many_and_lease_send", None)
+        ahead: tuple[list[Any], list[Lease[Any]]] | None = None  # (calls in flight, the acks they carry)
         try:
             while not self._stop.is_set():
-                leases = self._ack_and_lease(q, acks)
-                acks = []
+                if ahead is not None:
+                    leases = self._lease_ahead(q, ahead)
+                    ahead = None
+                else:
+                    leases = self._ack_and_lease(q, acks)
+                    acks = []
                 if not leases:
                     q.wait_due_timeout(IDLE_WAIT)
                     continue
                 with self._lock:
                     for lz in leases:
                         self._held[lz.token] = lz
+                last = len(leases) - 1
                 for i, lz in enumerate(leases):
                     if self._stop.is_set():
                         self._release(q, leases[i:])
@@ -214,10 +222,15 @@ class Worker:
                     if acks and time.monotonic() - since >= ACK_WITHIN:
                         self._ack(q, acks)
                         acks = []
+                    if i == last and send_ahead is not None:
+                        ahead = (send_ahead(acks, self.batch), acks)
+                        acks = []
                     if self._handle(q, lz):
                         if not acks:
                             since = time.monotonic()
                         acks.append(lz)
+            if ahead is not None:  # leased ahead, never started: given back
+                self._release(q, self._lease_ahead(q, ahead))
             self._ack(q, acks)
         except DbClosed:
             if not self._stop.is_set():
@@ -226,6 +239,13 @@ class Worker:
         except Exception:
             log.exception("armdb worker: the loop over queue %s failed; stopping", self.spec.name)
             self._stop.set()
+
+    def _lease_ahead(self, q: Any, ahead: tuple[list[Any], list[Lease[Any]]]) -> list[Lease[Any]]:
+        calls, acks = ahead
+        stale, leases = q._ack_many_and_lease_wait(calls)
+        if acks:
+            self._acked(q, acks, stale)
+        return leases  # type: ignore[no-any-return]
 
     def _ack_and_lease(self, q: Any, acks: list[Lease[Any]]) -> list[Lease[Any]]:
         """Ack ``acks`` and lease the next batch: through a client, both requests in one

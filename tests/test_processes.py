@@ -222,9 +222,14 @@ def test_p6_exception_nacks_and_lease_handler(db: armdb.Db, caplog: pytest.LogCa
     assert "first try fails" in caplog.text and "Traceback" in caplog.text
 
 
-def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db) -> None:
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db, through: str) -> None:
     # SPEC P6: stop() lets the running handler finish and releases leases not yet started at once
     q = db.open_queue(Tasks, _cfg(lease=60))
+    source: Any = db
+    if through == "client":
+        db.serve()
+        source = armdb.connect(db.path, timeout=10)
     for i in range(8):
         q.push(Task(i, "x"))
     started = []
@@ -235,10 +240,12 @@ def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db) -> None:
         time.sleep(0.3)
         finished.append(task.n)
 
-    w = armdb.Worker(db, Tasks, handler, batch=8).start()
+    w = armdb.Worker(source, Tasks, handler, batch=8).start()
     _until(lambda: started)
     w.stop()
     w.join()
+    if source is not db:
+        source.close()
     assert started == finished == [0]
     t0 = time.monotonic()
     got = q.lease(8)
@@ -265,6 +272,36 @@ def test_p6_worker_processes_over_a_served_db(db: armdb.Db, tmp_path: Path) -> N
     assert sorted(ns) == list(range(100))  # each exactly once
     assert os.getpid() not in {int(x) for x in lines[1::2]}
     assert w.counts() == (100, 0)
+
+
+def test_p6_a_batch_leased_ahead_is_released_on_stop(db: armdb.Db) -> None:
+    # SPEC P6: through a client the next batch is leased while the last handler of a
+    # batch runs; stopping then gives that batch back at once, unstarted
+    q = db.open_queue(Tasks, _cfg(lease=60))
+    db.serve()
+    client = armdb.connect(db.path, timeout=10)
+    for i in range(8):
+        q.push(Task(i, "x"))
+    started: list[int] = []
+
+    def handler(task: Task) -> None:
+        started.append(task.n)
+        if task.n == 3:  # the last of the first batch: the next one is leased meanwhile
+            time.sleep(0.3)
+
+    w = armdb.Worker(client, Tasks, handler, batch=4).start()
+    _until(lambda: 3 in started)
+    w.stop()
+    w.join()
+    client.close()
+    assert started == [0, 1, 2, 3] and w.counts() == (4, 0)
+    got: list[Any] = []
+    t0 = time.monotonic()
+    while len(got) < 4:
+        assert time.monotonic() - t0 < 1.0
+        got += q.lease(8)
+        time.sleep(0.005)
+    assert sorted(lz.payload.n for lz in got) == [4, 5, 6, 7] and all(lz.attempt == 2 for lz in got)
 
 
 @pytest.mark.parametrize("through", ["db", "client"])
