@@ -275,7 +275,7 @@ def test_p6_worker_processes_over_a_served_db(db: armdb.Db, tmp_path: Path) -> N
 
 
 def test_p6_a_batch_leased_ahead_is_released_on_stop(db: armdb.Db) -> None:
-    # SPEC P6: through a client the next batch is leased while the last handler of a
+    # SPEC P6: through a client the next batch is leased while the second half of a
     # batch runs; stopping then gives that batch back at once, unstarted
     q = db.open_queue(Tasks, _cfg(lease=60))
     db.serve()
@@ -286,7 +286,7 @@ def test_p6_a_batch_leased_ahead_is_released_on_stop(db: armdb.Db) -> None:
 
     def handler(task: Task) -> None:
         started.append(task.n)
-        if task.n == 3:  # the last of the first batch: the next one is leased meanwhile
+        if task.n == 3:  # the first batch's second half: the next batch is leased meanwhile
             time.sleep(0.3)
 
     w = armdb.Worker(client, Tasks, handler, batch=4).start()
