@@ -1,29 +1,33 @@
 """``armdb.connect``: use a database that another process owns and serves (SPEC P2-P5).
 
-A :class:`Client` holds one Unix socket to the owner's server (armdb.server) and one
-reader thread that matches replies to requests by id, so any number of threads may share
-a client and have requests in flight at once (pipelining).  A call waits at most the
+A :class:`Client` holds one Unix socket to the owner's server (armdb.server).  Replies
+are matched to requests by id, so any number of threads may share a client and have
+requests in flight at once (pipelining; ``_send_many`` sends several in one write).  It
+has no thread of its own: a caller waiting for its reply reads the socket itself (the
+reader role, one thread at a time) and hands the other callers their replies, so a call
+costs one write and usually one read, with no thread hop.  A call waits at most the
 client's ``timeout`` for its reply (a wait for a due row: its own timeout plus that); when
 the server is gone (the socket closed, or no reply in time) every call in flight and
 every later one raises :class:`armdb.errors.ServerGone`, a ``DbClosed``, and the
 connection is closed, which releases its leases at the server.
 
-Payloads are encoded here, with the codec of the client's own ``QueueSpec``, and decoded
-here from the bytes the server sends; errors come back as their own ``armdb.errors``
-class with the server's message.
+Payloads are encoded here, with the codec of the client's own ``QueueSpec``; a var
+batch is packed as one msgpack array, and leased var payloads arrive as msgpack values
+inside the reply; errors come back as their own ``armdb.errors`` class with the server's
+message.
 
 Lock policy: ``Client._wlock`` serialises frames written to the socket; ``Client._lock``
-guards the table of pending requests and the closed flag.  Neither is held while waiting
-for a reply.
+(the lock of the condition ``_cv``) guards the table of pending requests, the reader role
+and the closed flag.  Neither is held while reading the socket or waiting for a reply.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -35,7 +39,7 @@ import numpy as np
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
 from .config import QueueConfig
-from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone
+from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
 from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
@@ -57,6 +61,30 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_POLL = 0.25  # seconds: a reading caller looks at its deadline at least this often
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+class _Call:
+    """One request in flight: its reply's value or error, once ``done``."""
+
+    __slots__ = ("done", "value", "error")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def fail(self, e: BaseException) -> None:
+        if not self.done:
+            self.error = e
+            self.done = True
 
 
 def connect(dir_or_socket: str | os.PathLike[str], *, timeout: float = 30.0) -> Client:
@@ -94,14 +122,17 @@ class Client:
             path = os.path.join(path, wire.SOCKET_NAME)
         self.path = path
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._wlock = threading.Lock()
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._pending: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._closed = False
         self._why = ""
+        self._reading = False  # a caller thread holds the reader role
         self._queues: dict[str, RemoteQueue[Any]] = {}
         self._maps: dict[str, RemoteMap] = {}
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        frames = wire.FrameReader(sock)
         try:
             sock.settimeout(t)
             give_up = time.monotonic() + t
@@ -114,7 +145,13 @@ class Client:
                         raise
                     time.sleep(0.01)
             sock.sendall(wire.frame({"armdb": wire.MAGIC, "versions": [wire.VERSION]}))
-            hello = self._read_frame(sock)
+            got: list[Any] = []
+            while not got:
+                more = frames.read()
+                if more is None:
+                    raise ConnectionResetError("the server closed the connection")
+                got = more
+            hello = got[0]
         except (OSError, BadFrame) as e:
             sock.close()
             raise ServerGone(
@@ -126,83 +163,51 @@ class Client:
             why = hello.get("error") if isinstance(hello, dict) else None
             raise ServerGone(f"the server at {path} does not speak this client's protocol: "
                              f"{why or repr(hello)}; use the same armdb version on both sides")
+        # Blocking, with a kernel receive timeout (one system call per recv, where a
+        # socket timeout polls first): a reading caller wakes at least every _POLL
+        # seconds to look at its deadline.  Sends time out after the client's timeout.
         sock.settimeout(None)
+        self._poll = min(t / 4, _POLL)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self._poll))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(t))
         self.server_pid = int(hello.get("pid", 0))
         self._sock = sock
-        self._reader = threading.Thread(target=self._read_loop, name="armdb-client", daemon=True)
-        self._reader.start()
+        self._frames = frames
         _CLIENTS.add(self)
 
     # -- frames --------------------------------------------------------------------------
-    @staticmethod
-    def _read_exact(sock: socket.socket, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise ConnectionResetError("the server closed the connection")
-            got += k
-        return bytes(buf)
-
-    def _read_frame(self, sock: socket.socket) -> Any:
-        n = wire.length_of(self._read_exact(sock, 4))
-        return wire.unpack(self._read_exact(sock, n) if n else b"")
-
-    def _read_loop(self) -> None:
-        why = "the server closed the connection (the owner exited, crashed or closed the database)"
-        try:
-            while True:
-                reply = self._read_frame(self._sock)
-                if not (isinstance(reply, list) and len(reply) == 3 and type(reply[0]) is int):
-                    why = "the server sent a malformed reply"
-                    return
-                with self._lock:
-                    fut = self._pending.pop(reply[0], None)
-                if fut is None:
-                    continue  # a reply to a request that timed out
-                try:
-                    if reply[1] == wire.OK:
-                        fut.set_result(reply[2])
-                    else:
-                        fut.set_exception(wire.error_from_wire(reply[2]))
-                except concurrent.futures.InvalidStateError:
-                    pass  # cancelled by its caller (an asyncio task awaiting due() was cancelled)
-        except (OSError, BadFrame) as e:
-            if not self._closed:
-                why = f"the connection to the server broke ({e})"
-        finally:
-            self._shut(why)
-
+    # No reader thread: a thread waiting for its reply reads the socket itself (the
+    # reader role, one thread at a time), hands every reply it reads to its caller and
+    # gives the role up once its own reply came; a thread waiting meanwhile sleeps on
+    # ``_cv`` until its reply was handed to it or the role is free.  One request costs
+    # one send and, usually, one recv, with no thread hop on the client.
     def _shut(self, why: str) -> None:
-        with self._lock:
+        with self._cv:
             if not self._why:
                 self._why = why
             self._closed = True
             pending, self._pending = self._pending, {}
+            err = self._gone()
+            for call in pending.values():
+                call.fail(err)
+            self._cv.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        for fut in pending.values():
-            try:
-                fut.set_exception(self._gone())
-            except concurrent.futures.InvalidStateError:
-                pass  # cancelled by its caller
 
     def _gone(self) -> ServerGone:
         return ServerGone(f"the armdb client of {self.path} is closed: {self._why}; connect again once the "
                           f"owner serves the database")
 
-    def _submit(self, op: str, **args: Any) -> concurrent.futures.Future[Any]:
-        """Send one request; its reply resolves the returned future (pipelining)."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def _submit(self, op: str, **args: Any) -> _Call:
+        """Send one request; :meth:`_result` waits for its reply (many may be in flight)."""
+        call = _Call()
         with self._lock:
             if self._closed:
                 raise self._gone()
             rid = next(self._ids)
-            self._pending[rid] = fut
+            self._pending[rid] = call
         try:
             data = wire.frame([rid, op, args])
         except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
@@ -215,14 +220,100 @@ class Client:
         except OSError as e:
             self._shut(f"the connection to the server broke ({e})")
             raise self._gone() from None
-        return fut
+        return call
 
-    def _result(self, fut: concurrent.futures.Future[Any], extra: float = 0.0) -> Any:
+    def _send_many(self, requests: list[tuple[str, dict[str, Any]]]) -> list[_Call]:
+        """Send several requests in one write (a pipelined batch); their calls in order.
+        The server runs them in this order."""
+        calls = [_Call() for _ in requests]
+        with self._lock:
+            if self._closed:
+                raise self._gone()
+            rids = [next(self._ids) for _ in requests]
+            for rid, call in zip(rids, calls):
+                self._pending[rid] = call
         try:
-            return fut.result(self.timeout + extra)
-        except concurrent.futures.TimeoutError:
-            self._shut(f"the server did not answer within {self.timeout:g} s")
+            data = b"".join(wire.frame([rid, op, args]) for rid, (op, args) in zip(rids, requests))
+        except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
+            with self._lock:
+                for rid in rids:
+                    self._pending.pop(rid, None)
+            raise
+        try:
+            with self._wlock:
+                self._sock.sendall(data)
+        except OSError as e:
+            self._shut(f"the connection to the server broke ({e})")
             raise self._gone() from None
+        return calls
+
+    def _result(self, call: _Call, extra: float = 0.0) -> Any:
+        """Wait for ``call``'s reply (at most the client's timeout, plus ``extra``)."""
+        if not call.done:
+            self._wait(call, time.monotonic() + self.timeout + extra)
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def _wait(self, call: _Call, deadline: float) -> None:
+        late = False
+        with self._cv:
+            while not call.done:
+                if self._closed:
+                    call.fail(self._gone())
+                    return
+                if not self._reading:
+                    self._reading = True
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = True
+                    break
+                self._cv.wait(left)
+            else:
+                return
+        if late:
+            self._shut(f"the server did not answer within {self.timeout:g} s")
+            return
+        try:
+            why = self._read_until(call, deadline)
+        finally:
+            with self._cv:
+                self._reading = False
+                self._cv.notify_all()  # a waiting thread takes the role over
+        if why:
+            self._shut(why)
+
+    def _read_until(self, call: _Call, deadline: float) -> str:
+        """Read replies until ``call``'s came; why the client must shut, if it must."""
+        frames = self._frames
+        while not call.done:
+            try:
+                replies = frames.read()
+            except (BlockingIOError, TimeoutError):  # the kernel's receive timeout: no byte came
+                if time.monotonic() >= deadline:
+                    return f"the server did not answer within {self.timeout:g} s"
+                continue
+            except (OSError, BadFrame) as e:
+                return self._why or f"the connection to the server broke ({e})"
+            if replies is None:
+                return "the server closed the connection (the owner exited, crashed or closed the database)"
+            if not replies:
+                continue
+            with self._cv:
+                for reply in replies:
+                    if not (isinstance(reply, list) and len(reply) == 3 and type(reply[0]) is int):
+                        return "the server sent a malformed reply"
+                    c = self._pending.pop(reply[0], None)
+                    if c is None:
+                        continue  # a reply to a request that timed out, or was abandoned
+                    if reply[1] == wire.OK:
+                        c.value = reply[2]
+                    else:
+                        c.error = wire.error_from_wire(reply[2])
+                    c.done = True
+                self._cv.notify_all()  # another thread's reply may be among them
+        return ""
 
     def _call(self, op: str, **args: Any) -> Any:
         return self._result(self._submit(op, **args))
@@ -235,8 +326,8 @@ class Client:
     def close(self) -> None:
         """Close the connection; the server releases every lease it still holds."""
         self._shut("close() was called")
-        if self._reader is not threading.current_thread():
-            self._reader.join(5.0)
+        with self._cv:  # a thread reading the socket sees it shut; let it leave first
+            self._cv.wait_for(lambda: not self._reading, 5.0)
         self._sock.close()
 
     def __enter__(self) -> Client:
@@ -301,8 +392,10 @@ class RemoteQueue(Generic[T]):
         self.config = config
         if spec.var:
             codec = VarCodec(spec.payload)
+            self._codec = codec
             self._encode = codec.encode
             self._decode = codec.decode
+            self._from_plain = codec.from_plain
         else:
             fcodec = FixedCodec(spec.dtype)
             dtype = spec.dtype
@@ -329,7 +422,53 @@ class RemoteQueue(Generic[T]):
                                        f"got {payloads.dtype} of shape {payloads.shape}")
             raw = self._call("push_many", blob=np.ascontiguousarray(payloads).tobytes(), delay=d)
             return np.frombuffer(raw, dtype="<u8").astype(np.uint64)
-        return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=d))
+        if not self.spec.var:
+            return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=d))
+        payloads = self._checked_list(payloads)
+        try:
+            return list(self._call("push_many", pb=self._pack_batch(payloads), delay=d))
+        except PayloadTypeError as e:
+            if "cannot be read back" not in str(e):
+                raise
+            self._name_unreadable(payloads)  # raises for the first payload that cannot be read back
+            raise
+
+    @staticmethod
+    def _checked_list(payloads: Any) -> list[Any]:
+        if isinstance(payloads, (str, bytes, bytearray, memoryview, dict)) or not hasattr(payloads, "__iter__"):
+            raise PayloadTypeError(f"push_many takes a sequence of payloads (e.g. a list), not "
+                                   f"{type(payloads).__name__}; push one payload with push()")
+        return list(payloads)
+
+    def _pack_batch(self, payloads: list[Any]) -> bytes:
+        """A var batch as one msgpack array, each payload checked as ``encode`` checks
+        its type.  Whether every payload reads back is checked where the array is
+        unpacked, once, by the server: a refusal comes back as ``PayloadTypeError``, and
+        only then is each payload encoded alone, to say which one."""
+        plain = self._codec.plain
+        objs = []
+        for i, p in enumerate(payloads):
+            try:
+                objs.append(plain(p))
+            except PayloadTypeError as e:
+                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        if self._codec.rebuild_at_push:
+            self._name_unreadable(payloads)  # the class rebuilds itself: each checked as encode does
+        try:
+            return wire.pack(objs)
+        except (TypeError, ValueError, OverflowError):
+            self._name_unreadable(payloads)
+            raise PayloadTypeError("a payload of the batch cannot be serialised with msgpack; "
+                                   "nothing was pushed") from None
+
+    def _name_unreadable(self, payloads: list[Any]) -> None:
+        """Encode each payload alone; raise the first one's ``PayloadTypeError`` (by its
+        index in the batch)."""
+        for i, p in enumerate(payloads):
+            try:
+                self._encode(p)
+            except PayloadTypeError as e:
+                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
 
     def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
         """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`."""
@@ -343,7 +482,7 @@ class RemoteQueue(Generic[T]):
                               (0, ms_to_datetime(0)), payloads)
         handle, shards, dues, ids, attempts, epochs, deadline, raw = got
         if self.spec.var:
-            payloads = [self._decode(p) for p in raw]
+            payloads = raw if self._from_plain_is_identity() else [self._from_plain(p) for p in raw]
         else:
             payloads = np.frombuffer(raw, dtype=self.spec.dtype).copy()
         return LeaseBatch(self.name, int.from_bytes(handle, "big"), np.frombuffer(shards, "<u4").astype(np.uint32),
@@ -355,11 +494,16 @@ class RemoteQueue(Generic[T]):
     def _leases(self, rows: list[Any]) -> list[Lease[T]]:
         out: list[Lease[T]] = []
         dl: tuple[int, datetime] | None = None
+        decode = self._from_plain if self.spec.var else self._decode
         for rid, raw, attempt, deadline, tok in rows:
             if dl is None or dl[0] != deadline:
                 dl = (deadline, ms_to_datetime(deadline))
-            out.append(Lease(rid, self._decode(raw), attempt, dl[1], LeaseToken(*wire.token_fields(tok))))
+            out.append(Lease(rid, decode(raw), attempt, dl[1], LeaseToken(*wire.token_fields(tok))))
         return out
+
+    def _from_plain_is_identity(self) -> bool:
+        c = self._codec
+        return not c.is_dataclass and c.payload is not tuple
 
     def lease(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> list[Lease[T]]:
         if type(n) is not int or n < 1:
@@ -381,6 +525,45 @@ class RemoteQueue(Generic[T]):
             raise NotALease(f"ack_many takes a LeaseBatch or a sequence of Leases or tokens, "
                             f"not {type(leases).__name__}")
         return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
+
+    def _ack_many_and_lease(self, acks: list[Lease[T]], n: int) -> tuple[BaseException | None, list[Lease[T]]]:
+        """``ack_many(acks)`` then ``lease(n)``, pipelined: both requests in one write, one
+        round trip (armdb.Worker).  The ``StaleToken`` that refused the acks, if any (none
+        was acked then), and the leases."""
+        return self._ack_many_and_lease_wait(self._ack_many_and_lease_send(acks, n))
+
+    def _ack_many_and_lease_send(self, acks: list[Lease[T]], n: int) -> list[Any]:
+        """Send what :meth:`_ack_many_and_lease` sends, without waiting: a worker leases
+        its next batch while its last handler runs.  :meth:`_ack_many_and_lease_wait`
+        takes the replies."""
+        reqs: list[tuple[str, dict[str, Any]]] = []
+        if acks:
+            reqs.append(("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}))
+        reqs.append(("lease", {"q": self.name, "n": n}))
+        return self._client._send_many(reqs)
+
+    def _ack_many_and_lease_wait(self, calls: list[Any]) -> tuple[BaseException | None, list[Lease[T]]]:
+        c = self._client
+        stale: BaseException | None = None
+        if len(calls) == 2:
+            try:
+                c._result(calls[0])
+            except StaleToken as e:
+                stale = e
+        return stale, self._leases(c._result(calls[-1]))
+
+    def _extend_many(self, leases: list[Lease[T]], by: timedelta | None) -> None:
+        """Extend each lease by ``by`` (None: the lease timeout), pipelined (a worker's
+        heartbeat and release); a lease lost meanwhile is skipped."""
+        c = self._client
+        b = _secs(by, "by")
+        calls = c._send_many([("extend", {"q": self.name, "t": wire.token_to_wire(as_token(t)), "by": b})
+                              for t in leases])
+        for call in calls:
+            try:
+                c._result(call)
+            except StaleToken:
+                pass
 
     def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> None:
@@ -411,17 +594,20 @@ class RemoteQueue(Generic[T]):
         return bool(c._result(c._submit("wait_due", q=self.name, timeout=t), extra=t))
 
     async def due(self) -> None:
-        """Resolve when a row is due (advisory); ``ServerGone`` when the owner goes."""
+        """Resolve when a row is due (advisory); ``ServerGone`` when the owner goes.
+
+        Each wait (at most ``wakeup_recheck``) is one request, waited for on a thread of
+        its own, so the event loop never blocks; a cancelled ``due()`` leaves that thread
+        to finish its short wait."""
         c = self._client
         step = min(self.config.wakeup_recheck, c.timeout)
+        loop = asyncio.get_running_loop()
         while True:
-            fut = c._submit("wait_due", q=self.name, timeout=step)
-            try:
-                got = await asyncio.wait_for(asyncio.wrap_future(fut), step + c.timeout)
-            except TimeoutError:
-                c._shut(f"the server did not answer within {c.timeout:g} s")
-                raise c._gone() from None
-            if got:
+            call = c._submit("wait_due", q=self.name, timeout=step)
+            fut: asyncio.Future[Any] = loop.create_future()
+            threading.Thread(target=_await_call, args=(c, call, step, loop, fut), daemon=True,
+                             name="armdb-due").start()
+            if await fut:
                 return
 
     def peek(self, n: int = 10, *, dead: bool = False) -> list[Job[T]]:
@@ -444,6 +630,27 @@ class RemoteQueue(Generic[T]):
     def snapshot(self) -> np.ndarray:
         descr, raw = self._call("snapshot")
         return np.frombuffer(raw, dtype=wire.dtype_from_wire(descr)).copy()
+
+
+def _await_call(c: Client, call: _Call, extra: float, loop: asyncio.AbstractEventLoop,
+                fut: asyncio.Future[Any]) -> None:
+    try:
+        got, err = c._result(call, extra), None
+    except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+        got, err = None, e
+
+    def settle() -> None:
+        if fut.done():
+            return  # the task was cancelled
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(got)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the event loop was closed meanwhile
 
 
 def _ids(ids: Any) -> list[int] | None:

@@ -350,6 +350,31 @@ class VarCodec:
             check_round_trip(value, raw, "payload")
         return raw
 
+    def plain(self, value: Any) -> Any:
+        """``value`` checked as :meth:`encode` checks it, as the msgpack value ``encode``
+        would pack (a dataclass: its field list), without packing it: the client sends a
+        batch's payloads packed together (armdb.client)."""
+        if self.is_dataclass:
+            if type(value) is not self.payload:
+                raise PayloadTypeError(
+                    f"payload must be an instance of {self.payload.__name__}, not {type(value).__name__}"
+                )
+            return [getattr(value, f) for f in self.fields]
+        if self.payload is bytes and isinstance(value, (bytearray, memoryview)):
+            value = bytes(value)
+        if not self.any and not _is_instance(value, self.payload):
+            raise PayloadTypeError(f"payload must be of type {self.payload.__name__}, not {type(value).__name__}")
+        return value
+
+    def from_plain(self, obj: Any) -> Any:
+        """The payload :meth:`decode` gives for the bytes of ``obj`` (a value msgpack
+        decoded), without packing it again."""
+        if self.is_dataclass:
+            return self.payload(*obj)
+        if self.payload is tuple:
+            return tuple(obj)
+        return obj
+
     def _which_field(self, value: Any) -> str:
         """``"field 'x' of Job holds a set: "`` for the first dataclass field msgpack refuses."""
         for name in self.fields if self.is_dataclass else ():

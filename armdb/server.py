@@ -9,7 +9,9 @@ operation name to a handler, so adding an operation is one entry.
 
 Threads: one accept thread; one reader thread per connection, which runs each request in
 arrival order and writes its reply; an operation that blocks (a wait for a due row) runs on
-a thread of its own, so it holds back no other request of its connection.
+a thread of its own, so it holds back no other request of its connection.  The requests
+one ``recv`` brings (a client's pipelined batch) are run in order and their replies sent
+with one ``send``.
 
 Tokens are bound to their connection (P3): each connection keeps the set of tokens its
 leases returned, and a settle, extend or transaction step with a token not in that set
@@ -32,6 +34,7 @@ token set.  None is held while calling into the database.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -41,17 +44,24 @@ import typing
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import numpy as np
 
 from . import _fs, wire
 from ._version import __version__
-from .errors import ArmdbError, ConfigError, DbClosed, QueueAlreadyOpen, SchemaMismatch, StaleToken
+from .errors import (
+    ArmdbError,
+    ConfigError,
+    DbClosed,
+    PayloadTypeError,
+    QueueAlreadyOpen,
+    SchemaMismatch,
+    StaleToken,
+)
 from .qspec import QueueSpec, VarCodec, layout_from_fingerprint, queue
-from .queue import LeaseToken, Queue
+from .queue import LeaseBatch, LeaseToken, Queue
 from .wire import BadFrame
 
 if TYPE_CHECKING:
@@ -229,41 +239,37 @@ class _Conn:
         self.maps: dict[str, Map] = {}
         self.waits = 0
         self.closed = False
+        self._inbox: list[Any] = []  # requests read with the handshake, not yet run
+        self.frames = wire.FrameReader(sock)
         self.reader = threading.Thread(target=self._run, name=f"armdb-conn-{pid}", daemon=True)
 
     # -- io -------------------------------------------------------------------------------
-    def _read_exact(self, n: int) -> bytes | None:
-        # Grown as bytes arrive (at most 1 MiB at a time), so a frame that announces more
-        # than it sends costs only what it sent.
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
-            if not chunk:
-                if buf:
-                    raise BadFrame(f"the connection closed inside a frame ({len(buf)} of {n} bytes)")
-                return None
-            buf += chunk
-        return bytes(buf)
-
     def _read_frame(self) -> Any:
-        prefix = self._read_exact(4)
-        if prefix is None:
-            return _EOF
-        n = wire.length_of(prefix)
-        body = self._read_exact(n) if n else b""
-        if body is None:
-            raise BadFrame(f"the connection closed inside a frame (0 of {n} bytes)")
-        return wire.unpack(body)
+        """The next request (for the handshake: nothing is pipelined before it)."""
+        while not self._inbox:
+            got = self.frames.read()
+            if got is None:
+                return _EOF
+            self._inbox.extend(got)
+        return self._inbox.pop(0)
 
     def send(self, obj: Any) -> None:
+        self.send_raw(self.encode(obj))
+
+    @staticmethod
+    def encode(obj: Any) -> bytes:
+        """A reply as a frame; a result over the frame limit (or one msgpack refuses)
+        becomes an error reply."""
         try:
-            data = wire.frame(obj)
+            return wire.frame(obj)
         except Exception as e:  # noqa: BLE001 - a reply over the frame limit, or a value msgpack refuses
             if not (isinstance(obj, list) and len(obj) == 3 and obj[1] == wire.OK):
                 raise
             err = e if isinstance(e, ArmdbError) else ArmdbError(
                 f"the reply cannot be sent ({type(e).__name__}: {e}); ask for less at once")
-            data = wire.frame([obj[0], wire.ERR, wire.error_to_wire(err)])
+            return wire.frame([obj[0], wire.ERR, wire.error_to_wire(err)])
+
+    def send_raw(self, data: bytes) -> None:
         with self.wlock:
             if self.closed:
                 return
@@ -284,11 +290,23 @@ class _Conn:
             self.sock.settimeout(HANDSHAKE_TIMEOUT)
             self._handshake()
             self.sock.settimeout(None)
+            # Every request that one recv brought is run in order and their replies go
+            # out in one send: a client's pipelined batch costs one system call each way.
+            out: list[bytes] = []
+            reqs: list[Any] = self._inbox
+            self._inbox = []
             while True:
-                req = self._read_frame()
-                if req is _EOF:
+                try:
+                    for req in reqs:
+                        self._request(req, out)
+                finally:
+                    if out:
+                        self.send_raw(out[0] if len(out) == 1 else b"".join(out))
+                        out.clear()
+                got = self.frames.read()
+                if got is None:
                     return
-                self._request(req)
+                reqs = got
         except BadFrame as e:
             log.warning("armdb server %s: closed the connection of process %d: %s", self.server.path, self.pid, e)
         except TimeoutError:
@@ -314,7 +332,7 @@ class _Conn:
             raise BadFrame(f"the client offers protocol versions {versions!r}, not {wire.VERSION}")
         self.send({"armdb": wire.MAGIC, "version": wire.VERSION, "pid": os.getpid(), "server": __version__})
 
-    def _request(self, req: Any) -> None:
+    def _request(self, req: Any, out: list[bytes]) -> None:
         if not (isinstance(req, list) and len(req) == 3 and type(req[0]) is int and isinstance(req[1], str)
                 and isinstance(req[2], dict)):
             raise BadFrame("a request must be [id, op, args]")
@@ -331,25 +349,24 @@ class _Conn:
             threading.Thread(target=self._call_blocking, args=(rid, op, args), daemon=True,
                              name=f"armdb-wait-{self.pid}").start()
             return
-        self._call(rid, op, args)
+        out.append(self._call(rid, op, args))
 
-    def _call(self, rid: int, op: _Op, args: dict[str, Any]) -> None:
+    def _call(self, rid: int, op: _Op, args: dict[str, Any]) -> bytes:
+        """Run one request; its reply frame."""
         try:
             result = op.handler(self, **args)
         except BadFrame:
             raise
         except ArmdbError as e:
-            self.send([rid, wire.ERR, wire.error_to_wire(e)])
-            return
+            return self.encode([rid, wire.ERR, wire.error_to_wire(e)])
         except Exception as e:  # a bug: tell the client, log it, keep serving
             log.exception("armdb server %s: operation %s failed", self.server.path, op.name)
-            self.send([rid, wire.ERR, wire.error_to_wire(e)])
-            return
-        self.send([rid, wire.OK, result])
+            return self.encode([rid, wire.ERR, wire.error_to_wire(e)])
+        return self.encode([rid, wire.OK, result])
 
     def _call_blocking(self, rid: int, op: _Op, args: dict[str, Any]) -> None:
         try:
-            self._call(rid, op, args)
+            self.send_raw(self._call(rid, op, args))
         except BadFrame as e:
             log.warning("armdb server %s: closed the connection of process %d: %s", self.server.path, self.pid, e)
             self.stop_reading()
@@ -442,6 +459,7 @@ class _Conn:
 
 
 _EOF = object()
+_EPOCH_DT = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass
@@ -467,11 +485,33 @@ class _QueueRef:
 
     def payload_out(self, payload: Any) -> bytes:
         if self.var:
-            codec = typing.cast(VarCodec, self.q._codec)
-            if codec.is_dataclass:
-                return msgpack.packb([getattr(payload, f) for f in codec.fields], use_bin_type=True)
-            return msgpack.packb(payload, use_bin_type=True)
+            return wire.pack(self.plain_out(payload))
         return payload.tobytes()  # type: ignore[no-any-return]
+
+    def plain_out(self, payload: Any) -> Any:
+        """A var payload as the msgpack value its body holds (a dataclass: its fields),
+        sent inside the reply: the reply is packed once, not each payload."""
+        codec = typing.cast(VarCodec, self.q._codec)
+        if codec.is_dataclass:
+            return [getattr(payload, f) for f in codec.fields]
+        return payload
+
+    def payloads_in(self, blob: bytes) -> list[Any]:
+        """A var batch's payloads, packed together as one msgpack array by the client, as
+        the objects ``Queue.push_many`` takes (it checks and encodes them)."""
+        try:
+            objs = wire.unpack_value(blob)
+        except ValueError as e:
+            raise PayloadTypeError(f"the batch's payloads cannot be read back ({e}); nothing was pushed") from None
+        if not isinstance(objs, list):
+            raise BadFrame("a push_many payload blob must be a msgpack array")
+        codec = typing.cast(VarCodec, self.q._codec)
+        if codec.is_dataclass:
+            n = len(codec.fields)
+            if not all(isinstance(o, list) and len(o) == n for o in objs):
+                raise PayloadTypeError(f"a payload of the batch is not the {n} fields of {codec.payload.__name__}; "
+                                       f"nothing was pushed")
+        return [codec.from_plain(o) for o in objs] if codec.is_dataclass or codec.payload is tuple else objs
 
 
 # -- the operation table ---------------------------------------------------------------------
@@ -593,18 +633,23 @@ def _push(conn: _Conn, q: str, p: bytes, delay: float | None = None) -> int:
     return ref.q.push(ref.payload_in(p), delay=delay)
 
 
-@op("push_many", q=str, ps=_opt(list), blob=_opt(bytes), delay=_opt(int, float))
-def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, blob: bytes | None = None,
+@op("push_many", q=str, ps=_opt(list), pb=_opt(bytes), blob=_opt(bytes), delay=_opt(int, float))
+def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, pb: bytes | None = None, blob: bytes | None = None,
                delay: float | None = None) -> list[int] | bytes:
-    """A list of encoded payloads, or (a fixed queue) one blob of records: one commit."""
+    """A list of encoded payloads (``ps``), a var queue's payloads packed as one msgpack
+    array (``pb``), or (a fixed queue) one blob of records: one commit."""
     ref = conn.queue(q)
     if blob is not None:
-        if ps is not None or ref.dtype is None or len(blob) % ref.dtype.itemsize:
+        if ps is not None or pb is not None or ref.dtype is None or len(blob) % ref.dtype.itemsize:
             raise BadFrame("a push_many blob is whole records of a fixed queue's dtype")
         ids = ref.q.push_many(np.frombuffer(blob, dtype=ref.dtype), delay=delay)
         return np.asarray(ids, dtype="<u8").tobytes()
+    if pb is not None:
+        if ps is not None or not ref.var:
+            raise BadFrame("pb carries a var queue's payloads, alone")
+        return list(ref.q.push_many(ref.payloads_in(pb), delay=delay))
     if ps is None:
-        raise BadFrame("push_many needs ps or blob")
+        raise BadFrame("push_many needs ps, pb or blob")
     return list(ref.q.push_many([ref.payload_in(p) for p in ps], delay=delay))
 
 
@@ -615,11 +660,11 @@ def _lease(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> l
     if not leases:
         return []
     conn.remember([lz.token for lz in leases], ref.q)
-    out = []
     dl = wire.dt_to_ms(leases[0].deadline)
-    for lz in leases:
-        out.append([lz.id, ref.payload_out(lz.payload), lz.attempt, dl, wire.token_to_wire(lz.token)])
-    return out
+    if ref.var:
+        plain = ref.plain_out
+        return [[lz.id, plain(lz.payload), lz.attempt, dl, wire.token_to_wire(lz.token)] for lz in leases]
+    return [[lz.id, lz.payload.tobytes(), lz.attempt, dl, wire.token_to_wire(lz.token)] for lz in leases]
 
 
 @op("ack", q=str, t=list)
@@ -641,11 +686,16 @@ def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None
     if not len(b):
         return None
     handle = b._handle
-    toks = [LeaseToken(handle, sh, du, sq, ep) for sh, du, sq, ep in
-            zip(b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist())]
-    conn.remember(toks, ref.q)
-    payloads: Any = (np.ascontiguousarray(b.payloads).tobytes() if not ref.var
-                     else [ref.payload_out(p) for p in b.payloads])
+    shards, dues, ids, epochs = b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist()
+    new = tuple.__new__  # the NamedTuple without its Python-level __new__
+    conn.remember([new(LeaseToken, t) for t in zip(itertools.repeat(handle), shards, dues, ids, epochs)], ref.q)
+    payloads: Any
+    if not ref.var:
+        payloads = np.ascontiguousarray(b.payloads).tobytes()
+    elif typing.cast(VarCodec, ref.q._codec).is_dataclass:
+        payloads = [ref.plain_out(p) for p in b.payloads]
+    else:
+        payloads = b.payloads
     return [handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
             b.ids.astype("<u8").tobytes(), b.attempts.astype("<u2").tobytes(), b._epochs.astype("<u4").tobytes(),
             wire.dt_to_ms(b._deadline), payloads]
@@ -657,35 +707,45 @@ def _ack_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any] | 
     epochs u4]: all or nothing, as ``Queue.ack_many``."""
     ref = conn.queue(q)
     if tb is not None:
-        toks = _batch_tokens(tb, conn, ref)
-    elif ts is not None:
-        toks = [conn.token(raw, ref) for raw in ts]
-    else:
+        batch, keys = _token_batch(tb, conn, ref)
+        n = int(ref.q.ack_many(batch))
+        conn.drop(keys)
+        return n
+    if ts is None:
         raise BadFrame("ack_many needs ts or tb")
+    toks = [conn.token(raw, ref) for raw in ts]
     n = int(ref.q.ack_many(toks))
     conn.drop(toks)
     return n
 
 
-def _batch_tokens(tb: list[Any], conn: _Conn, ref: _QueueRef) -> list[LeaseToken]:
+def _token_batch(tb: list[Any], conn: _Conn, ref: _QueueRef) -> tuple[LeaseBatch[Any], list[Any]]:
+    """A token batch as a ``LeaseBatch`` (no payloads) and its tokens as the keys of the
+    connection's set, once every token is checked to be held by this connection."""
     if not (len(tb) == 5 and all(isinstance(x, bytes) for x in tb) and len(tb[0]) == 16):
         raise BadFrame("a token batch is [16 bytes, shards, dues, ids, epochs]")
     try:
-        arrays = [np.frombuffer(tb[i], dtype=d).tolist() for i, d in ((1, "<u4"), (2, "<u8"), (3, "<u8"), (4, "<u4"))]
+        arrays = [np.frombuffer(tb[i], dtype=d) for i, d in ((1, "<u4"), (2, "<u8"), (3, "<u8"), (4, "<u4"))]
     except ValueError:
         raise BadFrame("a token batch's arrays have a wrong length") from None
     if len({len(a) for a in arrays}) != 1:
         raise BadFrame("a token batch's arrays differ in length")
     handle = int.from_bytes(tb[0], "big")
-    toks = [LeaseToken(handle, sh, du, sq, ep) for sh, du, sq, ep in zip(*arrays)]
+    shards, dues, ids, epochs = (a.astype(a.dtype.newbyteorder("=")) for a in arrays)
+    # Plain tuples: equal to the LeaseTokens the set holds, and hashed alike.
+    keys = list(zip(itertools.repeat(handle), shards.tolist(), dues.tolist(), ids.tolist(), epochs.tolist()))
+    held: dict[Any, Queue[Any]] = conn.held
+    q = ref.q
     with conn.lock:
-        foreign = next((t for t in toks if conn.held.get(t) is not ref.q), None)
-    if foreign is not None:
+        foreign = [k for k in keys if held.get(k) is not q]
+    if foreign:
         raise StaleToken(
-            f"row {foreign.seq}: this token is not held by this connection (issued to another client, or "
+            f"row {foreign[0][3]}: this token is not held by this connection (issued to another client, or "
             f"already acked or nacked); lease the row again through this client; nothing was acked"
         )
-    return toks
+    n = len(keys)
+    none = np.zeros(n, dtype=np.uint16)
+    return LeaseBatch(q.name, handle, shards, dues, ids, none, epochs, (0, _EPOCH_DT), [None] * n), keys
 
 
 @op("nack", q=str, t=list, delay=_opt(int, float), dead=bool)

@@ -17,7 +17,9 @@ armdb.client do).
 from __future__ import annotations
 
 import dataclasses
+import socket
 import struct
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,7 +31,7 @@ from .config import Config, FixedConfig, QueueConfig
 from .errors import ArmdbError, ConfigError
 
 MAGIC = "armdb-wire"
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 64 << 20  # bytes of msgpack in one frame (the length prefix excluded)
 _LEN = struct.Struct(">I")
 SOCKET_NAME = "armdb.sock"
@@ -38,13 +40,34 @@ OK = 0
 ERR = 1
 
 
+_unpackb = msgpack.unpackb
+
+
 class BadFrame(Exception):
     """A frame that breaks the protocol (internal: the server closes that connection)."""
 
 
+_tls = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    # msgpack.packb builds a Packer per call, which costs more than packing a short
+    # request; a Packer keeps a buffer, so each thread has its own.
+    try:
+        return _tls.packer  # type: ignore[no-any-return]
+    except AttributeError:
+        p = _tls.packer = msgpack.Packer(use_bin_type=True)
+        return p
+
+
+def pack(obj: Any) -> bytes:
+    """``msgpack.packb(obj, use_bin_type=True)`` with this thread's Packer."""
+    return _packer().pack(obj)  # type: ignore[no-any-return]
+
+
 def frame(obj: Any) -> bytes:
     """``obj`` as one frame: its msgpack bytes behind their length."""
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = _packer().pack(obj)
     if len(body) > MAX_FRAME:
         raise ConfigError(
             f"a request or reply of {len(body):,} bytes exceeds the {MAX_FRAME:,}-byte frame limit; "
@@ -64,9 +87,70 @@ def length_of(prefix: bytes) -> int:
 def unpack(body: bytes) -> Any:
     """One frame's msgpack body; ``BadFrame`` for anything malformed or trailing."""
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
+        return _unpackb(body, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated classes
         raise BadFrame(f"malformed msgpack ({type(e).__name__}: {e})") from None
+
+
+CHUNK = 1 << 18  # bytes asked of the socket at once
+
+
+class FrameReader:
+    """The frames arriving on a stream socket, decoded: one ``recv`` returns every frame
+    complete in it (a client's pipelined requests, or a server's replies, cost one system
+    call for all).  The buffer grows only as bytes arrive, so a frame that announces more
+    than it sends costs only what it sent."""
+
+    __slots__ = ("sock", "buf", "_chunk", "_view")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self._chunk = bytearray(CHUNK)
+        self._view = memoryview(self._chunk)
+
+    def read(self) -> list[Any] | None:
+        """Receive once (blocking as the socket says) and return the frames now complete,
+        decoded, in order (maybe none yet); ``None`` when the peer closed between frames.
+
+        Raises ``BadFrame`` (a frame over :data:`MAX_FRAME`, malformed msgpack, the peer
+        closed inside a frame) and what ``recv`` raises (a timeout, a reset)."""
+        k = self.sock.recv_into(self._view)
+        buf = self.buf
+        if not k:
+            if buf:
+                n = len(buf) - 4
+                if n < 0:
+                    raise BadFrame(f"the connection closed inside a frame ({len(buf)} of 4 prefix bytes)")
+                raise BadFrame(f"the connection closed inside a frame ({n} of {length_of(bytes(buf[:4]))} bytes)")
+            return None
+        buf += self._view[:k]
+        out: list[Any] = []
+        off, end = 0, len(buf)
+        while end - off >= 4:
+            (n,) = _LEN.unpack_from(buf, off)
+            if n > MAX_FRAME:
+                length_of(bytes(buf[off:off + 4]))  # raises BadFrame
+            if end - off - 4 < n:
+                break
+            out.append(unpack(bytes(buf[off + 4:off + 4 + n])))
+            off += 4 + n
+        if off:
+            del buf[:off]
+        return out
+
+    def pending(self) -> int:
+        """Bytes received that do not yet make a whole frame."""
+        return len(self.buf)
+
+
+def unpack_value(raw: bytes) -> Any:
+    """A msgpack value inside a request (a batch's payloads); ``ValueError`` saying why
+    it does not decode."""
+    try:
+        return _unpackb(raw, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated classes
+        raise ValueError(f"{type(e).__name__}: {e}") from None
 
 
 # -- values ---------------------------------------------------------------------------

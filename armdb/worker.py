@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 import typing
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,6 +43,7 @@ __all__ = ["Worker"]
 log = logging.getLogger("armdb")
 
 IDLE_WAIT = 0.25  # seconds a thread waits for a due row before it looks at the stop flag again
+ACK_WITHIN = 0.02  # seconds a returned handler's ack may wait to go out with the next lease
 RELEASE = timedelta(milliseconds=1)
 
 
@@ -189,20 +191,48 @@ class Worker:
             hb.join()
 
     def _loop(self, q: Any) -> None:
+        # The acks of handlers that returned wait for the next lease, which carries them
+        # (through a client: ack_many and lease in one write, one round trip per batch),
+        # but never longer than ACK_WITHIN: a slow handler's ack goes out before the next
+        # handler starts.  Through a client the next batch is asked for when half of a
+        # batch has run, so its round trip (a commit of the acks at the owner, under load
+        # a millisecond or two) is not waited for.
+        acks: list[Lease[Any]] = []
+        since = 0.0
+        send_ahead = getattr(q, "_ack_many_and_lease_send", None)
+        ahead: tuple[list[Any], list[Lease[Any]]] | None = None  # (calls in flight, the acks they carry)
         try:
             while not self._stop.is_set():
-                leases = q.lease(self.batch)
+                if ahead is not None:
+                    leases = self._lease_ahead(q, ahead)
+                    ahead = None
+                else:
+                    leases = self._ack_and_lease(q, acks)
+                    acks = []
                 if not leases:
                     q.wait_due_timeout(IDLE_WAIT)
                     continue
                 with self._lock:
                     for lz in leases:
                         self._held[lz.token] = lz
+                half = len(leases) // 2  # where the next batch is asked for (through a client)
                 for i, lz in enumerate(leases):
                     if self._stop.is_set():
                         self._release(q, leases[i:])
                         break
-                    self._handle(q, lz)
+                    if acks and time.monotonic() - since >= ACK_WITHIN:
+                        self._ack(q, acks)
+                        acks = []
+                    if i == half and send_ahead is not None:
+                        ahead = (send_ahead(acks, self.batch), acks)
+                        acks = []
+                    if self._handle(q, lz):
+                        if not acks:
+                            since = time.monotonic()
+                        acks.append(lz)
+            if ahead is not None:  # leased ahead, never started: given back
+                self._release(q, self._lease_ahead(q, ahead))
+            self._ack(q, acks)
         except DbClosed:
             if not self._stop.is_set():
                 log.warning("armdb worker: the queue %s closed under the worker; stopping", self.spec.name)
@@ -211,15 +241,64 @@ class Worker:
             log.exception("armdb worker: the loop over queue %s failed; stopping", self.spec.name)
             self._stop.set()
 
-    def _handle(self, q: Any, lz: Lease[Any]) -> None:
+    def _lease_ahead(self, q: Any, ahead: tuple[list[Any], list[Lease[Any]]]) -> list[Lease[Any]]:
+        calls, acks = ahead
+        stale, leases = q._ack_many_and_lease_wait(calls)
+        if acks:
+            self._acked(q, acks, stale)
+        return leases  # type: ignore[no-any-return]
+
+    def _ack_and_lease(self, q: Any, acks: list[Lease[Any]]) -> list[Lease[Any]]:
+        """Ack ``acks`` and lease the next batch: through a client, both requests in one
+        write; unless stopping (then only the acks)."""
+        if self._stop.is_set():
+            self._ack(q, acks)
+            return []
+        pipelined = getattr(q, "_ack_many_and_lease", None)
+        if pipelined is None or not acks:
+            self._ack(q, acks)
+            return q.lease(self.batch)  # type: ignore[no-any-return]
+        stale, leases = pipelined(acks, self.batch)
+        self._acked(q, acks, stale)
+        return leases  # type: ignore[no-any-return]
+
+    def _handle(self, q: Any, lz: Lease[Any]) -> bool:
+        """Run the handler on one lease: True when it returned (to be acked); an
+        exception nacks the lease at once."""
         try:
             self.handler(lz if self._pass_lease else lz.payload)
         except Exception:
             log.exception("armdb worker: the handler failed on row %d of queue %s (attempt %d); nacked it",
                           lz.id, self.spec.name, lz.attempt)
             self._settle(q, lz, False)
+            return False
+        return True
+
+    def _ack(self, q: Any, acks: list[Lease[Any]]) -> None:
+        if not acks:
             return
-        self._settle(q, lz, True)
+        try:
+            q.ack_many(acks)
+        except StaleToken as e:
+            self._acked(q, acks, e)
+            return
+        self._acked(q, acks, None)
+
+    def _acked(self, q: Any, acks: list[Lease[Any]], stale: BaseException | None) -> None:
+        """Count a batch's acks; when ``ack_many`` refused it (all or nothing: a lease in
+        it was lost), ack each alone, so only the lost ones are not acked."""
+        if stale is not None:
+            for lz in acks:
+                self._settle(q, lz, True)
+            return
+        with self._lock:
+            for lz in acks:
+                self._held.pop(lz.token, None)
+            self.done += len(acks)
+        live = self._live
+        if live is not None:
+            with live.get_lock():
+                live[0] += len(acks)
 
     def _settle(self, q: Any, lz: Lease[Any], ack: bool) -> None:
         with self._lock:
@@ -244,18 +323,33 @@ class Worker:
                 live[0 if ack else 1] += 1
 
     def _release(self, q: Any, leases: list[Lease[Any]]) -> None:
-        for lz in leases:
-            with self._lock:
+        with self._lock:
+            for lz in leases:
                 self._held.pop(lz.token, None)
+        many = getattr(q, "_extend_many", None)
+        if many is not None:  # through a client: every extend in one write
+            try:
+                many(leases, RELEASE)
+            except DbClosed:
+                pass
+            return
+        for lz in leases:
             try:
                 q.extend(lz, by=RELEASE)  # expires in 1 ms: redelivered with the attempt counted
             except (StaleToken, DbClosed):
                 pass
 
     def _heartbeat_loop(self, q: Any, beat: float) -> None:
+        many = getattr(q, "_extend_many", None)
         while not self._stop.wait(beat):
             with self._lock:
                 held = list(self._held.values())
+            if many is not None and held:  # through a client: every extend in one write
+                try:
+                    many(held, None)
+                except ArmdbError:
+                    return
+                continue
             for lz in held:
                 try:
                     q.extend(lz)

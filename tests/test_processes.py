@@ -175,9 +175,15 @@ def _until(cond: Any, limit: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_p6_long_handler_is_delivered_once(db: armdb.Db) -> None:
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_long_handler_is_delivered_once(db: armdb.Db, through: str) -> None:
     # SPEC P6: a handler taking 3x the lease timeout is kept leased by the heartbeat
+    # (through a client: the extends of a beat pipelined in one write)
     q = db.open_queue(Tasks, _cfg(lease=0.2))
+    source: Any = db
+    if through == "client":
+        db.serve()
+        source = armdb.connect(db.path, timeout=10)
     calls: collections.Counter[int] = collections.Counter()
 
     def slow(task: Task) -> None:
@@ -186,10 +192,12 @@ def test_p6_long_handler_is_delivered_once(db: armdb.Db) -> None:
 
     for i in range(4):
         q.push(Task(i, "slow"))
-    w = armdb.Worker(db, Tasks, slow, threads=2, batch=2).start()
+    w = armdb.Worker(source, Tasks, slow, threads=2, batch=2).start()
     _until(lambda: q.len() == 0)
     w.stop()
     w.join()
+    if source is not db:
+        source.close()
     assert calls == {0: 1, 1: 1, 2: 1, 3: 1}
     assert q.stats().expired_leases == 0 and w.counts() == (4, 0)
 
@@ -214,9 +222,14 @@ def test_p6_exception_nacks_and_lease_handler(db: armdb.Db, caplog: pytest.LogCa
     assert "first try fails" in caplog.text and "Traceback" in caplog.text
 
 
-def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db) -> None:
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db, through: str) -> None:
     # SPEC P6: stop() lets the running handler finish and releases leases not yet started at once
     q = db.open_queue(Tasks, _cfg(lease=60))
+    source: Any = db
+    if through == "client":
+        db.serve()
+        source = armdb.connect(db.path, timeout=10)
     for i in range(8):
         q.push(Task(i, "x"))
     started = []
@@ -227,10 +240,12 @@ def test_p6_stop_drains_and_releases_the_rest(db: armdb.Db) -> None:
         time.sleep(0.3)
         finished.append(task.n)
 
-    w = armdb.Worker(db, Tasks, handler, batch=8).start()
+    w = armdb.Worker(source, Tasks, handler, batch=8).start()
     _until(lambda: started)
     w.stop()
     w.join()
+    if source is not db:
+        source.close()
     assert started == finished == [0]
     t0 = time.monotonic()
     got = q.lease(8)
@@ -257,6 +272,73 @@ def test_p6_worker_processes_over_a_served_db(db: armdb.Db, tmp_path: Path) -> N
     assert sorted(ns) == list(range(100))  # each exactly once
     assert os.getpid() not in {int(x) for x in lines[1::2]}
     assert w.counts() == (100, 0)
+
+
+def test_p6_a_batch_leased_ahead_is_released_on_stop(db: armdb.Db) -> None:
+    # SPEC P6: through a client the next batch is leased while the second half of a
+    # batch runs; stopping then gives that batch back at once, unstarted
+    q = db.open_queue(Tasks, _cfg(lease=60))
+    db.serve()
+    client = armdb.connect(db.path, timeout=10)
+    for i in range(8):
+        q.push(Task(i, "x"))
+    started: list[int] = []
+
+    def handler(task: Task) -> None:
+        started.append(task.n)
+        if task.n == 3:  # the first batch's second half: the next batch is leased meanwhile
+            time.sleep(0.3)
+
+    w = armdb.Worker(client, Tasks, handler, batch=4).start()
+    _until(lambda: 3 in started)
+    w.stop()
+    w.join()
+    client.close()
+    assert started == [0, 1, 2, 3] and w.counts() == (4, 0)
+    got: list[Any] = []
+    t0 = time.monotonic()
+    while len(got) < 4:
+        assert time.monotonic() - t0 < 1.0
+        got += q.lease(8)
+        time.sleep(0.005)
+    assert sorted(lz.payload.n for lz in got) == [4, 5, 6, 7] and all(lz.attempt == 2 for lz in got)
+
+
+@pytest.mark.parametrize("through", ["db", "client"])
+def test_p6_acks_go_out_in_batches_and_a_lost_lease_spares_the_others(db: armdb.Db, through: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # SPEC P6: a worker's acks go out together with its next lease (one round trip per
+    # batch through a client); when ack_many refuses a batch because one lease in it was
+    # lost (here: acked by the handler itself), the others are still acked, one by one
+    q = db.open_queue(Tasks, _cfg())
+    client = None
+    if through == "client":
+        db.serve()
+        client = armdb.connect(db.path, timeout=10)
+    source: Any = db if client is None else client
+    handle = q if client is None else client.open_queue(Tasks)
+    seen: list[int] = []
+
+    def handler(lease: armdb.Lease[Task]) -> None:
+        seen.append(lease.payload.n)
+        if lease.payload.n == 5:
+            handle.ack(lease)  # the worker's own ack of it will be stale
+
+    for i in range(40):
+        q.push(Task(i, "x"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="armdb"):
+            w = armdb.Worker(source, Tasks, handler, batch=8).start()
+            _until(lambda: q.len() == 0 and w.counts()[0] >= 39)
+            w.stop()
+            w.join()
+        assert sorted(seen) == list(range(40))  # each once: nothing redelivered
+        assert w.counts() == (39, 0)
+        assert "row 6 of queue tasks was no longer leased" in caplog.text
+        assert q.stats().expired_leases == 0
+    finally:
+        if client is not None:
+            client.close()
 
 
 def test_c5_serve_command_and_work_command(tmp_path: Path) -> None:

@@ -230,7 +230,7 @@ def test_p2_threads_share_a_client_and_pipeline(client: armdb.Client) -> None:
     # SPEC P2, P5: a client is thread-safe; requests are pipelined (many in flight at once)
     q = client.open_queue(Jobs)
     futs = [client._submit("push", q="jobs", p=q._encode(Job(i, "p")), delay=None) for i in range(200)]
-    ids = [f.result(10) for f in futs]
+    ids = [client._result(f) for f in futs]
     assert sorted(ids) == ids and len(set(ids)) == 200
 
     def work(k: int) -> int:
@@ -255,7 +255,7 @@ def test_p2_a_wait_does_not_hold_back_other_requests(client: armdb.Client) -> No
     w = client._submit("wait_due", q="jobs", timeout=2.0)
     assert q.len() == 0 and time.monotonic() - t0 < 1.0
     q.push(Job(1, "wake"))
-    assert w.result(5) is True
+    assert client._result(w) is True
     assert time.monotonic() - t0 < 1.5
 
 
@@ -435,7 +435,7 @@ def test_p5_forged_token_in_a_transaction_is_stale(owner: tuple[armdb.Db, server
         q.push(Job(1, "a"))
         fut = c._submit("tx", steps=[["ack", "jobs", _TOKEN]], durable=False)
         with pytest.raises(StaleToken):
-            fut.result(5)
+            c._result(fut)
         assert q.len() == 1
 
 
@@ -585,3 +585,186 @@ def test_p3_a_long_lived_connection_keeps_a_bounded_token_set(owner: tuple[armdb
             assert conn_a.prune() >= 0
             with conn_a.lock:
                 assert len(conn_a.held) <= 1  # at most the last re-leased row, expired but not taken
+
+
+# -- P5: pipelining under the buffered framing ----------------------------------------------------
+
+
+def test_p5_pipelined_requests_in_one_write_get_their_own_replies(client: armdb.Client) -> None:
+    # SPEC P5: many requests in one write are run in order and each reply reaches its own
+    # caller, an error among them included (the server answers them in one send)
+    q = client.open_queue(Jobs)
+    reqs: list[tuple[str, dict[str, Any]]] = [("push", {"q": "jobs", "p": q._encode(Job(i, "p")), "delay": None})
+                                              for i in range(50)]
+    reqs.insert(25, ("ack", {"q": "jobs", "t": [b"\0" * 16, 0, 0, 1, 0]}))  # a token never leased: StaleToken
+    reqs.append(("len", {"q": "jobs"}))
+    calls = client._send_many(reqs)
+    results: list[Any] = []
+    for call in calls:
+        try:
+            results.append(client._result(call))
+        except StaleToken as e:
+            results.append(e)
+    assert isinstance(results[25], StaleToken)
+    ids = results[:25] + results[26:-1]
+    assert ids == sorted(ids) and len(set(ids)) == 50  # run in order
+    assert results[-1] == 50 and not client.closed
+
+
+def test_p5_replies_before_a_bad_frame_in_the_same_write_are_sent(owner: tuple[armdb.Db, server_mod.Server],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # SPEC P5: a bad frame closes the connection, but the requests before it in the same
+    # write were run and answered first
+    db, srv = owner
+    db.open_queue(Jobs)
+    s = _raw(srv.path)
+    try:
+        good = [wire.frame([i, "ping", {}]) for i in range(1, 4)]
+        with caplog.at_level(logging.WARNING, logger="armdb"):
+            s.sendall(b"".join(good) + wire.frame([4, "no_such_operation", {}]))
+            replies = []
+            for _ in range(3):
+                n = struct.unpack(">I", _recv(s, 4))[0]
+                replies.append(msgpack.unpackb(_recv(s, n)))
+            assert [r[:2] for r in replies] == [[1, wire.OK], [2, wire.OK], [3, wire.OK]]
+            assert _recv(s, 1) == b""  # then closed
+            t0 = time.monotonic()
+            while "unknown operation" not in caplog.text:
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.01)
+    finally:
+        s.close()
+
+
+def test_p5_a_frame_split_across_writes_is_read_whole(owner: tuple[armdb.Db, server_mod.Server]) -> None:
+    # SPEC P5: the buffered reader joins a frame sent byte by byte, and splits two frames
+    # sent in one write
+    db, srv = owner
+    s = _raw(srv.path)
+    try:
+        data = wire.frame([1, "ping", {}]) + wire.frame([2, "ping", {}])
+        for i in range(0, 7):
+            s.sendall(data[i:i + 1])
+            time.sleep(0.01)
+        s.sendall(data[7:])
+        got = []
+        for _ in range(2):
+            n = struct.unpack(">I", _recv(s, 4))[0]
+            got.append(msgpack.unpackb(_recv(s, n))[:2])
+        assert got == [[1, wire.OK], [2, wire.OK]]
+    finally:
+        s.close()
+
+
+def test_p2_many_threads_take_turns_reading_one_client(client: armdb.Client) -> None:
+    # SPEC P2: no reader thread: a waiting caller reads for everyone and hands the role on;
+    # a thread blocked in a long wait reads the others' replies meanwhile
+    q = client.open_queue(Jobs)
+    waiter = client._submit("wait_due", q="jobs", timeout=1.0)
+    woke = concurrent.futures.ThreadPoolExecutor(1).submit(client._result, waiter, 1.0)
+    time.sleep(0.05)  # the waiting thread holds the reader role now
+
+    def work(k: int) -> int:
+        n = 0
+        for i in range(40):
+            q.push(Job(i, str(k)))
+            for lz in q.lease(2):
+                q.ack(lz)
+                n += 1
+        return n
+
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        done = sum(ex.map(work, range(6)))
+    assert woke.result(10) is True  # the pushes made a row due
+    while q.len():
+        for lz in q.lease(100):
+            q.ack(lz)
+            done += 1
+    assert done == 240 and not client.closed
+
+
+def test_p2_a_silent_server_times_out_as_server_gone(tmp_path: Path) -> None:
+    # SPEC P2: a server that accepts and greets but never answers: the call raises
+    # ServerGone after about the client's timeout, and so does every later call
+    path = str(tmp_path / "fake.sock")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(1)
+    conns: list[socket.socket] = []
+
+    def greet() -> None:
+        s, _ = lst.accept()
+        conns.append(s)
+        n = struct.unpack(">I", _recv(s, 4))[0]
+        _recv(s, n)
+        s.sendall(wire.frame({"armdb": wire.MAGIC, "version": wire.VERSION, "pid": 1, "server": "fake"}))
+
+    t = threading.Thread(target=greet)
+    t.start()
+    try:
+        c = armdb.connect(path, timeout=0.4)
+        t.join()
+        t0 = time.monotonic()
+        with pytest.raises(ServerGone, match="did not answer"):
+            c._call("ping")
+        assert 0.3 < time.monotonic() - t0 < 3.0
+        with pytest.raises(ServerGone):
+            c._call("ping")
+        c.close()
+    finally:
+        for s in conns:
+            s.close()
+        lst.close()
+
+
+Pairs = armdb.queue("pairs", payload=tuple, var=True)
+Docs = armdb.queue("docs", payload=dict, var=True)
+
+
+def test_p5_var_batches_cross_as_one_packed_array(client: armdb.Client) -> None:
+    # SPEC P5, Q31: a var batch's payloads travel packed together both ways; each payload
+    # still comes back as its type (a tuple, a dataclass, a dict), and a payload that
+    # cannot be read back is refused by its index with nothing pushed
+    p = client.open_queue(Pairs)
+    p.push_many([(1, "a"), (2, "b")])
+    b = p.lease_batch(2)
+    assert b.payloads == [(1, "a"), (2, "b")]
+    p.ack_many(b)
+    p.push((3, "c"))
+    (lz,) = p.lease(1)
+    assert lz.payload == (3, "c")
+    p.ack(lz)
+    d = client.open_queue(Docs)
+    with pytest.raises(PayloadTypeError, match="payload 1 of the batch"):
+        d.push_many([{"a": 1}, {(1, 2): "tuple key"}, {"c": 3}])
+    with pytest.raises(PayloadTypeError, match="payload 0 of the batch"):
+        d.push_many([[1, 2]])
+    assert d.len() == 0
+    d.push_many(({"n": i, "blob": b"\x00\xff"} for i in range(3)))  # any iterable
+    got = d.lease_batch(5)
+    assert got.payloads == [{"n": i, "blob": b"\x00\xff"} for i in range(3)]
+    assert d.ack_many(got) == 3
+    j = client.open_queue(Jobs)
+    with pytest.raises(PayloadTypeError, match="payload 1 of the batch"):
+        j.push_many([Job(1, "a"), Docs])
+    assert j.len() == 0
+
+
+def test_p5_a_malformed_payload_array_is_refused_without_closing(owner: tuple[armdb.Db, server_mod.Server]) -> None:
+    # SPEC P5: push_many's packed payloads that do not decode are a PayloadTypeError reply
+    # (the frame itself was sound): nothing is pushed and the connection serves on
+    db, srv = owner
+    s = _raw(srv.path)
+    try:
+        s.sendall(wire.frame([1, "open_queue", {"name": "docs", "var": True, "fingerprint": Docs.fingerprint}]))
+        n = struct.unpack(">I", _recv(s, 4))[0]
+        assert msgpack.unpackb(_recv(s, n))[1] == wire.OK
+        s.sendall(wire.frame([2, "push_many", {"q": "docs", "pb": b"\x92\x81\x01"}]))  # truncated array
+        n = struct.unpack(">I", _recv(s, 4))[0]
+        rid, status, err = msgpack.unpackb(_recv(s, n))
+        assert (rid, status, err[0]) == (2, wire.ERR, "PayloadTypeError")
+        s.sendall(wire.frame([3, "len", {"q": "docs"}]))
+        n = struct.unpack(">I", _recv(s, 4))[0]
+        assert msgpack.unpackb(_recv(s, n)) == [3, wire.OK, 0]
+    finally:
+        s.close()
