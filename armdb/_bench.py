@@ -55,7 +55,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from . import _fs
+from . import _bench_pg, _fs
 from ._term import ProgressBar
 from .client import connect
 from .config import QUEUE_GROW_STEP, Config, FixedConfig, QueueConfig
@@ -1097,6 +1097,24 @@ CASES: list[Case] = [
 ]
 
 
+def _pg_run(cls: type, kind: str, processes: int) -> Callable[[str, Sizes], float]:
+    """``run`` of a postgres row (armdb/_bench_pg.py): a quarter of the cycle size per job,
+    a fifth of the batch size batched (a server round trip costs more than a file write)."""
+    def run(_d: str, s: Sizes) -> float:
+        jobs = s.cycle_ops // 4 if kind == "cycle" else s.batch_jobs // 5
+        return _bench_pg.run_workload(cls, kind, jobs, processes, warmup=min(20, s.warmup))
+    return run
+
+
+# PostgreSQL (issue 19): armdb.pg beside plain SKIP LOCKED SQL, pgqueuer and procrastinate on
+# one local server; the first system of each workload is armdb.pg, the reference.
+PG_CASES: list[Case] = [
+    Case(_bench_pg.WORKLOADS[(kind, procs)], system, _bench_pg.DURABILITY, "jobs/s", _pg_run(cls, kind, procs),
+         reference=cls is _bench_pg.ArmdbPg, requires=requires or "psycopg")
+    for kind in ("cycle", "batch") for procs in _bench_pg.PROCESSES for system, cls, requires in _bench_pg.SYSTEMS
+]
+
+
 # -- running ---------------------------------------------------------------------------------------------------------
 
 
@@ -1361,10 +1379,12 @@ def machine_info() -> dict[str, Any]:
 
 
 def main(*, quick: bool = False, json_path: str | None = None, only: str | None = None,
-         sizes: Sizes | None = None) -> int:
-    """``python -m armdb bench``: run, print the markdown tables, optionally write JSON."""
+         sizes: Sizes | None = None, dsn: str | None = None) -> int:
+    """``python -m armdb bench``: run, print the markdown tables, optionally write JSON.
+    ``dsn``: the PostgreSQL server of the postgres rows (else the bench starts one)."""
     sizes = sizes or (QUICK if quick else FULL)
-    cases = select(CASES, only)
+    _bench_pg.set_dsn(dsn)
+    cases = select(CASES + PG_CASES, only)
     if not cases:
         print(f"armdb bench: no workload matches {only!r}", file=sys.stderr)
         return 2

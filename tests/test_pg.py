@@ -313,7 +313,7 @@ def test_no_server_binaries_fails_saying_what_to_install(monkeypatch: pytest.Mon
     # SPEC G8: no server binaries: the run fails with what to install, never skips
     import sys
 
-    from tests import pgserver
+    from armdb import _pgserver as pgserver
 
     monkeypatch.setattr(pgserver.shutil, "which", lambda name: None)
     monkeypatch.setattr(pgserver.glob, "glob", lambda pattern: [])
