@@ -316,6 +316,7 @@ class Procrastinate(_Async):
     """procrastinate's job manager, as its worker calls it (one fetch per job)."""
 
     QUEUE = "bench"
+    SHARE = 0.1
 
     @staticmethod
     def _app(dsn: str) -> Any:
@@ -377,7 +378,9 @@ class Procrastinate(_Async):
         super().close()
 
 
-# (system column, class, module the row requires beyond psycopg)
+# (system column, class, module the row requires beyond psycopg).  A class's ``SHARE``
+# scales the jobs of a repeat: procrastinate does a few hundred a second, and a rate
+# needs no more than a few seconds of work.
 SYSTEMS: list[tuple[str, type, str | None]] = [
     ("armdb.pg (defaults)", ArmdbPg, None),
     ("plain SQL: pgmq-style SKIP LOCKED table", PlainSql, None),
@@ -413,8 +416,10 @@ def _child(cls: type, dsn: str, kind: str, jobs: int, warmup: int, offset: int, 
 
 def run_workload(cls: type, kind: str, jobs: int, processes: int, warmup: int = 20) -> float:
     """Jobs per second of ``processes`` processes running ``kind`` on ``cls`` in a fresh
-    database; ``jobs`` in all, split evenly (each share rounded up to whole batches)."""
+    database; ``jobs`` in all (times the class's ``SHARE``), split evenly (each share
+    rounded up to whole batches)."""
     per = 1 if kind == "cycle" else BATCH
+    jobs = int(jobs * getattr(cls, "SHARE", 1.0))
     share = max(1, -(-jobs // (processes * per))) * per
     with _FreshDatabase() as dsn:
         cls.setup(dsn)

@@ -83,6 +83,8 @@ class PgQueue(Generic[T]):
         self._sql = schema.QueueSQL(db.namespace, live, dead, seq)
         self._tables = (live, dead, seq)
         self._channel = schema.channel_name(db.namespace, coll_id)
+        self._listen_key = schema.listen_key(db.namespace, coll_id)
+        self._notify_args = {"chan": self._channel, "lk": self._listen_key}
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._sealer = sealer
         self._codec = codec
@@ -206,7 +208,7 @@ class PgQueue(Generic[T]):
     def _push_params(self, rid: int | None, delay_ms: int, body: bytes) -> dict[str, Any]:
         return {"id": rid, "seq": self._sql.seq, "delay": delay_ms, "state": _PUSH_STATE, "flags": _PUSH_FLAGS,
                 "attempts": _PUSH_ATTEMPTS, "epoch": _PUSH_EPOCH, "deadline": _PUSH_DEADLINE, "payload": body,
-                "chan": self._channel}
+                "chan": self._channel, "lk": self._listen_key}
 
     def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
         """Push a sequence in one commit, all or nothing (Q31); ids increase in input order.
@@ -449,7 +451,7 @@ class PgQueue(Generic[T]):
                                  row[7], row[8])])
             return "dead"
         c.execute(self._sql.update_row, (moved.due, moved.due, state, flags, attempts, epoch, deadline, row[0]))
-        c.execute(self._sql.notify, (self._channel,))
+        c.execute(self._sql.notify, self._notify_args)
         return "retry"
 
     def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
@@ -619,7 +621,7 @@ class PgQueue(Generic[T]):
                     col.append(v)
             c.execute(self._sql.delete_dead, (cols[0],))
             c.execute(self._sql.insert_live_rows, cols)
-            c.execute(self._sql.notify, (self._channel,))
+            c.execute(self._sql.notify, self._notify_args)
         return len(rows)
 
     def purge_dead(self, ids: Any = None) -> int:

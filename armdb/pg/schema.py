@@ -35,6 +35,7 @@ parameters.  Times are milliseconds since the Unix epoch from the server's clock
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import psycopg
@@ -63,6 +64,28 @@ def channel_name(namespace: str, coll_id: int) -> str:
     """The LISTEN/NOTIFY channel of a queue (at most 63 bytes)."""
     ns = namespace.encode()[:40].decode("ascii", "ignore")
     return f"armdb_{ns}_{coll_id}"
+
+
+def listen_key(namespace: str, coll_id: int) -> int:
+    """The advisory-lock key that says "a process listens on this queue's channel".
+
+    A listening connection holds it shared (a session lock) from before its ``LISTEN``;
+    a commit that makes rows due tries to take it exclusively for its transaction and
+    sends a notification only when that fails (see :data:`NOTIFY_IF_LISTENED`).  The key
+    is a bigint above the int4 range of the namespace lock's ``hashtext`` keys."""
+    return ((zlib.crc32(namespace.encode()) & 0x7FFFFFFF) << 32 | 1 << 31) | (coll_id & 0x7FFFFFFF)
+
+
+# A notification only when somebody may be listening.  pg_notify makes a writing commit
+# take a cluster-wide lock and write the notification queue, which cost as much as the
+# commit itself in the bench (docs/postgres.md, "Notifications"); with no listener the
+# try-lock below succeeds and no notification is sent.  It is race-free: the try-lock is
+# held until this transaction ends, and a listener takes the key (shared, blocking)
+# before it LISTENs and before its waiters look at the table, so a listener either holds
+# the key already (the try fails: a notification is sent) or starts after this commit
+# (its waiters see the rows).  Two commits at once: the second one's try fails and it
+# notifies, which is only a wakeup too many.
+NOTIFY_IF_LISTENED = "(SELECT pg_notify(%(chan)s, '') WHERE NOT pg_try_advisory_xact_lock(%(lk)s))"
 
 
 def quote(name: str) -> str:
@@ -183,15 +206,16 @@ class QueueSQL:
         self.now = sql.SQL("SELECT {now}").format(**f)
         self.seq = f"{quote(ns)}.{quote(seq)}"  # the sequence, as a regclass parameter
         self.next_ids = sql.SQL("SELECT nextval(%s::regclass) FROM generate_series(1, %s)")
-        # push: one row, or many from arrays (ids drawn in input order), with a notify.
+        # push: one row, or many from arrays (ids drawn in input order), with a notify if
+        # somebody listens.
         self.push = sql.SQL(
             "INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, pushed_ms, payload) "
             "SELECT COALESCE(%(id)s, nextval(%(seq)s::regclass)), n + %(delay)s, n + %(delay)s, %(state)s, %(flags)s, "
             "%(attempts)s, %(epoch)s, %(deadline)s, n, %(payload)s FROM (SELECT {now} AS n) t "
-            "RETURNING id, pg_notify(%(chan)s, '')"
+            "RETURNING id, " + NOTIFY_IF_LISTENED
         ).format(**f)
-        # Many rows in one statement (atomic by itself), ids drawn in input order, and one
-        # notification (an uncorrelated subquery runs once).
+        # Many rows in one statement (atomic by itself), ids drawn in input order, and at
+        # most one notification (an uncorrelated subquery runs once).
         self.push_many = sql.SQL(
             "WITH ins AS (INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, "
             "pushed_ms, payload) "
@@ -199,9 +223,9 @@ class QueueSQL:
             "%(flags)s, %(attempts)s, %(epoch)s, %(deadline)s, t.n, u.p "
             "FROM (SELECT {now} AS n) t, unnest(%(payloads)s::bytea[], %(ids)s::bigint[]) WITH ORDINALITY AS u(p, id, o) "
             "ORDER BY u.o RETURNING id) "
-            "SELECT id, (SELECT pg_notify(%(chan)s, '')) FROM ins"
+            "SELECT id, " + NOTIFY_IF_LISTENED + " FROM ins"
         ).format(**f)
-        self.notify = sql.SQL("SELECT pg_notify(%s, '')")
+        self.notify = sql.SQL("SELECT " + NOTIFY_IF_LISTENED)
         self.count_live = sql.SQL("SELECT count(*) FROM {L}").format(**f)
         self.count_dead = sql.SQL("SELECT count(*) FROM {D}").format(**f)
         # lease: the due rows by visibility, locked, skipping rows another caller holds.
