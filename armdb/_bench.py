@@ -1339,6 +1339,15 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
             judged = None
         out.append(Target("worker/cpu-1ms, Worker(processes=2) vs one process", "≥ 1.8×",
                           f"{w2:,.0f}/s vs {w1:,.0f}/s = {w2 / w1:.2f}×{ceiling}", judged))
+    for procs in _bench_pg.PROCESSES:  # issue 19: armdb.pg batched vs the best PostgreSQL peer
+        workload = _bench_pg.WORKLOADS[("batch", procs)]
+        a = _find(results, workload, "armdb.pg")
+        peers = [(r.median, r.case.system.split(" (")[0].split(":")[0]) for r in results
+                 if r.case.workload == workload and not r.case.system.startswith("armdb") and r.median]
+        if a is not None and peers:
+            best, name = max(peers)
+            out.append(Target(f"{workload}, armdb.pg vs the best peer", "≥ 1.5× the best peer",
+                              f"{a:,.0f} jobs/s vs {name} {best:,.0f} = {a / best:.2f}×", a / best >= 1.5))
     d = _find(results, "push/durable", "armdb")
     raw = _find(results, "push/durable", "raw")
     if d is not None and raw is not None:
