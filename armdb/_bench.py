@@ -1097,7 +1097,7 @@ CASES: list[Case] = [
 ]
 
 
-def _pg_run(cls: type, kind: str, processes: int) -> Callable[[str, Sizes], float]:
+def _pg_run(cls: Any, kind: str, processes: int) -> Callable[[str, Sizes], float]:
     """``run`` of a postgres row (armdb/_bench_pg.py): a quarter of the cycle size per job,
     a fifth of the batch size batched (a server round trip costs more than a file write)."""
     def run(_d: str, s: Sizes) -> float:

@@ -277,8 +277,8 @@ class PgQueuer(_Async):
 
         self.conn = self.run(psycopg.AsyncConnection.connect(dsn, autocommit=True))
         self.q = Queries(PsycopgDriver(self.conn))
-        self.entrypoints = {self.ENTRYPOINT: EntrypointExecutionParameter(concurrency_limit=0)}
-        self.qm_id = uuid.uuid4()
+        self.entrypoints: Any = {self.ENTRYPOINT: EntrypointExecutionParameter(concurrency_limit=0)}
+        self.qm_id: Any = uuid.uuid4()
         self.heartbeat = timedelta(seconds=LEASE_SECONDS)
 
     async def _lease_ack(self, want: int) -> int:
@@ -381,7 +381,7 @@ class Procrastinate(_Async):
 # (system column, class, module the row requires beyond psycopg).  A class's ``SHARE``
 # scales the jobs of a repeat: procrastinate does a few hundred a second, and a rate
 # needs no more than a few seconds of work.
-SYSTEMS: list[tuple[str, type, str | None]] = [
+SYSTEMS: list[tuple[str, Any, str | None]] = [
     ("armdb.pg (defaults)", ArmdbPg, None),
     ("plain SQL: pgmq-style SKIP LOCKED table", PlainSql, None),
     ("pgqueuer (Queries: enqueue/dequeue/log_jobs)", PgQueuer, "pgqueuer"),
@@ -392,7 +392,7 @@ SYSTEMS: list[tuple[str, type, str | None]] = [
 # -- running ------------------------------------------------------------------------------------------------
 
 
-def _child(cls: type, dsn: str, kind: str, jobs: int, warmup: int, offset: int, ready: Any, start: Any,
+def _child(cls: Any, dsn: str, kind: str, jobs: int, warmup: int, offset: int, ready: Any, start: Any,
            done: Any) -> None:
     """One worker process: connect, warm up, wait for the start, do ``jobs`` jobs."""
     system = cls(dsn)
@@ -414,7 +414,7 @@ def _child(cls: type, dsn: str, kind: str, jobs: int, warmup: int, offset: int, 
         system.close()
 
 
-def run_workload(cls: type, kind: str, jobs: int, processes: int, warmup: int = 20) -> float:
+def run_workload(cls: Any, kind: str, jobs: int, processes: int, warmup: int = 20) -> float:
     """Jobs per second of ``processes`` processes running ``kind`` on ``cls`` in a fresh
     database; ``jobs`` in all (times the class's ``SHARE``), split evenly (each share
     rounded up to whole batches)."""
