@@ -1098,10 +1098,10 @@ CASES: list[Case] = [
 
 
 def _pg_run(cls: Any, kind: str, processes: int) -> Callable[[str, Sizes], float]:
-    """``run`` of a postgres row (armdb/_bench_pg.py): a quarter of the cycle size per job,
-    a fifth of the batch size batched (a server round trip costs more than a file write)."""
+    """``run`` of a postgres row (armdb/_bench_pg.py): a tenth of the cycle size per job (each
+    job waits for three WAL flushes), a fifth of the batch size batched."""
     def run(_d: str, s: Sizes) -> float:
-        jobs = s.cycle_ops // 4 if kind == "cycle" else s.batch_jobs // 5
+        jobs = s.cycle_ops // 10 if kind == "cycle" else s.batch_jobs // 5
         return _bench_pg.run_workload(cls, kind, jobs, processes, warmup=min(20, s.warmup))
     return run
 

@@ -43,6 +43,8 @@ import atexit
 import itertools
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -112,6 +114,10 @@ def server_dsn() -> str:
         if _server is None:
             _server = _pgserver.start()
             atexit.register(_stop_server)
+            # A bench stopped with SIGTERM still stops its server (atexit runs on SystemExit).
+            if threading.current_thread() is threading.main_thread() \
+                    and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         return _server.dsn
 
 
