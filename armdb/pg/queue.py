@@ -59,6 +59,12 @@ MAX_PUSH_MANY = 100_000
 MAX_BODY = (1 << 30) - (1 << 20)
 
 
+def int_array(xs: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers (``{1,2,3}``), for a ``%s::bigint[]``
+    parameter: one string costs the client far less than psycopg's per-element dump."""
+    return "{" + ",".join(map(str, xs)) + "}"
+
+
 def _image(row: tuple[Any, ...]) -> bytes:
     """The row image (armdb.qrows) of a live row ``(id, due_ms, state, flags, attempts,
     epoch, deadline_ms, pushed_ms, ...)``: what the rules of armdb.transitions take."""
@@ -254,11 +260,11 @@ class PgQueue(Generic[T]):
             live = one(c.execute(self._sql.count_live))[0]
             if live + len(bodies) > cap:
                 raise self._full(live, len(bodies))
-        ids: list[int | None] = [None] * len(bodies)
+        ids: str | None = None  # no ids given: the sequence draws them (unnest pads with NULLs)
         if self._sealer is not None:
             drawn = sorted(r[0] for r in c.execute(self._sql.next_ids, (self._sql.seq, len(bodies))).fetchall())
             bodies = [self._stored(rid, b) for rid, b in zip(drawn, bodies, strict=True)]
-            ids = list(drawn)
+            ids = int_array(drawn)
         params = self._push_params(None, delay_ms, b"")
         del params["payload"], params["id"]
         params["payloads"] = bodies
@@ -340,7 +346,8 @@ class PgQueue(Generic[T]):
                 deadlines.append(deadline)
                 taken.append((row[0], row[1], attempts, epoch, deadline, row[8]))
             if ids:
-                c.execute(self._sql.update_leased, (ids, states, attempts_col, epochs, deadlines))
+                c.execute(self._sql.update_leased, (int_array(ids), int_array(states), int_array(attempts_col),
+                                                    int_array(epochs), int_array(deadlines)))
             if dead:
                 self._move_dead(c, dead)
         if expired or dead:
@@ -415,7 +422,7 @@ class PgQueue(Generic[T]):
         if not seqs:
             return 0
         with self._db._conn() as c:
-            n = c.execute(self._sql.ack_many, (seqs, epochs, len(seqs))).rowcount
+            n = c.execute(self._sql.ack_many, (int_array(seqs), int_array(epochs), len(seqs))).rowcount
         if n != len(seqs):
             raise StaleToken("some of these tokens no longer hold their lease (their rows were acked, nacked, "
                              "dead-lettered or leased again); nothing was acked")
