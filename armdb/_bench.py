@@ -55,7 +55,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from . import _fs
+from . import _bench_pg, _fs
 from ._term import ProgressBar
 from .client import connect
 from .config import QUEUE_GROW_STEP, Config, FixedConfig, QueueConfig
@@ -1143,6 +1143,24 @@ CASES: list[Case] = [
 ]
 
 
+def _pg_run(cls: Any, kind: str, processes: int) -> Callable[[str, Sizes], float]:
+    """``run`` of a postgres row (armdb/_bench_pg.py): a tenth of the cycle size per job (each
+    job waits for three WAL flushes), a fifth of the batch size batched."""
+    def run(_d: str, s: Sizes) -> float:
+        jobs = s.cycle_ops // 10 if kind == "cycle" else s.batch_jobs // 5
+        return _bench_pg.run_workload(cls, kind, jobs, processes, warmup=min(20, s.warmup))
+    return run
+
+
+# PostgreSQL (issue 19): armdb.pg beside plain SKIP LOCKED SQL, pgqueuer and procrastinate on
+# one local server; the first system of each workload is armdb.pg, the reference.
+PG_CASES: list[Case] = [
+    Case(_bench_pg.WORKLOADS[(kind, procs)], system, _bench_pg.DURABILITY, "jobs/s", _pg_run(cls, kind, procs),
+         reference=cls is _bench_pg.ArmdbPg, requires=requires or "psycopg")
+    for kind in ("cycle", "batch") for procs in _bench_pg.PROCESSES for system, cls, requires in _bench_pg.SYSTEMS
+]
+
+
 # -- running ---------------------------------------------------------------------------------------------------------
 
 
@@ -1370,6 +1388,15 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
             judged = None
         out.append(Target("worker/cpu-1ms, Worker(processes=2) vs one process", "≥ 1.8×",
                           f"{w2:,.0f}/s vs {w1:,.0f}/s = {w2 / w1:.2f}×{ceiling}", judged))
+    for procs in _bench_pg.PROCESSES:  # issue 19: armdb.pg batched vs the best PostgreSQL peer
+        workload = _bench_pg.WORKLOADS[("batch", procs)]
+        a = _find(results, workload, "armdb.pg")
+        peers = [(r.median, r.case.system.split(" (")[0].split(":")[0]) for r in results
+                 if r.case.workload == workload and not r.case.system.startswith("armdb") and r.median]
+        if a is not None and peers:
+            best, name = max(peers)
+            out.append(Target(f"{workload}, armdb.pg vs the best peer", "≥ 1.5× the best peer",
+                              f"{a:,.0f} jobs/s vs {name} {best:,.0f} = {a / best:.2f}×", a / best >= 1.5))
     d = _find(results, "push/durable", "armdb")
     raw = _find(results, "push/durable", "raw")
     if d is not None and raw is not None:
@@ -1410,10 +1437,12 @@ def machine_info() -> dict[str, Any]:
 
 
 def main(*, quick: bool = False, json_path: str | None = None, only: str | None = None,
-         sizes: Sizes | None = None) -> int:
-    """``python -m armdb bench``: run, print the markdown tables, optionally write JSON."""
+         sizes: Sizes | None = None, dsn: str | None = None) -> int:
+    """``python -m armdb bench``: run, print the markdown tables, optionally write JSON.
+    ``dsn``: the PostgreSQL server of the postgres rows (else the bench starts one)."""
     sizes = sizes or (QUICK if quick else FULL)
-    cases = select(CASES, only)
+    _bench_pg.set_dsn(dsn)
+    cases = select(CASES + PG_CASES, only)
     if not cases:
         print(f"armdb bench: no workload matches {only!r}", file=sys.stderr)
         return 2

@@ -431,7 +431,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    return _bench.main(quick=args.quick, json_path=args.json, only=args.only)
+    return _bench.main(quick=args.quick, json_path=args.json, only=args.only, dsn=args.dsn)
 
 
 # -- serve and work (C5) ----------------------------------------------------------------------
@@ -556,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes: under a minute on 2 cores")
     bench.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
     bench.add_argument("--only", metavar="SUBSTR", help="run only workloads whose name contains SUBSTR")
+    bench.add_argument("--dsn", help="PostgreSQL server of the postgres rows (default: the bench starts one)")
     bench.set_defaults(func=_cmd_bench)
 
     srv = sub.add_parser("serve", help="open a database and serve it to other processes (armdb.connect)")

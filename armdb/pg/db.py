@@ -445,6 +445,9 @@ class _Listener(threading.Thread):
                         self._active.clear()
                         pending = list(self._queues)
                 for ch in pending:
+                    # First the key that makes every commit notify (schema.listen_key), then
+                    # LISTEN: a commit that skipped its notification ended before this.
+                    conn.execute("SELECT pg_advisory_lock_shared(%s)", (self._queues[ch]._listen_key,))
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(ch)))
                     with self._cv:
                         self._active.add(ch)

@@ -59,6 +59,12 @@ MAX_PUSH_MANY = 100_000
 MAX_BODY = (1 << 30) - (1 << 20)
 
 
+def int_array(xs: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers (``{1,2,3}``), for a ``%s::bigint[]``
+    parameter: one string costs the client far less than psycopg's per-element dump."""
+    return "{" + ",".join(map(str, xs)) + "}"
+
+
 def _image(row: tuple[Any, ...]) -> bytes:
     """The row image (armdb.qrows) of a live row ``(id, due_ms, state, flags, attempts,
     epoch, deadline_ms, pushed_ms, ...)``: what the rules of armdb.transitions take."""
@@ -83,6 +89,8 @@ class PgQueue(Generic[T]):
         self._sql = schema.QueueSQL(db.namespace, live, dead, seq)
         self._tables = (live, dead, seq)
         self._channel = schema.channel_name(db.namespace, coll_id)
+        self._listen_key = schema.listen_key(db.namespace, coll_id)
+        self._notify_args = {"chan": self._channel, "lk": self._listen_key}
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._sealer = sealer
         self._codec = codec
@@ -206,7 +214,7 @@ class PgQueue(Generic[T]):
     def _push_params(self, rid: int | None, delay_ms: int, body: bytes) -> dict[str, Any]:
         return {"id": rid, "seq": self._sql.seq, "delay": delay_ms, "state": _PUSH_STATE, "flags": _PUSH_FLAGS,
                 "attempts": _PUSH_ATTEMPTS, "epoch": _PUSH_EPOCH, "deadline": _PUSH_DEADLINE, "payload": body,
-                "chan": self._channel}
+                "chan": self._channel, "lk": self._listen_key}
 
     def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
         """Push a sequence in one commit, all or nothing (Q31); ids increase in input order.
@@ -252,11 +260,11 @@ class PgQueue(Generic[T]):
             live = one(c.execute(self._sql.count_live))[0]
             if live + len(bodies) > cap:
                 raise self._full(live, len(bodies))
-        ids: list[int | None] = [None] * len(bodies)
+        ids: str | None = None  # no ids given: the sequence draws them (unnest pads with NULLs)
         if self._sealer is not None:
             drawn = sorted(r[0] for r in c.execute(self._sql.next_ids, (self._sql.seq, len(bodies))).fetchall())
             bodies = [self._stored(rid, b) for rid, b in zip(drawn, bodies, strict=True)]
-            ids = list(drawn)
+            ids = int_array(drawn)
         params = self._push_params(None, delay_ms, b"")
         del params["payload"], params["id"]
         params["payloads"] = bodies
@@ -267,6 +275,32 @@ class PgQueue(Generic[T]):
     def lease(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> list[Lease[T]]:
         """Lease up to ``n`` due rows; never blocks, may return ``[]``.  Rows of one result
         come in key order (due time, then id)."""
+        taken, payloads = self._take(n, lease_timeout)
+        handle = self._handle
+        return [Lease(rid, payload, attempt, ms_to_datetime(deadline), LeaseToken(handle, 0, due, rid, epoch))
+                for (rid, due, attempt, epoch, deadline), payload in zip(taken, payloads, strict=True)]
+
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease` and return the leases as a ``LeaseBatch`` of arrays
+        (Q32): ``ids``, ``attempts``, ``deadlines`` and ``payloads`` (a structured array of
+        the dtype for a fixed queue, a list for a var queue), in key order."""
+        taken, decoded = self._take(n, lease_timeout)
+        k = len(taken)
+        payloads: Any = decoded
+        if not self.spec.var:
+            payloads = np.array(decoded, dtype=self.spec.dtype) if k else np.empty(0, self.spec.dtype)
+        # One transaction, one server clock reading: every lease of the batch has one deadline.
+        deadline = (taken[0][4], ms_to_datetime(taken[0][4])) if k else (0, ms_to_datetime(0))
+        ids, dues, attempts, epochs, _ = zip(*taken, strict=True) if k else ((), (), (), (), ())
+        return LeaseBatch(self.name, self._handle, np.zeros(k, np.uint32), np.array(dues, np.uint64),
+                          np.array(ids, np.uint64), np.array(attempts, np.uint16), np.array(epochs, np.uint32),
+                          deadline, payloads)
+
+    def _take(self, n: int, lease_timeout: timedelta | float | None
+              ) -> tuple[list[tuple[int, int, int, int, int]], list[Any]]:
+        """Lease up to ``n`` rows: ``(id, due, attempt, epoch, deadline)`` of each, in key
+        order, and their decoded payloads.  A row whose body cannot be read is
+        dead-lettered (poisoned) and left out."""
         if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
             raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
         if n > MAX_LEASE:
@@ -280,18 +314,24 @@ class PgQueue(Generic[T]):
             lease_ms = int(round(timeout * 1000))
         self._check()
         taken: list[tuple[int, int, int, int, int, bytes]] = []  # id, due, attempt, epoch, deadline, raw
-        # Pipelined: BEGIN goes out with the pick, and the UPDATE with the COMMIT (two round trips).
+        # Pipelined: BEGIN goes out with the pick, and the UPDATE with the COMMIT (two round
+        # trips); rows come back in binary (no hex decoding of the payloads).
         with self._db._conn() as c, c.pipeline(), c.transaction():
-            rows = c.execute(self._sql.lease_pick, (n,)).fetchall()
+            rows = c.execute(self._sql.lease_pick, (n,), binary=True).fetchall()
             if not rows:
-                return []
-            upd: tuple[list[int], ...] = ([], [], [], [], [])
+                return [], []
+            ids: list[int] = []
+            states: list[int] = []
+            attempts_col: list[int] = []
+            epochs: list[int] = []
+            deadlines: list[int] = []
             dead: list[tuple[Any, ...]] = []
             expired = 0
             max_attempts = self.config.max_attempts
+            rule = transitions.lease
             for row in rows:
                 now = row[9]
-                out, outcome = transitions.lease(_image(row), now, now + lease_ms, max_attempts)
+                out, outcome = rule(_image(row), now, now + lease_ms, max_attempts)
                 state, flags, attempts, epoch, deadline = header_of(out)[:5]
                 if outcome == transitions.EXPIRED_DEAD:
                     dead.append((row[0], transitions.dead_since(key_of(out)[0]), flags, attempts, epoch, deadline,
@@ -299,27 +339,34 @@ class PgQueue(Generic[T]):
                     continue
                 if outcome == transitions.RELEASED:
                     expired += 1
-                for col, v in zip(upd, (row[0], state, attempts, epoch, deadline), strict=True):
-                    col.append(v)
+                ids.append(row[0])
+                states.append(state)
+                attempts_col.append(attempts)
+                epochs.append(epoch)
+                deadlines.append(deadline)
                 taken.append((row[0], row[1], attempts, epoch, deadline, row[8]))
-            if upd[0]:
-                c.execute(self._sql.update_leased, upd)
+            if ids:
+                c.execute(self._sql.update_leased, (int_array(ids), int_array(states), int_array(attempts_col),
+                                                    int_array(epochs), int_array(deadlines)))
             if dead:
                 self._move_dead(c, dead)
-        with self._lock:
-            self._counts["expired_leases"] += expired + len(dead)
-            self._counts["dead_lettered"] += len(dead)
+        if expired or dead:
+            with self._lock:
+                self._counts["expired_leases"] += expired + len(dead)
+                self._counts["dead_lettered"] += len(dead)
         taken.sort(key=lambda t: (t[1], t[0]))
-        leases: list[Lease[T]] = []
+        out_rows: list[tuple[int, int, int, int, int]] = []
+        payloads: list[Any] = []
         poisoned: list[tuple[LeaseToken, Exception]] = []
+        decode, open_body = self._decode, self._open_body
         for rid, due, attempt, epoch, deadline, raw in taken:
-            token = LeaseToken(self._handle, 0, due, rid, epoch)
             try:
-                payload = self._decode(self._open_body(rid, raw))
+                payload = decode(open_body(rid, raw))
             except Exception as e:  # noqa: BLE001 - a body that cannot be read is this row's problem alone
-                poisoned.append((token, e))
+                poisoned.append((LeaseToken(self._handle, 0, due, rid, epoch), e))
                 continue
-            leases.append(Lease(rid, payload, attempt, ms_to_datetime(deadline), token))
+            out_rows.append((rid, due, attempt, epoch, deadline))
+            payloads.append(payload)
         for token, err in poisoned:
             try:
                 self._settle(token, False, None, True, poisoned=True)
@@ -328,29 +375,13 @@ class PgQueue(Generic[T]):
             self._count("poisoned")
             log.warning("queue %s: row %d cannot be decoded at lease (%s: %s); dead-lettered it, and delivered "
                         "the rest of the batch", self.name, token.seq, type(err).__name__, err)
-        if lease_ms != self._lease_ms and leases:
+        if lease_ms != self._lease_ms and out_rows:
             with self._lock:
-                for lz in leases:
-                    self._lease_timeouts[(lz.id, lz.token.epoch)] = lease_ms
+                for r in out_rows:
+                    self._lease_timeouts[(r[0], r[3])] = lease_ms
                 while len(self._lease_timeouts) > 100_000:
                     self._lease_timeouts.pop(next(iter(self._lease_timeouts)), None)
-        return leases
-
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
-        """Lease like :meth:`lease` and return the leases as a ``LeaseBatch`` of arrays
-        (Q32): ``ids``, ``attempts``, ``deadlines`` and ``payloads`` (a structured array of
-        the dtype for a fixed queue, a list for a var queue), in key order."""
-        leases = self.lease(n, lease_timeout=lease_timeout)
-        k = len(leases)
-        toks = [lz.token for lz in leases]
-        payloads: Any = [lz.payload for lz in leases]
-        if not self.spec.var:
-            payloads = np.array(payloads, dtype=self.spec.dtype) if k else np.empty(0, self.spec.dtype)
-        deadline = (int(round(leases[0].deadline.timestamp() * 1000)), leases[0].deadline) if k else (0, ms_to_datetime(0))
-        return LeaseBatch(
-            self.name, self._handle, np.zeros(k, np.uint32), np.fromiter((t.due for t in toks), np.uint64, k),
-            np.fromiter((t.seq for t in toks), np.uint64, k), np.fromiter((lz.attempt for lz in leases), np.uint16, k),
-            np.fromiter((t.epoch for t in toks), np.uint32, k), deadline, payloads)
+        return out_rows, payloads
 
     def _move_dead(self, c: psycopg.Connection[Any], rows: list[tuple[Any, ...]]) -> None:
         """Move rows ``(id, dead_ms, flags, attempts, epoch, deadline, pushed, payload)``
@@ -378,24 +409,27 @@ class PgQueue(Generic[T]):
             if leases._handle != self._handle:
                 raise StaleToken(f"this batch was leased through another handle (or before a reopen); lease again "
                                  f"from queue {self.name!r}; nothing was acked")
-            tokens = leases.tokens
+            seqs, epochs = leases.ids.tolist(), leases._epochs.tolist()
         else:
             if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
                 raise NotALease(f"ack_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
                                 f"{type(leases).__name__}; ack one lease with ack()")
             tokens = [self._token(x) for x in leases]
-        if len({t.seq for t in tokens}) != len(tokens):
+            seqs, epochs = [t.seq for t in tokens], [t.epoch for t in tokens]
+        if len(set(seqs)) != len(seqs):
             raise StaleToken("a row appears twice in this batch; nothing was acked")
         self._check()
-        if not tokens:
+        if not seqs:
             return 0
         with self._db._conn() as c:
-            n = c.execute(self._sql.ack_many, ([t.seq for t in tokens], [t.epoch for t in tokens], len(tokens))).rowcount
-        if n != len(tokens):
+            n = c.execute(self._sql.ack_many, (int_array(seqs), int_array(epochs), len(seqs))).rowcount
+        if n != len(seqs):
             raise StaleToken("some of these tokens no longer hold their lease (their rows were acked, nacked, "
                              "dead-lettered or leased again); nothing was acked")
-        for t in tokens:
-            self._forget(t)
+        if self._lease_timeouts:
+            with self._lock:
+                for key in zip(seqs, epochs, strict=True):
+                    self._lease_timeouts.pop(key, None)
         self._count("acks", n)
         return n
 
@@ -449,7 +483,7 @@ class PgQueue(Generic[T]):
                                  row[7], row[8])])
             return "dead"
         c.execute(self._sql.update_row, (moved.due, moved.due, state, flags, attempts, epoch, deadline, row[0]))
-        c.execute(self._sql.notify, (self._channel,))
+        c.execute(self._sql.notify, self._notify_args)
         return "retry"
 
     def extend(self, lease: Lease[T] | LeaseToken, *, by: timedelta | float | None = None) -> datetime:
@@ -619,7 +653,7 @@ class PgQueue(Generic[T]):
                     col.append(v)
             c.execute(self._sql.delete_dead, (cols[0],))
             c.execute(self._sql.insert_live_rows, cols)
-            c.execute(self._sql.notify, (self._channel,))
+            c.execute(self._sql.notify, self._notify_args)
         return len(rows)
 
     def purge_dead(self, ids: Any = None) -> int:

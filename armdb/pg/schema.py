@@ -35,6 +35,7 @@ parameters.  Times are milliseconds since the Unix epoch from the server's clock
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import psycopg
@@ -63,6 +64,28 @@ def channel_name(namespace: str, coll_id: int) -> str:
     """The LISTEN/NOTIFY channel of a queue (at most 63 bytes)."""
     ns = namespace.encode()[:40].decode("ascii", "ignore")
     return f"armdb_{ns}_{coll_id}"
+
+
+def listen_key(namespace: str, coll_id: int) -> int:
+    """The advisory-lock key that says "a process listens on this queue's channel".
+
+    A listening connection holds it shared (a session lock) from before its ``LISTEN``;
+    a commit that makes rows due tries to take it exclusively for its transaction and
+    sends a notification only when that fails (see :data:`NOTIFY_IF_LISTENED`).  The key
+    is a bigint above the int4 range of the namespace lock's ``hashtext`` keys."""
+    return ((zlib.crc32(namespace.encode()) & 0x7FFFFFFF) << 32 | 1 << 31) | (coll_id & 0x7FFFFFFF)
+
+
+# A notification only when somebody may be listening.  pg_notify makes a writing commit
+# take a cluster-wide lock and write the notification queue, which cost as much as the
+# commit itself in the bench (docs/postgres.md, "Notifications"); with no listener the
+# try-lock below succeeds and no notification is sent.  It is race-free: the try-lock is
+# held until this transaction ends, and a listener takes the key (shared, blocking)
+# before it LISTENs and before its waiters look at the table, so a listener either holds
+# the key already (the try fails: a notification is sent) or starts after this commit
+# (its waiters see the rows).  Two commits at once: the second one's try fails and it
+# notifies, which is only a wakeup too many.
+NOTIFY_IF_LISTENED = "(SELECT pg_notify(%(chan)s, '') WHERE NOT pg_try_advisory_xact_lock(%(lk)s))"
 
 
 def quote(name: str) -> str:
@@ -175,7 +198,11 @@ _LIVE_SELECT = "id, due_ms, state, flags, attempts, epoch, deadline_ms, pushed_m
 
 
 class QueueSQL:
-    """The statements of one queue, composed once at open."""
+    """The statements of one queue, composed once at open.  Payloads and their arrays go
+    in binary (``%b``): psycopg's text format escapes every element of a ``bytea[]`` with
+    a regular expression, which cost more client time than the rest of a batch.  The
+    integer arrays of the hot statements (lease, ack, push) come as one array literal
+    (``armdb.pg.queue.int_array``), cheaper still than a binary dump element by element."""
 
     def __init__(self, ns: str, live: str, dead: str, seq: str) -> None:
         L, D, S = ident(ns, live), ident(ns, dead), ident(ns, seq)
@@ -183,25 +210,26 @@ class QueueSQL:
         self.now = sql.SQL("SELECT {now}").format(**f)
         self.seq = f"{quote(ns)}.{quote(seq)}"  # the sequence, as a regclass parameter
         self.next_ids = sql.SQL("SELECT nextval(%s::regclass) FROM generate_series(1, %s)")
-        # push: one row, or many from arrays (ids drawn in input order), with a notify.
+        # push: one row, or many from arrays (ids drawn in input order), with a notify if
+        # somebody listens.
         self.push = sql.SQL(
             "INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, pushed_ms, payload) "
             "SELECT COALESCE(%(id)s, nextval(%(seq)s::regclass)), n + %(delay)s, n + %(delay)s, %(state)s, %(flags)s, "
-            "%(attempts)s, %(epoch)s, %(deadline)s, n, %(payload)s FROM (SELECT {now} AS n) t "
-            "RETURNING id, pg_notify(%(chan)s, '')"
+            "%(attempts)s, %(epoch)s, %(deadline)s, n, %(payload)b FROM (SELECT {now} AS n) t "
+            "RETURNING id, " + NOTIFY_IF_LISTENED
         ).format(**f)
-        # Many rows in one statement (atomic by itself), ids drawn in input order, and one
-        # notification (an uncorrelated subquery runs once).
+        # Many rows in one statement (atomic by itself), ids drawn in input order, and at
+        # most one notification (an uncorrelated subquery runs once).
         self.push_many = sql.SQL(
             "WITH ins AS (INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, "
             "pushed_ms, payload) "
             "SELECT COALESCE(u.id, nextval(%(seq)s::regclass)), t.n + %(delay)s, t.n + %(delay)s, %(state)s, "
             "%(flags)s, %(attempts)s, %(epoch)s, %(deadline)s, t.n, u.p "
-            "FROM (SELECT {now} AS n) t, unnest(%(payloads)s::bytea[], %(ids)s::bigint[]) WITH ORDINALITY AS u(p, id, o) "
+            "FROM (SELECT {now} AS n) t, unnest(%(payloads)b::bytea[], %(ids)s::bigint[]) WITH ORDINALITY AS u(p, id, o) "
             "ORDER BY u.o RETURNING id) "
-            "SELECT id, (SELECT pg_notify(%(chan)s, '')) FROM ins"
+            "SELECT id, " + NOTIFY_IF_LISTENED + " FROM ins"
         ).format(**f)
-        self.notify = sql.SQL("SELECT pg_notify(%s, '')")
+        self.notify = sql.SQL("SELECT " + NOTIFY_IF_LISTENED)
         self.count_live = sql.SQL("SELECT count(*) FROM {L}").format(**f)
         self.count_dead = sql.SQL("SELECT count(*) FROM {D}").format(**f)
         # lease: the due rows by visibility, locked, skipping rows another caller holds.
@@ -216,11 +244,11 @@ class QueueSQL:
             "FROM unnest(%s::bigint[], %s::smallint[], %s::integer[], %s::bigint[], %s::bigint[]) "
             "AS u(id, state, attempts, epoch, deadline) WHERE t.id = u.id"
         ).format(**f)
-        self.delete_live = sql.SQL("DELETE FROM {L} WHERE id = ANY(%s)").format(**f)
+        self.delete_live = sql.SQL("DELETE FROM {L} WHERE id = ANY(%b::bigint[])").format(**f)
         self.insert_dead = sql.SQL(
             "INSERT INTO {D} (id, dead_ms, flags, attempts, epoch, deadline_ms, pushed_ms, payload) "
-            "SELECT * FROM unnest(%s::bigint[], %s::bigint[], %s::smallint[], %s::integer[], %s::bigint[], "
-            "%s::bigint[], %s::bigint[], %s::bytea[])"
+            "SELECT * FROM unnest(%b::bigint[], %b::bigint[], %b::smallint[], %b::integer[], %b::bigint[], "
+            "%b::bigint[], %b::bigint[], %b::bytea[])"
         ).format(**f)
         # a settle: the row, if the token still holds its lease
         self.settle_pick = sql.SQL(
@@ -242,8 +270,8 @@ class QueueSQL:
         self.insert_live_rows = sql.SQL(
             "INSERT INTO {L} (id, due_ms, visible_ms, state, flags, attempts, epoch, deadline_ms, pushed_ms, payload) "
             "SELECT u.id, u.due, u.due, u.state, u.flags, u.attempts, u.epoch, u.deadline, u.pushed, u.payload "
-            "FROM unnest(%s::bigint[], %s::bigint[], %s::smallint[], %s::smallint[], %s::integer[], %s::bigint[], "
-            "%s::bigint[], %s::bigint[], %s::bytea[]) AS u(id, due, state, flags, attempts, epoch, deadline, "
+            "FROM unnest(%b::bigint[], %b::bigint[], %b::smallint[], %b::smallint[], %b::integer[], %b::bigint[], "
+            "%b::bigint[], %b::bigint[], %b::bytea[]) AS u(id, due, state, flags, attempts, epoch, deadline, "
             "pushed, payload)"
         ).format(**f)
         self.next_visible = sql.SQL("SELECT min(visible_ms), {now} FROM {L}").format(**f)
