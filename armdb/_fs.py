@@ -79,6 +79,10 @@ class MappedFile:
     def wrote(self, offset: int, length: int) -> None:
         """Report a store the caller made directly into ``array`` (a hook for tests)."""
 
+    def durable(self) -> None:
+        """A durable write to this map was just synced (a hook: a replicating file system
+        waits here for its synchronous followers, docs/replication.md)."""
+
     def flush(self, offset: int = 0, length: int | None = None) -> None:
         """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure."""
         if length is None:

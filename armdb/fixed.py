@@ -639,6 +639,8 @@ class FixedShard(_k.SlotStore):
         every = self.sync_every
         if every is not None and time.monotonic() - self.sf.last_sync >= every:
             self._sync_locked()
+            if every == 0:  # a durable write: synchronous followers have it too (R4)
+                self.mapped.durable()
 
     # -- durability ------------------------------------------------------------------
     def _sync_locked(self, *, final: bool = False) -> None:

@@ -238,7 +238,7 @@ def test_r6_a_recopy_cut_short_leaves_the_complete_copy_promotable(tmp_path: Pat
     try:
         f2 = armdb.Db.follow(tmp_path / "f", primary=fake_p.address)
         end = time.monotonic() + 10
-        while not f2.status()["recopying"]:
+        while not (f2.status()["recopying"] and (tmp_path / "f.resync" / "db.meta").exists()):
             assert time.monotonic() < end, f2.status()
             time.sleep(0.01)
         assert (tmp_path / "f.resync" / "db.meta").stat().st_size == 0  # the new copy, half built
