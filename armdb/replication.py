@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -326,6 +326,8 @@ class Primary:
         self._conns: set[socket.socket] = set()
         self._peers: dict[socket.socket, dict[str, Any]] = {}  # per follower: phase, acked (R4), address
         self._threads: list[threading.Thread] = []
+        # Called with (sequence, monotonic time) for each follower confirmation (the bench's lag).
+        self.ack_listener: Callable[[int, float], None] | None = None
         try:
             self._server = socket.create_server(listen)
         except (OSError, TypeError, ValueError, OverflowError) as e:
@@ -572,6 +574,9 @@ class Primary:
                         if peer is not None and peer["phase"] == "streaming":
                             peer["acked"] = frame[1]
                             self.cond.notify_all()
+                    listener = self.ack_listener
+                    if listener is not None:
+                        listener(frame[1], time.monotonic())
         except (OSError, ReplicationError):
             with self._lock:
                 peer = self._peers.get(conn)
@@ -893,6 +898,7 @@ class Follower:
         self.refused_frames = 0  # frames refused (CRC, length, version, order): never applied
         self.connections = 0  # successful handshakes, the first included
         self.resync: dict[str, Any] = {}  # what the last copy (snapshot or delta) took
+        self._ok_rels: set[str] = set()  # paths of stream frames already checked
         self._delta_seen: set[str] = set()  # what the primary listed during a delta copy
         try:
             if fs.exists(self._state_path):
@@ -1021,13 +1027,25 @@ class Follower:
                     f"replication frame {frame[1]} arrived where {self._expect} was next; it was not applied"
                 )
             ops = frame[2]
+            ok = self._ok_rels
             for op in ops:  # every operation checked before the first is applied
-                if not (isinstance(op, list) and len(op) >= 2 and op[0] in _OPS):
+                if not (type(op) is list and len(op) >= 2 and op[0] in _OPS):
                     raise ReplicationFrameError(f"a replication batch holds the operation {str(op)[:40]}; "
                                                 "it was not applied")
-                _safe_rel(op[1])
+                rel = op[1]
+                if type(rel) is not str or rel not in ok:
+                    ok.add(_safe_rel(rel))
+                if op[0] == "W" and not (len(op) == 4 and type(op[2]) is int and op[2] >= 0 and type(op[3]) is bytes):
+                    raise ReplicationFrameError("a replication frame 'W' has arguments this armdb cannot read")
+            fds, touched, pwrite = self._fds, self._touched, _fs.FS.pwrite
             for op in ops:
-                self._apply(op[0], op[1:])
+                if op[0] == "W":  # most of a stream: checked above
+                    rel = op[1]
+                    fd = fds.get(rel)
+                    pwrite(fd if fd is not None else self._fd(rel), op[3], op[2])
+                    touched.add(rel)
+                else:
+                    self._apply(op[0], op[1:])
             self._expect += len(ops)
             self._applying["seq"] = self._expect - 1
             self.frames_applied += len(ops)
@@ -1185,7 +1203,11 @@ class Follower:
     def _forget(self, rel: str) -> None:
         fd = self._fds.pop(rel, None)
         if fd is not None:
-            _fs.FS.close(fd)
+            try:
+                if rel in self._touched:  # what was written to it is durable before the position says so
+                    _fs.FS.fsync(fd)
+            finally:
+                _fs.FS.close(fd)
         self._touched.discard(rel)
 
     def _apply(self, op: Any, args: list[Any]) -> None:
