@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import select
 import socket
 import struct
 import tempfile
@@ -65,6 +66,8 @@ BLOCK = 64 << 10  # bytes per digest of a delta copy (files other than FixedStor
 CHUNK = 1 << 20  # bytes per W frame of a snapshot
 BACKLOG_BYTES = 64 << 20  # frames a primary keeps for followers to resume from
 HEARTBEAT_S = 0.2  # an idle primary says where it is this often
+LINGER_S = 0.001  # a sender woken by a write lets a batch gather this long (not while a commit waits)
+DRAIN_S = 0.01  # a follower applies what keeps arriving this long before it syncs
 DEAD_PEER_S = 5.0  # a follower that heard nothing this long reconnects
 _NOT_REPLICATED = frozenset({LOCK_FILE, STATE_FILE, STATE_FILE + ".tmp"})
 
@@ -90,6 +93,17 @@ class _Reader:
         if not data:
             raise ConnectionError("the peer closed the connection")
         self.buf += data
+
+    def fill_ready(self) -> bool:
+        """Read what the socket holds already, without waiting; whether anything came
+        (the end of the stream is left for the next :meth:`fill` to raise)."""
+        if not select.select([self.sock], [], [], 0)[0]:
+            return False
+        data = self.sock.recv(1 << 20)
+        if not data:
+            return False
+        self.buf += data
+        return True
 
     def take_ready(self) -> bool:
         """Whether a complete frame (or a length no frame has) is buffered."""
@@ -313,6 +327,7 @@ class Primary:
         self._pend_bytes = 0
         self._pend_t0 = 0.0  # when the first pending operation was recorded
         self._sleepers = 0  # senders waiting for operations (a record wakes them)
+        self._sync_waiters = 0  # commits waiting for followers (R4): senders do not linger
         # The backlog: sealed batches, oldest first, as parallel lists.
         self._firsts: list[int] = []  # the sequence of each batch's first operation
         self._batches: list[bytes] = []  # each batch's frame
@@ -347,7 +362,8 @@ class Primary:
             pend.append(op)
             self._pend_bytes += nbytes
             full = len(pend) >= MAX_BATCH_OPS or self._pend_bytes >= MAX_BATCH_BYTES
-            if self._sleepers:
+            if self._sleepers:  # woken once: the next records find no sleeper to notify
+                self._sleepers = 0
                 self.cond.notify_all()
         if full:
             self.seal()
@@ -535,12 +551,17 @@ class Primary:
 
     def _stream(self, conn: socket.socket, cursor: int) -> None:
         while True:
+            woke = False
             with self._lock:
                 if cursor == self.seq and not self.closed:
                     self._sleepers += 1
-                    self.cond.wait(HEARTBEAT_S)
-                    self._sleepers -= 1
+                    woke = self.cond.wait(HEARTBEAT_S)
+                    if not woke and self._sleepers:
+                        self._sleepers -= 1
                 pending = bool(self._pending)
+                linger = woke and len(self._pending) < MAX_BATCH_OPS // 16 and not self._sync_waiters
+            if linger:
+                time.sleep(LINGER_S)  # the writer goes on: fewer, larger batches
             if pending:
                 self.seal()
             with self._lock:
@@ -589,12 +610,16 @@ class Primary:
         the primary stops: a closing database confirms nothing more)."""
         with self._lock:
             target = self.seq
-            while not self.released and sum(
-                1 for p in self._peers.values() if p["phase"] == "streaming" and p["acked"] >= target
-            ) < n:
-                if self._sleepers:
-                    self.cond.notify_all()  # a sender seals and sends what we wait for
-                self.cond.wait(0.5)
+            self._sync_waiters += 1
+            try:
+                while not self.released and sum(
+                    1 for p in self._peers.values() if p["phase"] == "streaming" and p["acked"] >= target
+                ) < n:
+                    if self._sleepers:
+                        self.cond.notify_all()  # a sender seals and sends what we wait for
+                    self.cond.wait(0.5)
+            finally:
+                self._sync_waiters -= 1
 
     def release(self) -> None:
         """Stop making commits wait for followers (the database is closing)."""
@@ -1006,10 +1031,15 @@ class Follower:
                 if self._stop.is_set():
                     return
                 applied = False
+                # Apply what has arrived, and what arrives meanwhile, then sync once: under
+                # load the follower's fsyncs are shared by many batches.
+                end = time.monotonic() + DRAIN_S
                 while True:
                     frame = reader.take()
                     if frame is _NONE:
-                        break
+                        if time.monotonic() >= end or not reader.fill_ready():
+                            break
+                        continue
                     applied |= self._frame(frame)
                 if applied:
                     self._persist()
@@ -1262,7 +1292,7 @@ class Follower:
         for rel in sorted(self._touched):
             fd = self._fds.get(rel)
             if fd is not None:
-                fs.fsync(fd)
+                fs.fdatasync(fd)  # data and size; the directories are synced below
         self._touched.clear()
         for d in sorted(self._dirs_touched):
             full = os.path.join(self._root, d) if d else self._root
