@@ -861,18 +861,54 @@ def start_primary(root: str, db_id: bytes, listen: Any, sync_replicas: int = 0) 
 
 
 # -- the follower's side ---------------------------------------------------------------------------
-def _encode_state(state: dict[str, Any]) -> bytes:
+# replica.state: two copies of STATE_COPY bytes, written alternately in place (the
+# newer valid one wins), each ``ARMREPL2``, crc32 of what follows it, body length,
+# counter, msgpack body.  Written in place without a sync of its own after the files
+# it describes are synced: whichever copy survives a power loss names a position whose
+# files were already on disk, and re-applying from an older one is harmless.
+_STATE_MAGIC2 = b"ARMREPL2"
+_STATE_COPY = 4096
+_STATE_HEAD = struct.Struct("<8sIIQ")  # magic, crc32, body length, counter
+
+
+def _state_copy(state: dict[str, Any], counter: int) -> bytes:
     body = msgpack.packb(state, use_bin_type=True)
-    return _STATE_MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+    rest = struct.pack("<IQ", len(body), counter) + body
+    return (_STATE_MAGIC2 + struct.pack("<I", zlib.crc32(rest)) + rest).ljust(_STATE_COPY, b"\0")
+
+
+def _encode_state(state: dict[str, Any], counter: int = 0) -> bytes:
+    """A whole state file: both copies the same."""
+    one = _state_copy(state, counter)
+    return one + one
+
+
+def _decode_state_counted(raw: bytes, path: str) -> tuple[dict[str, Any], int]:
+    """The newest valid copy of a state file, and its counter."""
+    damaged = ReplicationError(f"{path} is damaged; delete the follower's directory and follow again "
+                               "(it copies a snapshot)")
+    if raw[:8] == _STATE_MAGIC:  # the first format: one copy, the body up to the end
+        if len(raw) < 12 or struct.unpack_from("<I", raw, 8)[0] != zlib.crc32(raw[12:]):
+            raise damaged
+        best: tuple[Any, int] | None = (msgpack.unpackb(raw[12:], raw=False), -1)
+    else:
+        best = None
+        for i in (0, 1):
+            copy = raw[i * _STATE_COPY : (i + 1) * _STATE_COPY]
+            if len(copy) < _STATE_HEAD.size or copy[:8] != _STATE_MAGIC2:
+                continue
+            _, crc, n, counter = _STATE_HEAD.unpack_from(copy)
+            if n > _STATE_COPY - _STATE_HEAD.size or zlib.crc32(copy[12 : _STATE_HEAD.size + n]) != crc:
+                continue
+            if best is None or counter > best[1]:
+                best = (msgpack.unpackb(copy[_STATE_HEAD.size : _STATE_HEAD.size + n], raw=False), counter)
+    if best is None or not isinstance(best[0], dict):
+        raise damaged
+    return best[0], best[1]
 
 
 def _decode_state(raw: bytes, path: str) -> dict[str, Any]:
-    if raw[:8] != _STATE_MAGIC or len(raw) < 12 or struct.unpack_from("<I", raw, 8)[0] != zlib.crc32(raw[12:]):
-        raise ReplicationError(f"{path} is damaged; delete the follower's directory and follow again (it copies a snapshot)")
-    state = msgpack.unpackb(raw[12:], raw=False)
-    if not isinstance(state, dict):
-        raise ReplicationError(f"{path} is damaged; delete the follower's directory and follow again")
-    return state
+    return _decode_state_counted(raw, path)[0]
 
 
 def is_follower(path: str) -> bool:
@@ -924,10 +960,15 @@ class Follower:
         self.connections = 0  # successful handshakes, the first included
         self.resync: dict[str, Any] = {}  # what the last copy (snapshot or delta) took
         self._ok_rels: set[str] = set()  # paths of stream frames already checked
+        self._state_counter = 0  # of the newest copy in replica.state
+        self._state_fd: int | None = None  # replica.state, open for writes in place
         self._delta_seen: set[str] = set()  # what the primary listed during a delta copy
         try:
             if fs.exists(self._state_path):
-                self.state = _decode_state(fs.read_file(self._state_path), self._state_path)
+                self.state, self._state_counter = _decode_state_counted(fs.read_file(self._state_path),
+                                                                        self._state_path)
+                if self._state_counter < 0:
+                    self._save_state()  # the first format: rewritten in the one written in place
             else:
                 self.state = {"db_id": None, "stream": None, "seq": 0, "complete": False}
                 self._save_state()
@@ -1299,23 +1340,42 @@ class Follower:
             if fs.isdir(full):
                 fs.fsync_dir(full)
         self._dirs_touched.clear()
+        in_place = True
         if self._end_seq is not None and self._applying["seq"] >= self._end_seq:
             self._applying["complete"] = True
             self._end_seq = None
+            in_place = False  # a copy became complete: its state is synced
             if self._root != self.path:
                 self._swap()
-                return
         if self._root == self.path:
-            self._save_state()
+            self._save_state(sync=not in_place)
             sock = self._sock
             if sock is not None and self.state["complete"]:
                 with contextlib.suppress(OSError):  # a broken link shows in the next read
                     sock.sendall(encode_frame(["A", self.state["seq"]]))  # on disk: the primary may count it
 
-    def _save_state(self) -> None:
-        _fs.FS.write_file_atomic(self._state_path, _encode_state(self.state))
+    def _save_state(self, *, sync: bool = True) -> None:
+        """Write the position: ``sync`` replaces the file atomically and durably, else
+        the older of its two copies is overwritten in place (see ``_STATE_COPY``)."""
+        fs = _fs.FS
+        self._state_counter += 1
+        if sync:
+            self._close_state()
+            fs.write_file_atomic(self._state_path, _encode_state(self.state, self._state_counter))
+            return
+        if self._state_fd is None:
+            self._state_fd = fs.open(self._state_path, os.O_RDWR)
+        fs.pwrite(self._state_fd, _state_copy(self.state, self._state_counter),
+                  (self._state_counter % 2) * _STATE_COPY)
+
+    def _close_state(self) -> None:
+        fd, self._state_fd = self._state_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                _fs.FS.close(fd)
 
     def _close_files(self) -> None:
+        self._close_state()
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 _fs.FS.close(fd)

@@ -213,7 +213,13 @@ def test_r6_a_damaged_position_file_is_refused(tmp_path: Path, primary: Primary)
     follower.close()
     state = tmp_path / "f" / "replica.state"
     raw = bytearray(state.read_bytes())
-    raw[-1] ^= 1
+    assert len(raw) == 8192  # two copies, written alternately in place
+    raw[30] ^= 1  # one copy torn: the other one is read
+    state.write_bytes(bytes(raw))
+    armdb.Db.follow(tmp_path / "f", primary=primary.address).close()
+    raw = bytearray(state.read_bytes())
+    raw[30] ^= 1
+    raw[4096 + 30] ^= 1  # both copies damaged: refused, not guessed
     state.write_bytes(bytes(raw))
     with pytest.raises(armdb.ReplicationError, match="damaged"):
         armdb.Db.follow(tmp_path / "f", primary=primary.address)
