@@ -1221,23 +1221,23 @@ class Follower:
         """The end of a delta copy's files: what the primary did not list is gone there."""
         fs = _fs.FS
         seen = self._delta_seen
-        for d, dirs, names in os.walk(self._root, topdown=True):
-            rel_d = os.path.relpath(d, self._root)
-            rel_d = "" if rel_d == "." else rel_d
-            for name in names:
+        todo = [""]
+        while todo:
+            rel_d = todo.pop()
+            for name in fs.listdir(os.path.join(self._root, rel_d) if rel_d else self._root):
                 rel = os.path.join(rel_d, name) if rel_d else name
-                if rel not in seen and rel not in _NOT_REPLICATED:
-                    self._forget(rel)
-                    fs.unlink(os.path.join(self._root, rel))
-                    self._dirs_touched.add(rel_d)
-            for name in list(dirs):
-                rel = os.path.join(rel_d, name) if rel_d else name
-                if rel not in seen:
+                if rel in seen or rel in _NOT_REPLICATED:
+                    if rel in seen and fs.isdir(os.path.join(self._root, rel)):
+                        todo.append(rel)
+                    continue
+                if fs.isdir(os.path.join(self._root, rel)):
                     for fd_rel in [r for r in self._fds if r.startswith(rel + os.sep)]:
                         self._forget(fd_rel)
                     fs.remove_tree(os.path.join(self._root, rel))
-                    dirs.remove(name)
-                    self._dirs_touched.add(rel_d)
+                else:
+                    self._forget(rel)
+                    fs.unlink(os.path.join(self._root, rel))
+                self._dirs_touched.add(rel_d)
 
     @property
     def _applying(self) -> dict[str, Any]:
@@ -1387,8 +1387,11 @@ class Follower:
         """Where the follower is: ``connected``, ``applied_seq``, ``primary_seq`` (from the
         primary's last heartbeat), ``frames_behind``, ``seconds_behind`` (0 when caught
         up), ``snapshot_complete``, ``recopying`` (a new copy is being built beside the
-        complete one), ``last_error``, ``connections`` (handshakes so far)
-        and ``refused_frames`` (damaged or out-of-order frames, never applied)."""
+        complete one), ``last_error``, ``connections`` (handshakes so far),
+        ``refused_frames`` (damaged or out-of-order frames, never applied) and
+        ``last_copy`` (what the last copy took: ``mode`` ``snapshot`` or ``delta``,
+        ``bytes`` asked for, and for slots ``slots_behind``, ``slots_stale``,
+        ``slots_diverged``, ``slots_missing``; docs/replication.md)."""
         applied = int(self.state["seq"])
         behind = max(0, self.primary_seq - applied)
         now = time.monotonic()

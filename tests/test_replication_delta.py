@@ -82,6 +82,9 @@ def test_r5_stale_slots_are_detected_on_the_ring_and_recopied(tmp_path: Path, cl
     _set_version(raw, slot_size, 2, v[2] - 1)  # simply behind
     _set_version(raw, slot_size, 3, v[3], body=b"\xee" * 8)  # same version, another history
     data.write_bytes(bytes(raw))
+    (tmp_path / "f" / "stray").write_bytes(b"gone on the primary")  # what the primary does not list goes
+    (tmp_path / "f" / "collections" / "stray_dir").mkdir()
+    (tmp_path / "f" / "collections" / "stray_dir" / "x").write_bytes(b"x")
     db = _restart(tmp_path / "primary", port, clock)
     try:
         follower = armdb.Db.follow(tmp_path / "f", primary=("127.0.0.1", port))
@@ -99,7 +102,8 @@ def test_r5_stale_slots_are_detected_on_the_ring_and_recopied(tmp_path: Path, cl
     finally:
         follower.close()
     d = _diff(files(tmp_path / "f"), files(tmp_path / "primary"))
-    assert not d, "\n".join(d)  # every tampered slot is the primary's again
+    assert not d, "\n".join(d)  # every tampered slot is the primary's again, no stray file
+    assert not (tmp_path / "f" / "collections" / "stray_dir").exists()
 
 
 # SPEC R5: files other than slots are compared per block digest; a follower asks for the
