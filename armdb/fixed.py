@@ -633,9 +633,9 @@ class FixedShard(_k.SlotStore):
         """Report a slot write (to a recording file system) and sync when one is due.
 
         ``sf.put`` already counted it (dirty range, high-water mark)."""
-        if self._report:
-            self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
-            self.mapped.wrote(HEADER_PAGE + slot * self.slot_size, self.slot_size)
+        if self._report:  # the redo record, then the slot
+            self.mapped.wrote_after(self.redo_mapped, _k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size,
+                                    HEADER_PAGE + slot * self.slot_size, self.slot_size)
         every = self.sync_every
         if every is not None and time.monotonic() - self.sf.last_sync >= every:
             self._sync_locked()

@@ -171,6 +171,16 @@ class _RecordingMap(_fs.MappedFile):
         if view is not None:
             self._pub.record(("W", self._rel, offset, view[offset : offset + length].tobytes()), length)
 
+    def wrote_after(self, first: _fs.MappedFile, first_offset: int, first_length: int, offset: int,
+                    length: int) -> None:
+        view, other = self._view, first._view
+        if view is None or other is None or not isinstance(first, _RecordingMap) or first._pub is not self._pub:
+            super().wrote_after(first, first_offset, first_length, offset, length)
+            return
+        self._pub.record_two(("W", first._rel, first_offset, other[first_offset : first_offset + first_length].tobytes()),
+                             ("W", self._rel, offset, view[offset : offset + length].tobytes()),
+                             first_length + length)
+
     def durable(self) -> None:
         """A durable write to this map is on the primary's disk: with ``sync_replicas(n)``,
         wait until ``n`` followers have it (and everything recorded before it) too (R4)."""
@@ -225,7 +235,13 @@ class ReplicatingFS(_fs.RealFS):
         super().pwrite(fd, data, offset)
         hit = self._of_fd(fd)
         if hit is not None:
-            hit[0].record(("W", hit[1], offset, bytes(data)), len(data))
+            n = len(data)
+            if n <= CHUNK:
+                hit[0].record(("W", hit[1], offset, bytes(data)), n)
+                return
+            view = memoryview(data)  # a large write travels in pieces: every frame stays far below MAX_FRAME
+            for lo in range(0, n, CHUNK):
+                hit[0].record(("W", hit[1], offset + lo, bytes(view[lo : lo + CHUNK])), min(CHUNK, n - lo))
 
     def ftruncate(self, fd: int, size: int) -> None:
         super().ftruncate(fd, size)
@@ -368,6 +384,23 @@ class Primary:
         if full:
             self.seal()
 
+    def record_two(self, op: tuple[Any, ...], op2: tuple[Any, ...], nbytes: int) -> None:
+        """:meth:`record` of two operations in a row (a slot write's redo record and slot)."""
+        with self._lock:
+            self.seq += 2
+            pend = self._pending
+            if not pend:
+                self._pend_t0 = time.monotonic()
+            pend.append(op)
+            pend.append(op2)
+            self._pend_bytes += nbytes
+            full = len(pend) >= MAX_BATCH_OPS or self._pend_bytes >= MAX_BATCH_BYTES
+            if self._sleepers:
+                self._sleepers = 0
+                self.cond.notify_all()
+        if full:
+            self.seal()
+
     def record_file(self, rel: str) -> None:
         """A whole file as operations (a file renamed in from outside the directory)."""
         for frame in _file_frames(self.root, rel):
@@ -433,6 +466,7 @@ class Primary:
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         try:
             conn.settimeout(DEAD_PEER_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a batch or heartbeat goes at once
             reader = _Reader(conn)
             hello = reader.frame()
             if not (isinstance(hello, dict) and hello.get("magic") == MAGIC):
@@ -990,6 +1024,7 @@ class Follower:
         except OSError as e:
             raise ReplicationError(f"cannot connect to the primary at {where} ({e}); start it with db.replicate()") from e
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # an ack goes at once
             st = self.state
             sock.sendall(encode_frame({"magic": MAGIC, "version": VERSION, "db_id": st["db_id"],
                                        "stream": st["stream"] if st["complete"] else None, "seq": st["seq"],

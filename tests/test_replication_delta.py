@@ -369,3 +369,23 @@ def test_r1_replication_status_reports_lag_in_bytes_and_seconds(tmp_path: Path, 
     finally:
         follower.close()
         p.db.shutdown()
+
+
+# SPEC R1: a write larger than a frame may carry travels in pieces and arrives whole
+def test_r1_a_large_value_is_streamed_in_pieces(tmp_path: Path, clock: FakeClock) -> None:
+    p = Primary(tmp_path / "primary", clock)
+    follower = armdb.Db.follow(tmp_path / "f", primary=p.address)
+    try:
+        big = os.urandom(3 << 20)
+        p.plain.put("big", big)
+        p.db.close()
+        settle(p, follower)
+    finally:
+        follower.close()
+    d = _diff(files(tmp_path / "f"), files(tmp_path / "primary"))
+    assert not d, "\n".join(d)
+    db = follower.promote(clock=clock)
+    try:
+        assert db.open_map("plain").get("big") == big
+    finally:
+        db.close()
