@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _fail
-from ._core.atomicfile import pwrite_all
+from ._core.atomicfile import msync_range, pwrite_all
 
 PAGE = _mmap.PAGESIZE
 # New files and folders are private to their owner, like PostgreSQL's data directory
@@ -89,15 +89,24 @@ class MappedFile:
         """A durable write to this map was just synced (a hook: a replicating file system
         waits here for its synchronous followers, docs/replication.md)."""
 
-    def flush(self, offset: int = 0, length: int | None = None) -> None:
-        """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure."""
+    def flush(self, offset: int = 0, length: int | None = None, *, release_gil: bool = False) -> None:
+        """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure.
+
+        ``msync`` keeps the GIL (``mmap.flush``): a durable writer that gave it up would
+        wait for it behind any busy thread after every sync (docs/performance.md, "msync
+        keeps the GIL").  ``release_gil``: the flusher's background sync, which must not
+        stop the writers for the disk's time; only on the plain file system (the
+        flusher syncs in the background only there, ``background_sync_ok``)."""
         if length is None:
             length = self.length - offset
         start = offset - offset % PAGE
         end = min(self.length, offset + length)
         if end <= start:
             return
-        FS._msync(self, start, end - start)  # the installed file system, looked up now
+        if release_gil:
+            RealFS._msync_released(self, start, end - start)
+        else:
+            FS._msync(self, start, end - start)  # the installed file system, looked up now
 
     def close(self) -> None:
         """Drop the map.  The pages are unmapped once no array view refers to them."""
@@ -118,6 +127,9 @@ class RealFS:
 
     def close(self, fd: int) -> None:
         os.close(fd)
+
+    def dup(self, fd: int) -> int:
+        return os.dup(fd)
 
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
@@ -363,6 +375,13 @@ class RealFS:
     def _msync(self, mf: MappedFile, offset: int, length: int) -> None:
         mf.array._mmap.flush(offset, length)  # type: ignore[union-attr,attr-defined]
 
+    @staticmethod
+    def _msync_released(mf: MappedFile, offset: int, length: int) -> None:
+        array = mf.array
+        if array is None:
+            raise OSError(errno.EBADF, "msync of a closed mapping")
+        msync_range(array, offset, length)  # compiled: the GIL is released through the sync
+
 
 def _creation_mode(path: str, base: int) -> int:
     """``base`` (``FILE_MODE`` or ``DIR_MODE``), plus the group bits of the folder that
@@ -397,6 +416,14 @@ def _synced(fn: Callable[[Any], None], arg: Any) -> None:
 
 
 FS: RealFS = RealFS()
+
+
+def background_sync_ok() -> bool:
+    """Whether a store may leave its timed syncs to the Db's flusher thread, which syncs
+    outside the store's lock: only on the plain file system with no failpoint armed.  A
+    recording or fault-injecting file system (the tests) gets every sync in the writing
+    thread, in order, as before."""
+    return type(FS) is RealFS and not _fail.armed()
 
 
 @contextlib.contextmanager

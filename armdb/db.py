@@ -75,12 +75,26 @@ class _Worker(threading.Thread):
         self.period = period
         self._tick = tick
         self.stop_event = threading.Event()
+        self._wake = threading.Event()
 
     def stop(self) -> None:
         self.stop_event.set()
+        self._wake.set()
+
+    def kick(self) -> bool:
+        """Run the next tick now rather than at the end of the period; False once stopped."""
+        if self.stop_event.is_set() or not self.is_alive():
+            return False
+        self._wake.set()
+        return True
 
     def run(self) -> None:
-        while not self.stop_event.wait(self.period):
+        wake = self._wake
+        while True:
+            wake.wait(self.period)
+            wake.clear()
+            if self.stop_event.is_set():
+                return
             db = self._db()
             if db is None or db._closed:
                 return
@@ -461,8 +475,7 @@ class Db:
             store.close()
             raise
         if register:
-            with self._lock:
-                self._stores[name] = store
+            self.register_store(name, store)
         return store
 
     def sync_all_stores(self) -> None:
@@ -473,8 +486,15 @@ class Db:
             s.sync_now()
 
     def register_store(self, name: str, store: Any) -> None:
+        store.set_kick(self._kick_flusher)
         with self._lock:
             self._stores[name] = store
+
+    def _kick_flusher(self) -> bool:
+        """Wake the flusher: a store found a timed sync due and leaves it to the flusher's
+        thread.  False when no flusher runs (opening, closed): the store syncs itself."""
+        workers = self._workers
+        return bool(workers) and workers[0].kick()
 
     def open_map(self, name: str, config: Config | None = None) -> Map:
         """Open (or create) the Bitcask map ``name`` (D3).

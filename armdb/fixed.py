@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -166,10 +166,10 @@ def judge_redo_header(raw: bytes, path: str, slot_size: int) -> bool:
 class FixedShard(_k.SlotStore):
     """One shard: a mapped ``fixed.data``, its version vector and its free-slot stack.
 
-    It implements ``armdb._core.fixed.SlotStore``, the typed interface through which the
-    compiled queue shard (armdb._core.qshard) reaches it: ``index``, ``poisoned``,
-    ``sync_error``, ``check_writable``, ``grow``, ``sync_redo``, ``after_write`` and
-    ``raise_sync_error``.
+    It derives from ``armdb._core.fixed.SlotStore``, through which the compiled queue
+    shard (armdb._core.qshard) reads ``index``, ``poisoned`` and ``sync_error`` and calls
+    ``raise_sync_error``; off the hot path it calls ``check_writable``, ``grow``,
+    ``sync_redo`` and ``after_write``, defined here.
     """
 
     def __init__(self, directory: str, index: int, key_size: int, value_size: int, config: FixedConfig) -> None:
@@ -193,6 +193,10 @@ class FixedShard(_k.SlotStore):
         # The marks stored in the two copies (A: fixed.data, B: fixed.redo).
         self._hwm_a = self._hwm_b = self._hwm_synced = self._hwm_gen = 0
         self.sync_every = config.sync_interval if config.enable_fsync else None
+        # Set by the Db: wakes its flusher, which then runs the timed sync (sync()) on its
+        # own thread; False when there is no flusher to wake.  None: sync in the writer.
+        self.kick: Callable[[], bool] | None = None
+        self._flushing = False  # a sync() is flushing outside the lock
         self._fd = -1
         self._redo_fd = -1
         self._open()
@@ -638,11 +642,41 @@ class FixedShard(_k.SlotStore):
                                     HEADER_PAGE + slot * self.slot_size, self.slot_size)
         every = self.sync_every
         if every is not None and time.monotonic() - self.sf.last_sync >= every:
-            self._sync_locked()
-            if every == 0:  # a durable write: synchronous followers have it too (R4)
-                self.mapped.durable()
+            # A timed sync is due.  Unless every write must be synced, the writer only
+            # wakes the flusher, which flushes without the lock (sync()): the writer and
+            # the other threads go on meanwhile.  The sync starts as soon as it would
+            # have, so a power loss takes no more than before.
+            kick = self.kick
+            if every and kick is not None and _fs.background_sync_ok() and kick():
+                self.sf.last_sync = time.monotonic()
+            else:
+                self._sync_locked()
+                if every == 0:  # a durable write: synchronous followers have it too (R4)
+                    self.mapped.durable()
 
     # -- durability ------------------------------------------------------------------
+    def _sync_plan(self, *, final: bool = False) -> tuple[int, int, int]:
+        """Under the lock, the first half of a sync: returns the byte range to flush
+        (``lo < 0``: none) and the high-water mark the flush will cover, after rewriting
+        the mark's copies as :meth:`_sync_locked` explains.  The dirty range is left as
+        it is: the caller clears it once the range is flushed."""
+        sf = self.sf
+        lo, hi = sf.dirty_lo, sf.dirty_hi
+        sf.last_sync = time.monotonic()
+        synced = self._hwm_synced
+        if synced > self._hwm_b:
+            self._write_hwm(synced, data=False)
+        if synced > self._hwm_a and (lo < 0 or final or synced - self._hwm_a >= HWM_STEP):
+            self._write_hwm(synced, data=True)
+            lo, hi = 0, max(hi, HEADER_PAGE)
+        return lo, hi, sf.hwm
+
+    def _sync_failed(self, e: OSError) -> StorageError:
+        # Never retried (S12): the kernel may already have dropped the dirty pages.
+        if self.poisoned is None:
+            self.poisoned = e
+        return StorageError(f"{self.path}: msync failed ({e}); writes are refused until the database is reopened")
+
     def _sync_locked(self, *, final: bool = False) -> None:
         """msync the dirty range, and bring the high-water mark up to date.
 
@@ -656,41 +690,65 @@ class FixedShard(_k.SlotStore):
         it lags ``HWM_STEP`` slots, on an idle sync (the background flusher) and on
         close; a durable push costs one msync of one page.  ``final`` (close) records
         the last mark in both copies with a second, small sync.
+
+        A flush that :meth:`sync` runs outside the lock meanwhile needs no wait: it
+        leaves the dirty range in place until it is done, so this one flushes its
+        pages too before it claims their mark.
         """
         sf = self.sf
-        lo, hi = sf.dirty_lo, sf.dirty_hi
+        lo, hi, mark = self._sync_plan(final=final)
         sf.dirty_lo = sf.dirty_hi = -1
-        self.sf.last_sync = time.monotonic()
-        synced = self._hwm_synced
-        if synced > self._hwm_b:
-            self._write_hwm(synced, data=False)
-        if synced > self._hwm_a and (lo < 0 or final or synced - self._hwm_a >= HWM_STEP):
-            self._write_hwm(synced, data=True)
-            lo, hi = 0, max(hi, HEADER_PAGE)
         if lo < 0:
             return
-        mark = sf.hwm
         try:
             self.mapped.flush(lo, hi - lo)
-            self._hwm_synced = mark
+            self._hwm_synced = max(self._hwm_synced, mark)
             if final and mark > min(self._hwm_a, self._hwm_b):
                 self._write_hwm(mark, data=False)
                 self._write_hwm(mark, data=True)
                 self.redo_mapped.flush()
                 self.mapped.flush(0, HEADER_PAGE)
         except OSError as e:
-            # Never retried (S12): the kernel may already have dropped the dirty pages.
-            self.poisoned = e
-            raise StorageError(
-                f"{self.path}: msync failed ({e}); writes are refused until the database is reopened"
-            ) from e
+            raise self._sync_failed(e) from e
         _fail.point("fixed.after_flush")
 
     def sync(self) -> None:
-        """Flush the dirty range if there is one (the background flusher's idle tail)."""
+        """Flush the dirty range if there is one (the background flusher's tick, and the
+        timed sync a writer handed it).
+
+        On the plain file system the flush runs outside the lock, with the GIL released,
+        so writers go on meanwhile; their new writes stay in the dirty range for the next
+        sync.  A file system of the tests gets the flush under the lock, in order.
+        """
+        if self.ordered or not _fs.background_sync_ok():
+            with self.lock:
+                if self.poisoned is None and self.config.enable_fsync and not self.sf.closed:
+                    self._sync_locked()
+            return
+        sf = self.sf
         with self.lock:
-            if self.poisoned is None and self.config.enable_fsync and not self.sf.closed:
-                self._sync_locked()
+            if self.poisoned is not None or not self.config.enable_fsync or sf.closed or self._flushing:
+                return
+            writes = sf.writes
+            lo, hi, mark = self._sync_plan()
+            if lo < 0:
+                return
+            self._flushing = True
+            mapped = self.mapped  # a grow may remap meanwhile: this map stays valid until flushed
+        err: OSError | None = None
+        try:
+            mapped.flush(lo, hi - lo, release_gil=True)
+        except OSError as e:
+            err = e
+        with self.lock:
+            self._flushing = False
+            if sf.closed:
+                return  # the close flushed the same range again, under the lock
+            if err is not None:
+                raise self._sync_failed(err) from err
+            if sf.writes == writes:
+                sf.dirty_lo = sf.dirty_hi = -1  # nothing written since the plan: all flushed
+            self._hwm_synced = max(self._hwm_synced, mark)
 
     def sync_now(self) -> None:
         """Flush regardless of ``enable_fsync`` (durable operations).
@@ -771,6 +829,11 @@ class FixedStore:
     def sync(self) -> None:
         for s in self.shards:
             s.sync()
+
+    def set_kick(self, kick: Callable[[], bool]) -> None:
+        """Let timed syncs wake the Db's flusher (FixedShard.kick)."""
+        for s in self.shards:
+            s.kick = kick
 
     def sync_now(self) -> None:
         for s in self.shards:

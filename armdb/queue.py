@@ -682,9 +682,10 @@ class Queue(Generic[T]):
 
     def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
         """Lease like :meth:`lease` (same rules, key order) and return the leases as a
-        :class:`LeaseBatch` of arrays.  For a fixed queue the batch is filled by a
-        compiled loop, with no Python object per row (the payloads are one structured
-        array).
+        :class:`LeaseBatch` of arrays, filled by a compiled loop with no Python object per
+        row: for a fixed queue the payloads are one structured array; for a var queue each
+        body is then read and decoded (a body that cannot be is dead-lettered alone, as in
+        :meth:`lease`).
 
         Raises
         ------
@@ -692,15 +693,6 @@ class Queue(Generic[T]):
             As for :meth:`lease`; nothing changes.
         """
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
-        if self._payload is not None:
-            leases = self.lease(n, lease_timeout=lease_timeout)
-            # One row of (shard, due, seq, attempt, epoch) per lease, then a column each.
-            cols = np.array([(t[1], t[2], t[3], lz[2], t[4]) for lz in leases for t in (lz[4],)],
-                            dtype=np.uint64).reshape(-1, 5).T
-            return LeaseBatch(
-                self.name, self._handle, cols[0].astype(np.uint32), cols[1].copy(), cols[2].copy(),
-                cols[3].astype(np.uint16), cols[4].astype(np.uint32),
-                self._last_deadline if leases else (0, ms_to_datetime(0)), [lz[1] for lz in leases])
         now = self._check()
         deadline = now + lease_ms
         last = self._last_deadline
@@ -711,7 +703,8 @@ class Queue(Generic[T]):
         seqs = np.empty(n, dtype=np.uint64)
         attempts = np.empty(n, dtype=np.uint16)
         epochs = np.empty(n, dtype=np.uint32)
-        payloads = np.empty(n, dtype=self.spec.dtype)
+        var = self._payload is not None
+        payloads: Any = np.empty(0 if var else n, dtype=np.uint8 if var else self.spec.dtype)
         raw = payloads.view(np.uint8).reshape(-1)
         got = dead = 0
         shards = self._shards
@@ -740,13 +733,61 @@ class Queue(Generic[T]):
         if len(shards) > 1 and got > 1:
             order = np.lexsort((seqs[:got], dues[:got]))  # the shards' leases merged in key order
             shard_nos, dues, seqs = shard_nos[order], dues[order], seqs[order]
-            attempts, epochs, payloads = attempts[order], epochs[order], payloads[order]
+            attempts, epochs = attempts[order], epochs[order]
+            if not var:
+                payloads = payloads[order]
         elif got < n:
             shard_nos, dues, seqs = shard_nos[:got].copy(), dues[:got].copy(), seqs[:got].copy()
-            attempts, epochs, payloads = attempts[:got].copy(), epochs[:got].copy(), payloads[:got].copy()
-        if lease_ms != self._lease_ms and got:
+            attempts, epochs = attempts[:got].copy(), epochs[:got].copy()
+            if not var:
+                payloads = payloads[:got].copy()
+        if var:
+            payloads, keep = self._batch_bodies(shard_nos, dues, seqs, epochs)
+            if keep is not None:
+                shard_nos, dues, seqs, attempts, epochs = (
+                    shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
+        if lease_ms != self._lease_ms and len(seqs):
             self._remember_timeouts(self._batch_tokens(shard_nos, dues, seqs, epochs), lease_ms)
         return LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last, payloads)
+
+    def _batch_bodies(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
+                      epochs: np.ndarray) -> tuple[list[Any], np.ndarray | None]:
+        """The decoded payloads of a var batch's leases, and None or the mask of the leases
+        to hand out: a row whose body is gone (its lease expired and it was settled
+        elsewhere) is dropped, and one whose body cannot be read or decoded is dropped and
+        dead-lettered alone (:meth:`_dead_letter_poisoned`), as :meth:`lease` does."""
+        decode = typing.cast(VarCodec, self._codec).decode
+        ids = seqs.tolist()
+        cached: dict[int, bytes] = {}
+        if self._cache:  # the cached bodies, under one hold of the cache's lock
+            with self._cache_lock:
+                cache = self._cache
+                for seq in ids:
+                    body = cache.get(seq)
+                    if body is not None:
+                        cache.move_to_end(seq)
+                        cached[seq] = body
+        out: list[Any] = []
+        keep: np.ndarray | None = None
+        poisoned: list[tuple[LeaseToken, Exception]] = []
+        for i, seq in enumerate(ids):
+            body = cached.get(seq)
+            try:
+                if body is None:
+                    body = self._body_for_lease(int(shard_nos[i]), int(dues[i]), seq, int(epochs[i]))
+                if body is not None:
+                    out.append(decode(body))
+                    continue
+            except Exception as e:  # noqa: BLE001 - a damaged body, or one the payload class refuses
+                if not isinstance(e, (CorruptionError, FormatError)) and body is None:
+                    raise  # an I/O error or DbClosed reading it: not this row's problem alone
+                poisoned.append((LeaseToken(self._handle, int(shard_nos[i]), int(dues[i]), seq, int(epochs[i])), e))
+            if keep is None:
+                keep = np.ones(len(ids), dtype=bool)
+            keep[i] = False
+        if poisoned:
+            self._dead_letter_poisoned(poisoned)
+        return out, keep
 
     def _batch_tokens(self, shards: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                       epochs: np.ndarray) -> list[LeaseToken]:
@@ -810,6 +851,36 @@ class Queue(Generic[T]):
             while self._cache_bytes > self._cache_budget:
                 _, old = self._cache.popitem(last=False)
                 self._cache_bytes -= len(old)
+
+    def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
+        """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
+        under one hold of the cache's lock."""
+        budget = self._cache_budget
+        if budget <= 0:
+            return
+        with self._cache_lock:
+            cache = self._cache
+            size = self._cache_bytes
+            for i, body in enumerate(bodies):
+                if len(body) <= budget:
+                    cache[first + i] = body
+                    size += len(body)
+            while size > budget:
+                _, old = cache.popitem(last=False)
+                size -= len(old)
+            self._cache_bytes = size
+
+    def _cache_drop_many(self, ids: list[int]) -> None:
+        """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
+        if self._cache:
+            with self._cache_lock:
+                pop = self._cache.pop
+                size = self._cache_bytes
+                for seq in ids:
+                    body = pop(seq, None)
+                    if body is not None:
+                        size -= len(body)
+                self._cache_bytes = size
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:
@@ -1609,6 +1680,20 @@ class Queue(Generic[T]):
             k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
             locks[k] = lock
 
+    def _tx_settle_locks(self, token: object, ack: bool) -> list[threading.Lock]:
+        """The locks a lone settle of ``token`` needs, in the global order
+        (docs/transactions.md): its header shard's and, for a var queue's ack, its body's
+        payload shard's.  None for a token that names no shard of this handle (the plan
+        refuses it as stale)."""
+        shards = self._shards
+        if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
+            return []
+        sh = shards[token.shard]
+        if not ack or self._payload is None:
+            return [sh.lock]
+        k, lock = self._payload.shard_lock(token.seq.to_bytes(8, "big"))  # qrows.body_key
+        return [sh.lock, lock] if sh.fixed.directory < k else [lock, sh.lock]
+
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
         """Add every lock of the queue: a change stream's destination (T7)."""
         for sh in self._shards:
@@ -1766,8 +1851,7 @@ class Queue(Generic[T]):
 
             def apply_bodies() -> None:
                 payload.write_many_locked(items)
-                for i, body in enumerate(payloads):
-                    self._cache_put(first + i, body)
+                self._cache_put_many(first, payloads)
 
             plan.apply.append(apply_bodies)
         self._plan_blocks(plan, lambda sh, i0, nsh, buf: sh.plan_push_block(
@@ -1827,8 +1911,7 @@ class Queue(Generic[T]):
 
             def apply_deletes() -> None:
                 payload.write_many_locked(items)
-                for seq in ids:
-                    self._cache_drop(seq)
+                self._cache_drop_many(ids)
 
             plan.apply.append(apply_deletes)
         return len(seqs)

@@ -283,11 +283,21 @@ class Tx:
     def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int) -> None:
         """Under the locks: run the streams, build every row into ``plan``, log them (and
         sync, if durable)."""
-        db = self._db
         try:
             if registry is not None:
                 self._expand_streams(steps, registry, plan)
             self._plan(steps, plan, now)
+        except BaseException:
+            plan.give_back()
+            raise
+        self._log(plan, steps)
+
+    def _log(self, plan: Plan, steps: list[Any]) -> None:
+        """Under the locks, a planned commit: check its stores, reserve its ids, append its
+        record (and sync it, if durable).  Refused before the append: nothing is written
+        and the plan's slots are given back."""
+        db = self._db
+        try:
             # A store fenced by a failed sync refuses the commit before it is logged
             # (its rows could not be applied; replay would apply them at the reopen).
             for store in plan.bitcask:
@@ -508,17 +518,48 @@ class Tx:
 def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
                   dead: bool = False, poisoned: bool = False) -> None:
     """``db.tx().ack(q, token).commit()`` (or ``.nack(...)``) for a var queue's own
-    ``Queue.ack``/``nack`` (Q7, Q14), without the builder: the step is built directly
-    and committed by the same :meth:`Tx._commit_locked`.  A settle emits no stream
-    jobs, so there is no stream pass and no stream destination to lock.
+    ``Queue.ack``/``nack`` (Q7, Q14), without the builder and the general planner: a lone
+    settle emits no stream jobs, draws no row id and judges no capacity, so it takes its
+    locks, has the queue plan it (``Queue._tx_settle``, the same rows as in a
+    transaction), and is logged and applied by the same :meth:`Tx._plan_and_log` and
+    :meth:`Tx._apply` as every commit, failure handling included.  A nack needs only
+    its header shard's lock: it leaves the body alone.
 
     ``poisoned``: the dead-letter of a row whose body a lease could not decode
     (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
     not counted as a nack.
     """
-    locks: dict[str, threading.Lock] = {}
-    q._tx_locks(locks, 0, token)  # none for a token of no shard of q: the plan refuses it as stale
-    _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), locks)
+    db.check_open()
+    if db.txlog.sealer is None and q._tx_encrypted():
+        raise _log_key_required()
+    locks = q._tx_settle_locks(token, ack)  # none for a token of no shard of q: the plan refuses it as stale
+    tx = Tx(db)
+    tx._finished = True
+    steps = [_Settle(q, token, ack, delay_ms, dead, poisoned)]
+    plan = Plan(db.seqmap)
+    now = int(db.clock())
+    held = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            held += 1
+        try:
+            q._tx_settle(plan, token, ack, delay_ms, dead, poisoned, now)
+        except BaseException:
+            plan.give_back()
+            raise
+        tx._log(plan, steps)
+        checkpoint_due = tx._apply(plan, steps)
+    finally:
+        while held:
+            held -= 1
+            locks[held].release()
+    if checkpoint_due:
+        db.txlog.checkpoint_after_commit()  # syncs the stores: takes their locks
+    for store in plan.bitcask:
+        store.maybe_compact()
+    if not ack:
+        q._notify()  # the row is ready again, or dead: a waiter may go on (Q19)
 
 
 def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:

@@ -135,10 +135,11 @@ def _lenient() -> Any:
 
 
 def _lease_all_and_check(q: armdb.Queue[Any], bad: int, good: list[int], expect: dict[int, Any],
-                         caplog: pytest.LogCaptureFixture) -> None:
-    """Lease the 5 rows in one call: the 4 healthy ones come back, the bad one is dead."""
+                         caplog: pytest.LogCaptureFixture, *, batch: bool = False) -> None:
+    """Lease the 5 rows in one call (``lease``, or ``lease_batch``): the 4 healthy ones
+    come back, the bad one is dead."""
     with caplog.at_level(logging.WARNING, logger="armdb"):
-        got = q.lease(5)
+        got = list(q.lease_batch(5)) if batch else q.lease(5)
     assert sorted(lz.id for lz in got) == good
     for lz in got:
         assert lz.payload == expect[lz.id] and lz.attempt == 1
@@ -188,9 +189,11 @@ def test_q9_q12_tuple_key_body_written_raw_is_dead_lettered_alone(db_path: Path,
     _reopen_clean(db_path, AnyQ, cfg, clock, bad)
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["lease", "lease_batch"])
 @pytest.mark.parametrize("reopen", [False, True], ids=["cached_body", "body_from_disk"])
 def test_q9_q12_dataclass_that_now_rejects_a_stored_value_is_dead_lettered_alone(
-        db_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, reopen: bool) -> None:
+        db_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture, reopen: bool, batch: bool) -> None:
+    # SPEC Q32 too: lease_batch hands out the healthy rows the same way.
     cfg = qcfg()
     db = armdb.Db.open(db_path, clock=clock)
     try:
@@ -202,7 +205,7 @@ def test_q9_q12_dataclass_that_now_rejects_a_stored_value_is_dead_lettered_alone
             q = db.open_queue(DocQ, cfg)
         _STRICT["on"] = True
         expect = {s: Doc(i, f"d{i}") for i, s in enumerate(ids) if i != 3}
-        _lease_all_and_check(q, ids[3], [s for i, s in enumerate(ids) if i != 3], expect, caplog)
+        _lease_all_and_check(q, ids[3], [s for i, s in enumerate(ids) if i != 3], expect, caplog, batch=batch)
     finally:
         db.shutdown()
     _reopen_clean(db_path, DocQ, cfg, clock, ids[3])

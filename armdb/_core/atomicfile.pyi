@@ -2,9 +2,10 @@
 
 from typing import final
 
-__all__ = ["AtomicWriter", "pwrite_all"]
+__all__ = ["AtomicWriter", "msync_range", "pwrite_all"]
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None: ...
+def msync_range(mapped: object, offset: int, length: int) -> None: ...
 
 @final
 class AtomicWriter:

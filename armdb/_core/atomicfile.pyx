@@ -23,6 +23,8 @@ posts here only while the installed file system is ``RealFS`` itself and no
 failpoint is armed; otherwise it writes through ``_fs.FS.write_file_atomic`` in the
 calling thread, as before.  The steps below are those of ``RealFS.write_file_atomic``.
 
+``msync_range``: the one sync ``mmap.flush`` cannot do with the GIL released.
+
 ``pwrite_all``: ``os.pwrite`` releases the GIL, and a thread that released it must
 win it back, which beside a thread running Python without blocking takes until
 CPython's switch interval (5 ms) forces a hand-over.  A var queue cycle makes three
@@ -81,6 +83,11 @@ cdef extern from "<unistd.h>" nogil:
     int c_unlink "unlink"(const char* path)
 
 
+cdef extern from "<sys/mman.h>" nogil:
+    int c_msync "msync"(void* addr, size_t length, int flags)
+    int MS_SYNC
+
+
 cdef extern from "<stdio.h>" nogil:
     int c_rename "rename"(const char* old, const char* new)
 
@@ -113,6 +120,24 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
         if w == 0:
             raise OSError(EIO, "pwrite wrote nothing")
         done += w
+
+
+def msync_range(const unsigned char[::1] mapped, Py_ssize_t offset, Py_ssize_t length):
+    """``msync(MS_SYNC)`` bytes ``offset .. offset + length`` of a mapping (``offset`` a
+    multiple of the page size), with the GIL released.  ``mmap.flush`` keeps the GIL
+    through the sync, so a thread syncing a header store in the background stopped
+    every other thread for the disk's write time.  The buffer stays exported (and so
+    mapped) until the call returns.  Raises ``OSError`` as ``mmap.flush`` would."""
+    cdef int rc, e
+    if offset < 0 or length < 0 or offset > mapped.shape[0] - length:
+        raise OSError(EINVAL, f"msync of {length} bytes at {offset} is outside a mapping of {mapped.shape[0]}")
+    if length == 0:
+        return
+    with nogil:
+        rc = c_msync(<void*>&mapped[offset], <size_t>length, MS_SYNC)
+        e = errno
+    if rc != 0:
+        raise OSError(e, os.strerror(e))
 
 
 cdef int _replace(const char* tmp, const char* path, const char* dir, const char* buf,

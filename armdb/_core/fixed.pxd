@@ -37,13 +37,12 @@ cdef class SlotFile:
 
 cdef class SlotStore:
     # The store behind a SlotFile, as a kernel sees it: armdb.fixed.FixedShard derives from
-    # it and implements the methods.  A kernel that writes slots (armdb._core.qshard) reads
-    # these typed fields and calls these methods, nothing else of the store.
+    # it.  A kernel that writes slots (armdb._core.qshard) reads these typed fields.
     cdef public Py_ssize_t index         # the shard's number
     cdef public object poisoned          # the failure that fences the store (S12), or None
     cdef public object sync_error        # a timed sync's failure that after_write kept, or None
-    cpdef check_writable(self)           # DbClosed once closed, StorageError once poisoned
-    cpdef grow(self)                     # more free slots: the stack was empty (lock held)
-    cpdef sync_redo(self)                # the composed redo record, durable (an ordered store)
-    cpdef after_write(self, Py_ssize_t slot)  # report, timed sync (a failure kept), failpoint
     cpdef raise_sync_error(self)         # raise and forget the kept failure, if any
+    # Called by name, off the hot path (FixedShard, in Python): check_writable() (DbClosed
+    # once closed, StorageError once poisoned), grow() (the free stack was empty),
+    # sync_redo() (an ordered store's redo record), after_write(slot) (a hooked write or a
+    # due timed sync).

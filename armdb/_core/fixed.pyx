@@ -511,23 +511,13 @@ cdef class SlotFile:
 
 
 cdef class SlotStore:
-    """The interface between a FixedStore shard and the kernels that write its slots
-    (declared in fixed.pxd).  ``armdb.fixed.FixedShard`` derives from it and implements
-    every method; the kernels call only these, through their typed declaration, and read
-    only the typed fields, so no kernel looks a method or attribute of a store up by name.
+    """The part of a FixedStore shard that the kernels writing its slots reach without a
+    name lookup (declared in fixed.pxd): its typed fields and :meth:`raise_sync_error`.
+    ``armdb.fixed.FixedShard`` derives from it and adds, in Python, the calls a kernel
+    makes only off the hot path: ``check_writable`` (a poisoned store), ``grow`` (an
+    empty free stack), ``sync_redo`` (an ordered store) and ``after_write`` (a hooked
+    write or a due timed sync).
     """
-
-    cpdef check_writable(self):
-        raise NotImplementedError
-
-    cpdef grow(self):
-        raise NotImplementedError
-
-    cpdef sync_redo(self):
-        raise NotImplementedError
-
-    cpdef after_write(self, Py_ssize_t slot):
-        raise NotImplementedError
 
     cpdef raise_sync_error(self):
         """Raise a sync failure kept by the last write, and forget it (caller holds the lock)."""

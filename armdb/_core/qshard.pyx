@@ -245,7 +245,7 @@ cdef class QueueShard:
         """Refuse a write to a closed shard (DbClosed) or a poisoned one (StorageError)."""
         self.sf._alive()
         if self.fixed.poisoned is not None:
-            self.fixed.check_writable()
+            (<object>self.fixed).check_writable()
         return 0
 
     cdef int _write(self, Py_ssize_t slot, int st, const uint8_t* row, Py_ssize_t n,
@@ -255,13 +255,13 @@ cdef class QueueShard:
         cdef SlotFile sf = self.sf
         if self.ordered and sf.status[slot] == SLOT_OCCUPIED:
             sf._put(slot, st, row, n, version, False)
-            self.fixed.sync_redo()
+            (<object>self.fixed).sync_redo()
             sf.commit()
         else:
             sf._put(slot, st, row, n, version, True)
         if self.hooked or (self.sync_every >= 0 and monotonic_s() - sf.last_sync >= self.sync_every):
             self.hook_ran = True
-            self.fixed.after_write(slot)
+            (<object>self.fixed).after_write(slot)
         return 0
 
     cdef int _raise_stashed(self) except -1:
@@ -286,7 +286,7 @@ cdef class QueueShard:
         self._check()
         slot = self.sf._pop_free()
         if slot < 0:
-            self.fixed.grow()
+            (<object>self.fixed).grow()
             slot = self.sf._pop_free()
         push_row(row, due, seq, now, payload_id)
         if n:
@@ -545,7 +545,7 @@ cdef class QueueShard:
             for j in range(count):
                 slot = self.sf._pop_free()
                 if slot < 0:
-                    self.fixed.grow()
+                    (<object>self.fixed).grow()
                     slot = self.sf._pop_free()
                 sl[j] = <uint32_t>slot
                 taken += 1

@@ -78,6 +78,7 @@ class _Shard:
     compact_due: bool = False  # rotated under a caller's lock: compact at the next chance
     closed: bool = False  # close closed this shard's descriptors (set under ``lock``)
     synced: int = 0  # the active file's offset that a completed sync covered
+    flushing: bool = False  # the flusher is syncing the active file outside ``lock``
     marks: _syncmark.MarkWriter | None = None  # writes that offset into the active file's mark area
 
 

@@ -101,6 +101,12 @@ class BitcaskStore:
         self._gsn_limit = MAX_RESERVED
         self._compaction_bytes = 0
         self._compactions = 0
+        # Set by the Db: wakes its flusher to run a due timed sync (False: no flusher).
+        self.kick: Callable[[], bool] | None = None
+
+    def set_kick(self, kick: Callable[[], bool]) -> None:
+        """Let timed syncs wake the Db's flusher (see :meth:`_maybe_sync`)."""
+        self.kick = kick
 
     # -- opening ------------------------------------------------------------------------
 
@@ -384,14 +390,19 @@ class BitcaskStore:
         act = sh.active
         recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
         flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
-        plain = self._sealer is None
-        for key, value, seq in items:
-            gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
-            flag = 0  # only the first record can say that everything before it was synced
-            if plain:  # what _encode does without a key, one call less per record
-                v = b"" if value is None else value
-                recs.append((bitcask_record(gsn_word, key, v, RECORD_MAGIC), key, len(v), gsn_word))
-            else:
+        if self._sealer is None:  # what _encode does without a key, one call less per record
+            recs = [(bitcask_record(w, key, v, RECORD_MAGIC), key, len(v), w)
+                    for key, v, w in [(key, b"" if value is None else value, seq | (TOMBSTONE if value is None else 0))
+                                      for key, value, seq in items]]
+            if flag:  # only the first record can say that everything before it was synced
+                _, key, vlen, w = recs[0]
+                value = items[0][1]
+                recs[0] = (bitcask_record(w | flag, key, b"" if value is None else value, RECORD_MAGIC), key, vlen,
+                           w | flag)
+        else:
+            for key, value, seq in items:
+                gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
+                flag = 0  # only the first record can say that everything before it was synced
                 rec, kf, vlen = self._encode(key, value, gsn_word)
                 recs.append((rec, kf, vlen, gsn_word))
         data = b"".join([r[0] for r in recs])
@@ -410,10 +421,10 @@ class BitcaskStore:
         for (key, value, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
             size = len(rec)
             hint_add(gsn_word, off, vlen, kf)
-            if value is not None and key not in index and key not in tombs:
-                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
-            else:
+            if value is None or key in index or key in tombs:
                 self._index_update(sh, key, fid, off, size, gsn_word)
+            else:
+                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
             off += size
         sh.highest = items[-1][2]
         return False
@@ -452,21 +463,30 @@ class BitcaskStore:
         now = time.monotonic()
         if cfg.sync_interval and now - sh.last_sync < cfg.sync_interval:
             return
+        # Due: wake the Db's flusher, which syncs without the lock (_sync_shard), rather
+        # than make this writer and every thread waiting on the lock wait for the disk.
+        kick = self.kick
+        if cfg.sync_interval and kick is not None and _fs.background_sync_ok() and kick():
+            sh.last_sync = now
+            return
         self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
         self._synced_active(sh)
         sh.dirty = False
         sh.last_sync = now
         _fail.point("bitcask.after_sync")
 
-    def _synced_active(self, sh: _Shard) -> None:
-        """A completed sync just covered the whole active file (under ``sh.lock``): later
-        appends may carry the synced-before flag, and the synced mark moves.  The mark only
-        sharpens open's verdict, so a failure to write it is logged, not raised."""
+    def _synced_active(self, sh: _Shard, size: int | None = None) -> None:
+        """A completed sync just covered the active file up to ``size`` (all of it when
+        None; under ``sh.lock``): later appends may carry the synced-before flag, and the
+        synced mark moves.  The mark only sharpens open's verdict, so a failure to write
+        it is logged, not raised."""
         act = sh.active
-        sh.synced = act.size
+        if size is None:
+            size = act.size
+        sh.synced = size
         if sh.marks is not None:
             try:
-                sh.marks.write(act.size)
+                sh.marks.write(size)
             except OSError as e:
                 log.warning("%s: could not write the synced mark (%s); open will rely on record flags", act.path, e)
                 sh.marks = None
@@ -649,13 +669,51 @@ class BitcaskStore:
         """
         if not self.config.enable_fsync or self._closed or self._poisoned is not None:
             return
+        unlocked = _fs.background_sync_ok()
         for sh in self._shards:
+            if unlocked:
+                self._sync_shard(sh)
+                continue
             with sh.lock:
                 if sh.dirty and not self._closed and self._poisoned is None:
                     self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
                     self._synced_active(sh)
                     sh.dirty = False
                     sh.last_sync = time.monotonic()
+
+    def _sync_shard(self, sh: _Shard) -> None:
+        """The flusher's sync of one shard, with the lock held only around it: writers
+        append meanwhile.  It syncs a duplicate of the descriptor (a rotation or close may
+        close the original), and counts as synced only the size it saw; the shard stays
+        dirty if anything was appended since, and a sync under the lock (close, a log
+        checkpoint) syncs again rather than wait for this one."""
+        with sh.lock:
+            if not sh.dirty or sh.flushing or sh.closed or self._closed or self._poisoned is not None:
+                return
+            act = sh.active
+            size = act.size
+            fd = _fs.FS.dup(act.fd)
+            sh.flushing = True
+            sh.last_sync = time.monotonic()
+        err: OSError | None = None
+        try:
+            try:
+                _fs.FS.fdatasync(fd)
+            finally:
+                _fs.FS.close(fd)
+        except OSError as e:
+            err = e
+        with sh.lock:
+            sh.flushing = False
+            if err is not None:
+                raise self._sync_failed(err, act.path) from err
+            if sh.closed or self._closed or sh.active is not act:
+                return  # closed or rotated: both synced the file themselves
+            if size > sh.synced:
+                self._synced_active(sh, size)
+            if act.size == size:
+                sh.dirty = False
+        _fail.point("bitcask.after_sync")
 
     def sync_now(self) -> None:
         """``fdatasync`` every dirty active file even when ``enable_fsync`` is off.
@@ -929,28 +987,37 @@ class BitcaskStore:
         appended to its data file in one write.  A delete of a missing key writes nothing."""
         groups: dict[int, list[tuple[bytes, bytes | None, int]]] = {}
         shards = self._shards
-        for key, value, gsn in items:
-            if len(key) > MAX_KEY_LEN or type(key) is not bytes:
+        nsh = len(shards)
+        prev = 0
+        for item in items:
+            key, value, gsn = item
+            if len(key) > MAX_KEY_LEN or type(key) is not bytes or value is not None and (
+                    type(value) is not bytes or len(value) > MAX_VALUE_LEN):
                 key = self._key_len_ok(self._key_arg(key))
-            if value is not None and (type(value) is not bytes or len(value) > MAX_VALUE_LEN):
-                value = self._value_arg(value)
-            i = 0 if len(shards) == 1 else zlib.crc32(key) % len(shards)
-            groups.setdefault(i, []).append((key, value, gsn))
+                if value is not None:
+                    value = self._value_arg(value)
+                item = (key, value, gsn)
+            if type(gsn) is not int or not prev < gsn <= SEQ_MASK:
+                raise ArmdbError(f"gsn {gsn!r} of a batch is not above the one before it ({prev}); draw a "
+                                 f"commit's gsns in order")
+            prev = gsn
+            i = 0 if nsh == 1 else zlib.crc32(key) % nsh
+            if value is None and key not in shards[i].index:
+                continue  # deleting a missing key writes nothing
+            group = groups.get(i)
+            if group is None:
+                groups[i] = [item]
+            else:
+                group.append(item)
         for i, group in groups.items():
             sh = shards[i]
             if sh.closed or self._poisoned is not None:
                 self.check_writable()
-            group = [it for it in group if it[1] is not None or it[0] in sh.index]
-            if not group:
-                continue
-            prev = sh.highest
-            for _, _, gsn in group:
-                if not isinstance(gsn, int) or not prev < gsn <= SEQ_MASK:
-                    raise ArmdbError(
-                        f"gsn {gsn!r} is not above this shard's highest gsn {prev}; draw gsns for a "
-                        f"commit while holding the shard lock"
-                    )
-                prev = gsn
+            if group[0][2] <= sh.highest:  # the batch's gsns increase: its first one says it all
+                raise ArmdbError(
+                    f"gsn {group[0][2]!r} is not above this shard's highest gsn {sh.highest}; draw gsns for a "
+                    f"commit while holding the shard lock"
+                )
             if self._write_group(sh, group):
                 sh.compact_due = True
                 self._compact_deferred = True

@@ -7,6 +7,8 @@
 #   TREE: the checkout whose armdb to import (default: this one); build it first.
 # Needs valgrind.  Queues at the defaults a user gets (Db.open, no config), as the default
 # rows of `python -m armdb bench` run them; TUNED=1 runs the tuned rows' configuration.
+# OPS=push counts the push alone, OPS=push+lease a push and its lease (the default, the
+# whole cycle, adds the ack): the differences are each operation's share.
 set -eu
 kind=${1:-var}
 n=${2:-6000}
@@ -17,6 +19,7 @@ prog='
 import os, sys, tempfile
 from armdb import _bench as B
 kind, n = sys.argv[1], int(sys.argv[2])
+ops = os.environ.get("OPS", "cycle")
 spec = B.BenchVar if kind == "var" else B.BenchFixed
 make = B.body if kind == "var" else B._fixed_payload
 with tempfile.TemporaryDirectory() as d:
@@ -24,8 +27,11 @@ with tempfile.TemporaryDirectory() as d:
     items = [make(i) for i in range(n)]
     for x in items:
         q.push(x)
+        if ops == "push":
+            continue
         (lease,) = q.lease(1)
-        q.ack(lease.token)
+        if ops == "cycle":
+            q.ack(lease.token)
     db.shutdown()
 '
 ir() {
@@ -34,4 +40,4 @@ ir() {
 }
 a=$(ir 0)
 b=$(ir "$n")
-echo "$kind cycle, $tree: $(( (b - a) / n )) instructions"
+echo "$kind ${OPS:-cycle}, $tree: $(( (b - a) / n )) instructions"
