@@ -218,8 +218,10 @@ def test_r6_a_damaged_position_file_is_refused(tmp_path: Path, primary: Primary)
     state.write_bytes(bytes(raw))
     armdb.Db.follow(tmp_path / "f", primary=primary.address).close()
     raw = bytearray(state.read_bytes())
-    raw[30] ^= 1
-    raw[4096 + 30] ^= 1  # both copies damaged: refused, not guessed
+    for base in (0, 4096):  # both copies damaged (each CRC made wrong for its bytes): refused, not guessed
+        n = struct.unpack_from("<I", raw, base + 12)[0]
+        good = zlib.crc32(bytes(raw[base + 12 : base + 24 + min(n, 4000)]))
+        struct.pack_into("<I", raw, base + 8, good ^ 0x5A5A5A5A)
     state.write_bytes(bytes(raw))
     with pytest.raises(armdb.ReplicationError, match="damaged"):
         armdb.Db.follow(tmp_path / "f", primary=primary.address)
