@@ -66,7 +66,7 @@ BLOCK = 64 << 10  # bytes per digest of a delta copy (files other than FixedStor
 CHUNK = 1 << 20  # bytes per W frame of a snapshot
 BACKLOG_BYTES = 64 << 20  # frames a primary keeps for followers to resume from
 HEARTBEAT_S = 0.2  # an idle primary says where it is this often
-LINGER_S = 0.001  # a sender woken by a write lets a batch gather this long (not while a commit waits)
+LINGER_S = 0.001  # a sender woken by a write lets a batch gather this long (not with synchronous followers)
 DRAIN_S = 0.01  # a follower applies what keeps arriving this long before it syncs
 DEAD_PEER_S = 5.0  # a follower that heard nothing this long reconnects
 _NOT_REPLICATED = frozenset({LOCK_FILE, STATE_FILE, STATE_FILE + ".tmp"})
@@ -593,7 +593,8 @@ class Primary:
                     if not woke and self._sleepers:
                         self._sleepers -= 1
                 pending = bool(self._pending)
-                linger = woke and len(self._pending) < MAX_BATCH_OPS // 16 and not self._sync_waiters
+                linger = (woke and len(self._pending) < MAX_BATCH_OPS // 16 and not self._sync_waiters
+                          and not self.sync_n)  # with synchronous followers, latency first
             if linger:
                 time.sleep(LINGER_S)  # the writer goes on: fewer, larger batches
             if pending:
