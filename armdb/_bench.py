@@ -55,7 +55,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from . import _bench_pg, _fs
+from . import _bench_pg, _bench_repl, _fs
 from ._term import ProgressBar
 from .client import connect
 from .config import QUEUE_GROW_STEP, Config, FixedConfig, QueueConfig
@@ -1158,6 +1158,36 @@ PG_CASES: list[Case] = [
     Case(_bench_pg.WORKLOADS[(kind, procs)], system, _bench_pg.DURABILITY, "jobs/s", _pg_run(cls, kind, procs),
          reference=cls is _bench_pg.ArmdbPg, requires=requires or "psycopg")
     for kind in ("cycle", "batch") for procs in _bench_pg.PROCESSES for system, cls, requires in _bench_pg.SYSTEMS
+]
+
+
+# Replication (issue 20): a follower in a child process on loopback (armdb._bench_repl).
+REPL_FOLLOWER = "a follower on loopback, in another process"
+REPL_DURABILITY = f"{NO_SYNC} (fsync every 50 ms); the follower fsyncs each batch it applies"
+CASES += [
+    Case("replication/lag-fixed-p50", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
+         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchFixed, _fixed_payload, 50, warmup=s.warmup),
+         higher_is_better=False),
+    Case("replication/lag-fixed-p99", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
+         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchFixed, _fixed_payload, 99, warmup=s.warmup),
+         higher_is_better=False),
+    Case("replication/lag-var-100B-p50", f"{ARMDB_VAR}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
+         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchVar, body, 50, warmup=s.warmup),
+         higher_is_better=False),
+    Case("replication/lag-var-100B-p99", f"{ARMDB_VAR}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
+         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchVar, body, 99, warmup=s.warmup),
+         higher_is_better=False),
+    Case("replication/cycle-fixed", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", TIMED, "cycles/s",
+         lambda d, s: _bench_repl.cycle_rate(d, s.cycle_ops, BenchFixed, _fixed_payload, warmup=s.warmup)),
+    Case("replication/cycle-fixed", f"{ARMDB_FIXED}, no replica", TIMED, "cycles/s",
+         lambda d, s: armdb_cycle(d, s.cycle_ops, BenchFixed, warmup=s.warmup), reference=True),
+    Case("replication/durable-commit", "armdb map tx, sync_replicas(1), " + REPL_FOLLOWER,
+         f"{SYNCED} (log fdatasync per commit, then the follower's)", "commits/s",
+         lambda d, s: _bench_repl.durable_commit_rate(d, s.durable_ops, sync_replica=True, warmup=s.warmup)),
+    Case("replication/durable-commit", "armdb map tx, no replica", f"{SYNCED} (log fdatasync per commit)",
+         "commits/s",
+         lambda d, s: _bench_repl.durable_commit_rate(d, s.durable_ops, sync_replica=False, warmup=s.warmup),
+         reference=True),
 ]
 
 

@@ -79,6 +79,16 @@ class MappedFile:
     def wrote(self, offset: int, length: int) -> None:
         """Report a store the caller made directly into ``array`` (a hook for tests)."""
 
+    def wrote_after(self, first: MappedFile, first_offset: int, first_length: int, offset: int, length: int) -> None:
+        """Report a store into ``first`` and then one into this map (a FixedStore slot
+        write: its redo record, then the slot), in that order."""
+        first.wrote(first_offset, first_length)
+        self.wrote(offset, length)
+
+    def durable(self) -> None:
+        """A durable write to this map was just synced (a hook: a replicating file system
+        waits here for its synchronous followers, docs/replication.md)."""
+
     def flush(self, offset: int = 0, length: int | None = None, *, release_gil: bool = False) -> None:
         """``msync`` a range (rounded out to whole pages); raises ``OSError`` on failure.
 

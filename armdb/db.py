@@ -400,13 +400,21 @@ class Db:
                 raise ConfigError(f"{self.path} already replicates on {self._primary.address}")
             if self._maps or self._queues or self._stores:
                 raise ConfigError("call db.replicate() right after Db.open, before opening any queue or map")
-            self._primary = replication.start_primary(self.path, self.txlog.db_id, listen)
+            self._primary = replication.start_primary(self.path, self.txlog.db_id, listen,
+                                                      self.tx_config.replicas)
             return self._primary.address
 
     def replication_status(self) -> dict[str, Any]:
-        """The primary's side: ``seq`` (the last recorded frame), ``followers`` connected,
-        ``address``, ``backlog_bytes``; ``{}`` when the database does not replicate.  After
-        ``close`` it still says where the stream ended."""
+        """The primary's side of replication; ``{}`` when the database does not replicate.
+
+        ``seq`` (the last recorded operation), ``address``, ``sync_replicas``,
+        ``stream_bytes`` (sent so far), ``backlog_bytes`` (kept for followers to resume
+        from), and ``followers``: one dict per connected follower with its ``address``,
+        ``phase`` (``snapshot`` or ``delta`` while it copies, then ``streaming``),
+        ``acked_seq`` (what it has on disk), ``lag_frames``, ``lag_bytes`` (stream bytes it
+        does not have on disk yet) and ``lag_seconds`` (the age of the oldest operation it
+        does not have on disk; 0 when caught up).  After ``close`` it still says where the
+        stream ended.  docs/replication.md, "Monitoring"."""
         primary = self._primary
         return {} if primary is None else primary.status()
 

@@ -637,9 +637,9 @@ class FixedShard(_k.SlotStore):
         """Report a slot write (to a recording file system) and sync when one is due.
 
         ``sf.put`` already counted it (dirty range, high-water mark)."""
-        if self._report:
-            self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
-            self.mapped.wrote(HEADER_PAGE + slot * self.slot_size, self.slot_size)
+        if self._report:  # the redo record, then the slot
+            self.mapped.wrote_after(self.redo_mapped, _k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size,
+                                    HEADER_PAGE + slot * self.slot_size, self.slot_size)
         every = self.sync_every
         if every is not None and time.monotonic() - self.sf.last_sync >= every:
             # A timed sync is due.  Unless every write must be synced, the writer only
@@ -651,6 +651,8 @@ class FixedShard(_k.SlotStore):
                 self.sf.last_sync = time.monotonic()
             else:
                 self._sync_locked()
+                if every == 0:  # a durable write: synchronous followers have it too (R4)
+                    self.mapped.durable()
 
     # -- durability ------------------------------------------------------------------
     def _sync_plan(self, *, final: bool = False) -> tuple[int, int, int]:

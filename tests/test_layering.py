@@ -48,13 +48,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("backends", ["armdb.pg", "armdb.pg.*"]),
     ("services", ["armdb.server", "armdb.client", "armdb.worker"]),
     ("root", ["armdb.db"]),
-    ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._pgserver", "armdb._bench_pg", "armdb._bench", "armdb.cli",
+    ("tools", ["armdb.inspect", "armdb.dbkeys", "armdb.check", "armdb.salvage", "armdb._term", "armdb._pgserver", "armdb._bench_pg", "armdb._bench_repl", "armdb._bench", "armdb.cli",
                "armdb.__main__"]),
     ("package", ["armdb"]),
 ]
 
 # Modules that open a database and so may import armdb.db.
-DB_USERS = {"armdb", "armdb.cli", "armdb._bench"}
+DB_USERS = {"armdb", "armdb.cli", "armdb._bench", "armdb._bench_repl"}
 
 # (importer, imported): allowed for now, each with what the import should become.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}

@@ -167,7 +167,7 @@ def test_r1_follower_restart_resumes_from_its_position(primary: Primary, tmp_pat
 
 
 # SPEC R1
-def test_r1_primary_restart_means_a_new_snapshot(tmp_path: Path, clock: FakeClock) -> None:
+def test_r1_primary_restart_copies_only_what_differs(tmp_path: Path, clock: FakeClock) -> None:
     p = Primary(tmp_path / "primary", clock)
     follower = armdb.Db.follow(tmp_path / "f", primary=p.address)
     try:
@@ -182,8 +182,14 @@ def test_r1_primary_restart_means_a_new_snapshot(tmp_path: Path, clock: FakeCloc
             p2.replicate(listen=("127.0.0.1", port))
             p2.open_queue(Fixed, cfg()).push(12345)
             follower = armdb.Db.follow(tmp_path / "f", primary=("127.0.0.1", port))
-            assert follower._mode == "snapshot"  # another stream: a fresh copy, never a guess
+            # Another stream, the same database: the follower keeps its copy and gets only
+            # what differs (R5: slots compared by version and CRC, other files by block).
+            assert follower._mode == "delta"
             assert follower.wait_applied(int(p2.replication_status()["seq"]), timeout=20)
+            last = follower.status()["last_copy"]
+            assert last["mode"] == "delta", last
+            total = sum(len(b) for b in files(tmp_path / "primary").values())
+            assert 0 < last["bytes"] < total // 2, (last, total)
         finally:
             p2.close()
         assert follower.wait_applied(int(p2.replication_status()["seq"]), timeout=20)

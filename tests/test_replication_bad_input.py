@@ -213,7 +213,15 @@ def test_r6_a_damaged_position_file_is_refused(tmp_path: Path, primary: Primary)
     follower.close()
     state = tmp_path / "f" / "replica.state"
     raw = bytearray(state.read_bytes())
-    raw[-1] ^= 1
+    assert len(raw) == 8192  # two copies, written alternately in place
+    raw[30] ^= 1  # one copy torn: the other one is read
+    state.write_bytes(bytes(raw))
+    armdb.Db.follow(tmp_path / "f", primary=primary.address).close()
+    raw = bytearray(state.read_bytes())
+    for base in (0, 4096):  # both copies damaged (each CRC made wrong for its bytes): refused, not guessed
+        n = struct.unpack_from("<I", raw, base + 12)[0]
+        good = zlib.crc32(bytes(raw[base + 12 : base + 24 + min(n, 4000)]))
+        struct.pack_into("<I", raw, base + 8, good ^ 0x5A5A5A5A)
     state.write_bytes(bytes(raw))
     with pytest.raises(armdb.ReplicationError, match="damaged"):
         armdb.Db.follow(tmp_path / "f", primary=primary.address)
@@ -238,7 +246,7 @@ def test_r6_a_recopy_cut_short_leaves_the_complete_copy_promotable(tmp_path: Pat
     try:
         f2 = armdb.Db.follow(tmp_path / "f", primary=fake_p.address)
         end = time.monotonic() + 10
-        while not f2.status()["recopying"]:
+        while not (f2.status()["recopying"] and (tmp_path / "f.resync" / "db.meta").exists()):
             assert time.monotonic() < end, f2.status()
             time.sleep(0.01)
         assert (tmp_path / "f.resync" / "db.meta").stat().st_size == 0  # the new copy, half built
