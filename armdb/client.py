@@ -202,25 +202,7 @@ class Client:
 
     def _submit(self, op: str, **args: Any) -> _Call:
         """Send one request; :meth:`_result` waits for its reply (many may be in flight)."""
-        call = _Call()
-        with self._lock:
-            if self._closed:
-                raise self._gone()
-            rid = next(self._ids)
-            self._pending[rid] = call
-        try:
-            data = wire.frame([rid, op, args])
-        except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
-            with self._lock:
-                self._pending.pop(rid, None)
-            raise
-        try:
-            with self._wlock:
-                self._sock.sendall(data)
-        except OSError as e:
-            self._shut(f"the connection to the server broke ({e})")
-            raise self._gone() from None
-        return call
+        return self._send_many([(op, args)])[0]
 
     def _send_many(self, requests: list[tuple[str, dict[str, Any]]]) -> list[_Call]:
         """Send several requests in one write (a pipelined batch); their calls in order.

@@ -725,15 +725,20 @@ def _file_frames(root: str, rel: str) -> Any:
         yield ["C", rel, True]
         yield ["T", rel, size]
         for lo, hi in fs.data_extents(fd, 0, size):
-            pos = lo
-            while pos < hi:
-                data = fs.pread(fd, min(CHUNK, hi - pos), pos)
-                if not data:
-                    break
-                yield ["W", rel, pos, data]
-                pos += len(data)
+            yield from _write_frames(fd, rel, lo, hi)
     finally:
         fs.close(fd)
+
+
+def _write_frames(fd: int, rel: str, pos: int, end: int) -> Any:
+    """``W`` frames of bytes ``pos .. end`` of the open file ``rel``, at most ``CHUNK`` each."""
+    fs = _fs.FS
+    while pos < end:
+        data = fs.pread(fd, min(CHUNK, end - pos), pos)
+        if not data:
+            break
+        yield ["W", rel, pos, data]
+        pos += len(data)
 
 
 def _range_frames(root: str, rel: str, ranges: list[Any]) -> Any:
@@ -745,13 +750,8 @@ def _range_frames(root: str, rel: str, ranges: list[Any]) -> Any:
         return  # removed meanwhile: a frame after the copy's start says so
     try:
         for i in range(0, len(ranges), 2):
-            pos, end = int(ranges[i]), int(ranges[i]) + int(ranges[i + 1])
-            while pos < end:
-                data = fs.pread(fd, min(CHUNK, end - pos), pos)
-                if not data:
-                    break
-                yield ["W", rel, pos, data]
-                pos += len(data)
+            pos = int(ranges[i])
+            yield from _write_frames(fd, rel, pos, pos + int(ranges[i + 1]))
     finally:
         fs.close(fd)
 
