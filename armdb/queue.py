@@ -178,6 +178,9 @@ def as_token(lease: object) -> LeaseToken:
     )
 
 
+_GONE: Any = object()  # a claimed var row that is not handed out (Queue._read_payloads)
+
+
 class LeaseBatch(Generic[T]):
     """Leases taken by one :meth:`Queue.lease_batch` call (Q32), as arrays.
 
@@ -752,42 +755,54 @@ class Queue(Generic[T]):
 
     def _batch_bodies(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                       epochs: np.ndarray) -> tuple[list[Any], np.ndarray | None]:
-        """The decoded payloads of a var batch's leases, and None or the mask of the leases
-        to hand out: a row whose body is gone (its lease expired and it was settled
-        elsewhere) is dropped, and one whose body cannot be read or decoded is dropped and
-        dead-lettered alone (:meth:`_dead_letter_poisoned`), as :meth:`lease` does."""
-        decode = typing.cast(VarCodec, self._codec).decode
-        ids = seqs.tolist()
+        """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), and None
+        or the mask of the leases to hand out."""
+        got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
+                                           strict=True)))
+        keep = np.fromiter((p is not _GONE for p in got), bool, len(got))
+        if keep.all():
+            return got, None
+        return [p for p in got if p is not _GONE], keep
+
+    def _read_payloads(self, rows: list[tuple[int, int, int, int]]) -> list[Any]:
+        """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
+        ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
+        cache's lock.  A row whose body is gone (its lease expired and it was settled
+        elsewhere) is dropped; one whose body fails its checks or does not decode (msgpack,
+        the payload class) is this row's problem alone: dropped and dead-lettered
+        (:meth:`_dead_letter_poisoned`).  I/O errors and DbClosed propagate."""
+        decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         cached: dict[int, bytes] = {}
-        if self._cache:  # the cached bodies, under one hold of the cache's lock
+        if self._cache:
             with self._cache_lock:
                 cache = self._cache
-                for seq in ids:
-                    body = cache.get(seq)
+                for row in rows:
+                    body = cache.get(row[2])
                     if body is not None:
-                        cache.move_to_end(seq)
-                        cached[seq] = body
+                        cache.move_to_end(row[2])
+                        cached[row[2]] = body
         out: list[Any] = []
-        keep: np.ndarray | None = None
         poisoned: list[tuple[LeaseToken, Exception]] = []
-        for i, seq in enumerate(ids):
-            body = cached.get(seq)
+        for shard_no, due, seq, epoch in rows:
+            err: Exception
             try:
+                body = cached.get(seq) or self._body_for_lease(shard_no, due, seq, epoch)
                 if body is None:
-                    body = self._body_for_lease(int(shard_nos[i]), int(dues[i]), seq, int(epochs[i]))
-                if body is not None:
+                    out.append(_GONE)
+                    continue
+            except (CorruptionError, FormatError) as e:
+                err = e
+            else:
+                try:
                     out.append(decode(body))
                     continue
-            except Exception as e:  # noqa: BLE001 - a damaged body, or one the payload class refuses
-                if not isinstance(e, (CorruptionError, FormatError)) and body is None:
-                    raise  # an I/O error or DbClosed reading it: not this row's problem alone
-                poisoned.append((LeaseToken(self._handle, int(shard_nos[i]), int(dues[i]), seq, int(epochs[i])), e))
-            if keep is None:
-                keep = np.ones(len(ids), dtype=bool)
-            keep[i] = False
+                except Exception as e:  # noqa: BLE001 - whatever the decoder raises
+                    err = e
+            poisoned.append((LeaseToken(self._handle, shard_no, due, seq, epoch), err))
+            out.append(_GONE)
         if poisoned:
             self._dead_letter_poisoned(poisoned)
-        return out, keep
+        return out
 
     def _batch_tokens(self, shards: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                       epochs: np.ndarray) -> list[LeaseToken]:
@@ -973,42 +988,13 @@ class Queue(Generic[T]):
             if lease_ms != self._lease_ms and out:
                 self._remember_timeouts((lz.token for lz in out), lease_ms)
             return out
-        leases: list[Lease[T]] = []
-        decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
         handle = self._handle
         new = tuple.__new__  # the NamedTuples without their Python-level __new__
-        poisoned: list[tuple[LeaseToken, Exception]] | None = None
-        cached: dict[int, bytes] = {}
-        if self._cache and len(out) > 1:  # the cached bodies, under one hold of the cache's lock
-            with self._cache_lock:
-                cache = self._cache
-                for row in out:
-                    body = cache.get(row[1])
-                    if body is not None:
-                        cache.move_to_end(row[1])
-                        cached[row[1]] = body
-        for due, seq, shard_no, attempt, epoch, _ in out:
-            token = new(LeaseToken, (handle, shard_no, due, seq, epoch))
-            # A body that fails its checks or is missing, or that does not decode (msgpack,
-            # the payload class), is this row's problem alone.  I/O errors and DbClosed
-            # are not: they propagate.
-            try:
-                body = cached.get(seq) or self._body_for_lease(shard_no, due, seq, epoch)
-                if body is None:
-                    continue  # the lease expired meanwhile and the row was settled elsewhere
-            except (CorruptionError, FormatError) as e:
-                poisoned = poisoned or []
-                poisoned.append((token, e))
-                continue
-            try:
-                payload = decode(body)
-            except Exception as e:  # noqa: BLE001 - whatever the decoder raises
-                poisoned = poisoned or []
-                poisoned.append((token, e))
-                continue
-            leases.append(new(Lease, (seq, payload, attempt, dl, token)))
-        if poisoned:
-            self._dead_letter_poisoned(poisoned)
+        payloads = self._read_payloads([(row[2], row[0], row[1], row[4]) for row in out])
+        leases: list[Lease[T]] = [
+            new(Lease, (seq, payload, attempt, dl, new(LeaseToken, (handle, shard_no, due, seq, epoch))))
+            for (due, seq, shard_no, attempt, epoch, _), payload in zip(out, payloads, strict=True)
+            if payload is not _GONE]
         if lease_ms != self._lease_ms and leases:
             self._remember_timeouts((lz.token for lz in leases), lease_ms)
         return leases
@@ -1662,11 +1648,12 @@ class Queue(Generic[T]):
         """Whether the queue's bodies are encrypted: a commit touching it needs a sealed log (T4)."""
         return self._payload is not None and self._payload.encrypted
 
-    def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object) -> None:
+    def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object, *, body: bool = True) -> None:
         """Add the locks a push of row ``seq`` (``token`` None) or a settle of ``token``
         needs to ``locks`` (keyed by the global order, docs/transactions.md): its header
-        shard's and, for a var queue, its body's payload shard's.  A token that names no
-        shard of this handle adds nothing (the plan refuses it as stale)."""
+        shard's and, for a var queue, its body's payload shard's (not for a lone nack,
+        ``body=False``: it leaves the body alone).  A token that names no shard of this
+        handle adds nothing (the plan refuses it as stale)."""
         shards = self._shards
         if token is None:
             sh = shards[seq % len(shards)]
@@ -1676,23 +1663,9 @@ class Queue(Generic[T]):
             seq = token.seq
             sh = shards[token.shard]
         locks[sh.fixed.directory] = sh.lock
-        if self._payload is not None:
+        if body and self._payload is not None:
             k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
             locks[k] = lock
-
-    def _tx_settle_locks(self, token: object, ack: bool) -> list[threading.Lock]:
-        """The locks a lone settle of ``token`` needs, in the global order
-        (docs/transactions.md): its header shard's and, for a var queue's ack, its body's
-        payload shard's.  None for a token that names no shard of this handle (the plan
-        refuses it as stale)."""
-        shards = self._shards
-        if not (isinstance(token, LeaseToken) and 0 <= token.shard < len(shards)):
-            return []
-        sh = shards[token.shard]
-        if not ack or self._payload is None:
-            return [sh.lock]
-        k, lock = self._payload.shard_lock(token.seq.to_bytes(8, "big"))  # qrows.body_key
-        return [sh.lock, lock] if sh.fixed.directory < k else [lock, sh.lock]
 
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
         """Add every lock of the queue: a change stream's destination (T7)."""

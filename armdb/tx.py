@@ -289,21 +289,11 @@ class Tx:
     def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int) -> None:
         """Under the locks: run the streams, build every row into ``plan``, log them (and
         sync, if durable)."""
+        db = self._db
         try:
             if registry is not None:
                 self._expand_streams(steps, registry, plan)
             self._plan(steps, plan, now)
-        except BaseException:
-            plan.give_back()
-            raise
-        self._log(plan, steps)
-
-    def _log(self, plan: Plan, steps: list[Any]) -> None:
-        """Under the locks, a planned commit: check its stores, reserve its ids, append its
-        record (and sync it, if durable).  Refused before the append: nothing is written
-        and the plan's slots are given back."""
-        db = self._db
-        try:
             # A store fenced by a failed sync refuses the commit before it is logged
             # (its rows could not be applied; replay would apply them at the reopen).
             for store in plan.bitcask:
@@ -535,8 +525,9 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
     not counted as a nack.
     """
-    # No locks for a token of no shard of q: the plan refuses it as stale.
-    _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), q._tx_settle_locks(token, ack))
+    locks: dict[str, threading.Lock] = {}
+    q._tx_locks(locks, 0, token, body=ack)  # none for a token of no shard of q: the plan refuses it as stale
+    _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), _ordered(locks))
 
 
 def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:

@@ -479,11 +479,15 @@ class BitcaskStore:
         if cfg.sync_interval and kick is not None and _fs.background_sync_ok() and kick():
             sh.last_sync = now
             return
+        self._sync_active_locked(sh)
+        _fail.point("bitcask.after_sync")
+
+    def _sync_active_locked(self, sh: _Shard) -> None:
+        """``fdatasync`` the active file under ``sh.lock`` and record that it is synced."""
         self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
         self._synced_active(sh)
         sh.dirty = False
-        sh.last_sync = now
-        _fail.point("bitcask.after_sync")
+        sh.last_sync = time.monotonic()
 
     def _synced_active(self, sh: _Shard, size: int | None = None) -> None:
         """A completed sync just covered the active file up to ``size`` (all of it when
@@ -686,10 +690,7 @@ class BitcaskStore:
                 continue
             with sh.lock:
                 if sh.dirty and not self._closed and self._poisoned is None:
-                    self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
-                    self._synced_active(sh)
-                    sh.dirty = False
-                    sh.last_sync = time.monotonic()
+                    self._sync_active_locked(sh)
 
     def _sync_shard(self, sh: _Shard) -> None:
         """The flusher's sync of one shard, with the lock held only around it: writers
@@ -742,10 +743,7 @@ class BitcaskStore:
             with sh.lock:
                 self._check_open()  # a close may have closed the descriptors meanwhile
                 if sh.dirty:
-                    self._fsync(_fs.FS.fdatasync, sh.active.fd, sh.active.path)
-                    self._synced_active(sh)
-                    sh.dirty = False
-                    sh.last_sync = time.monotonic()
+                    self._sync_active_locked(sh)
 
     # -- reading ---------------------------------------------------------------------------
 
