@@ -32,6 +32,16 @@ def _plain(obj: Any) -> Any:
     raise TypeError(f"can not serialize {type(obj).__name__!r} object")
 
 
+def packer() -> msgpack.Packer:
+    """This thread's packer (what :func:`packb` packs with): a batch binds its ``pack``
+    once instead of looking it up per value."""
+    try:
+        return _tls.packer
+    except AttributeError:
+        p = _tls.packer = msgpack.Packer(use_bin_type=True, default=_plain)
+        return p
+
+
 def packb(obj: Any) -> bytes:
     """``msgpack.packb(obj, use_bin_type=True)``, NumPy scalars taken as their Python value."""
     try:
@@ -39,6 +49,18 @@ def packb(obj: Any) -> bytes:
     except AttributeError:
         packer = _tls.packer = msgpack.Packer(use_bin_type=True, default=_plain)
     return packer.pack(obj)  # type: ignore[no-any-return]
+
+
+def decodes_all(raws: list[bytes]) -> bool:
+    """True if every one of ``raws`` decodes as the readers decode it: one msgpack decode
+    of them all as one array, for :func:`check_round_trip` of a batch of plain values
+    (for which the decode is the whole check).  False says some value does not: check
+    them one by one to learn which and why."""
+    try:
+        unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws))
+    except Exception:  # noqa: BLE001 - whatever msgpack raises, some value is refused
+        return False
+    return True
 
 
 def unpackb(raw: bytes) -> Any:
