@@ -781,6 +781,17 @@ class Queue(Generic[T]):
         problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
         errors and DbClosed propagate."""
         codec = typing.cast(VarCodec, self._codec)  # (a fixed queue's leases come from QueueShard)
+        if len(rows) == 1 and self._cache:  # lease(1): the cached body, decoded alone
+            seq = rows[0][2]
+            with self._cache_lock:
+                body = self._cache.get(seq)
+                if body is not None:
+                    self._cache.move_to_end(seq)
+            if body is not None:
+                try:
+                    return [codec.decode(body)]
+                except Exception:  # noqa: BLE001 - the general path below dead-letters it
+                    pass
         bodies: list[bytes | None] = [None] * len(rows)
         missing = len(rows)
         if self._cache:
@@ -792,7 +803,7 @@ class Queue(Generic[T]):
                         touch(row[2])
                         bodies[i] = body
                         missing -= 1
-        if not missing:
+        if not missing and len(rows) > 1:
             out = codec.decode_many(typing.cast(list[bytes], bodies))
             if out is not None:
                 return out

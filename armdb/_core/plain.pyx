@@ -52,3 +52,8 @@ def reads_back(list values):
         if not _plain(v, 0):
             return False
     return True
+
+
+def reads_back_one(value):
+    """:func:`reads_back` of one value."""
+    return _plain(value, 0)
