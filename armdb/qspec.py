@@ -21,7 +21,7 @@ from typing import Any, Generic, Literal, TypeVar
 import msgpack
 import numpy as np
 
-from ._core.plain import reads_back, reads_back_one
+from ._core.plain import reads_back
 from ._pack import check_round_trip, decodes_all, packb, packer, unpackb
 from .errors import ConfigError, PayloadTypeError, SchemaMismatch
 from .layout import PAYLOAD_SUFFIX, validate_name
@@ -347,7 +347,7 @@ class VarCodec:
                                    f"str, bytes, numbers, bools, None, lists and dicts of them") from None
         if self.rebuild_at_push:
             check_round_trip(value, raw, "payload", self._rebuild, self._fields_packed)
-        elif not reads_back_one(obj):
+        else:
             check_round_trip(value, raw, "payload")
         return raw
 
