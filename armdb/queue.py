@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, to_ms, to_seconds
-from ._core.fixed import ring_next
+from ._core.fixed import body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
 from ._pack import packb
@@ -344,6 +344,8 @@ class Queue(Generic[T]):
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
+        # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
+        self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -1843,11 +1845,11 @@ class Queue(Generic[T]):
         payload = self._payload
         if payload is not None:
             # The bodies first: logged before the headers, applied before them (Q15).
+            # Their log rows ["B", payload name, key (qrows.body_key), body, gsn] come
+            # packed by a compiled loop, as the headers' do.
             g0 = plan.gsns(n)
-            pname = self.spec.payload_name
-            items: list[tuple[bytes, bytes | None, int]] = [
-                ((first + i).to_bytes(8, "big"), body, g0 + i) for i, body in enumerate(payloads)]  # qrows.body_key
-            plan.rows += [["B", pname, key, body, gsn] for key, body, gsn in items]
+            packed, items = body_rows(self._body_row_head, np.arange(first, first + n, dtype=np.uint64), payloads, g0)
+            plan.packed.append((n, packed))
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
@@ -1881,6 +1883,14 @@ class Queue(Generic[T]):
     def _tx_ack_many(self, plan: Plan, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                      epochs: np.ndarray) -> int:
         """Plan the acks of a batch (ids distinct); ``StaleToken`` if any lease is no longer held."""
+        payload = self._payload
+        if payload is not None:
+            # The bodies' deletes, logged first (ahead of the headers' rows), applied last.
+            ids = seqs.tolist()
+            packed, items = body_rows(self._body_row_head, np.ascontiguousarray(seqs, dtype=np.uint64), None,
+                                      plan.gsns(len(ids)))
+            plan.packed.append((len(ids), packed))
+            plan.add_bitcask(payload)
         buf = bytearray()
         rows = 0
         shards = self._shards
@@ -1901,15 +1911,7 @@ class Queue(Generic[T]):
             plan.apply.append(functools.partial(sh.apply_ack_block, d, q, slots, versions))
             rows += len(slots)
         plan.packed.append((rows, bytes(buf)))
-        payload = self._payload
         if payload is not None:
-            ids = seqs.tolist()
-            g0 = plan.gsns(len(ids))
-            pname = self.spec.payload_name
-            items: list[tuple[bytes, bytes | None, int]] = [
-                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(ids)]  # qrows.body_key
-            plan.rows += [["B", pname, key, None, gsn] for key, _, gsn in items]
-            plan.add_bitcask(payload)
 
             def apply_deletes() -> None:
                 payload.write_many_locked(items)
