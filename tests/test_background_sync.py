@@ -143,6 +143,15 @@ def test_s12_failed_background_sync_poisons(db_path, monkeypatch, what):
     with armdb.Db.open(db_path) as db:
         _stop_flusher(db)
         q = db.open_queue(Fixed if what == "fixed" else Var)
+        # No timed sync in the push either: with the flusher stopped, a push that found
+        # one due (50 ms after the open, on a slow host) would sync inline and leave
+        # nothing for store.sync() below to fail on.
+        later = time.monotonic() + 3600
+        for hs in q._shards:
+            hs.fixed.sf.last_sync = later
+        if q._payload is not None:
+            for bs in q._payload._shards:
+                bs.last_sync = later
         payload = (7, 7) if what == "fixed" else {"n": 7}
         jid = q.push(payload)
 

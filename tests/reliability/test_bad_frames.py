@@ -263,6 +263,13 @@ def test_h_bad_frame_row(row: R, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (held,) = q.lease(1)
         w = World(db, srv, good, q, held)
         stats = q.stats()
+        # The flusher's timed syncs write the files' synced marks: stopped (and joined)
+        # here, so that only the attack could change a stored byte.  Waiting for it to
+        # go quiet was not enough on a loaded host, where a sync could come late.
+        for worker in db._workers:
+            if worker.name == "armdb-flusher":
+                worker.stop()
+                worker.join()
         before = settled_hashes(path)
         rss = _peak_rss_mib()
         with caplog.at_level(logging.WARNING, logger="armdb"):
