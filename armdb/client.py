@@ -541,8 +541,8 @@ class RemoteQueue(Generic[T]):
         takes the replies."""
         reqs: list[tuple[str, dict[str, Any]]] = []
         if acks:
-            reqs.append(("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}))
-        reqs.append(("lease", {"q": self.name, "n": n}))
+            reqs.append(("ack_many", {"q": self.name, **_tokens_arg(acks)}))
+        reqs.append(("lease_batch", {"q": self.name, "n": n}))
         return self._client._send_many(reqs)
 
     def _ack_many_and_lease_wait(self, calls: list[Any]) -> tuple[BaseException | None, list[Lease[T]]]:
@@ -553,7 +553,25 @@ class RemoteQueue(Generic[T]):
                 c._result(calls[0])
             except StaleToken as e:
                 stale = e
-        return stale, self._leases(c._result(calls[-1]))
+        return stale, self._batch_leases(c._result(calls[-1]))
+
+    def _batch_leases(self, got: Any) -> list[Lease[T]]:
+        """A ``lease_batch`` reply as a list of ``Lease`` objects (what ``lease`` returns),
+        made from its arrays in one pass (armdb.Worker)."""
+        if got is None:
+            return []
+        handle, shards, dues, ids, attempts, epochs, deadline, raw = got
+        h = int.from_bytes(handle, "big")
+        payloads: Any = (self._payloads_of(raw) if self.spec.var
+                         else np.frombuffer(raw, dtype=self.spec.dtype).copy())
+        dl = ms_to_datetime(deadline)
+        new = tuple.__new__  # the NamedTuples without their Python-level __new__
+        return [new(Lease, (i, p, a, dl, new(LeaseToken, (h, k, d, i, e))))
+                for i, p, a, k, d, e in zip(np.frombuffer(ids, "<u8").tolist(), payloads,
+                                            np.frombuffer(attempts, "<u2").tolist(),
+                                            np.frombuffer(shards, "<u4").tolist(),
+                                            np.frombuffer(dues, "<u8").tolist(),
+                                            np.frombuffer(epochs, "<u4").tolist(), strict=True)]
 
     def _extend_many(self, leases: list[Lease[T]], by: timedelta | None) -> None:
         """Extend each lease by ``by`` (None: the lease timeout), pipelined (a worker's
@@ -654,6 +672,19 @@ def _await_call(c: Client, call: _Call, extra: float, loop: asyncio.AbstractEven
         loop.call_soon_threadsafe(settle)
     except RuntimeError:
         pass  # the event loop was closed meanwhile
+
+
+def _tokens_arg(leases: list[Any]) -> dict[str, Any]:
+    """The tokens of ``leases`` as ``ack_many`` takes them: a token batch (``tb``) when
+    they share one handle, as a worker's do, else a list (``ts``)."""
+    toks = [as_token(t) for t in leases]
+    h = toks[0].handle
+    n = len(toks)
+    if any(t.handle != h for t in toks):
+        return {"ts": [wire.token_to_wire(t) for t in toks]}
+    shards, dues, ids, epochs = zip(*[t[1:] for t in toks], strict=True)
+    return {"tb": [h.to_bytes(16, "big"), struct.pack(f"<{n}I", *shards), struct.pack(f"<{n}Q", *dues),
+                   struct.pack(f"<{n}Q", *ids), struct.pack(f"<{n}I", *epochs)]}
 
 
 def _token_batch(b: LeaseBatch[Any]) -> list[bytes]:
