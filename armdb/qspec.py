@@ -403,7 +403,7 @@ class VarCodec:
                 raise PayloadTypeError(f"the encoded payload is not the {len(self.fields)} fields of "
                                        f"{self.payload.__name__} (got {type(obj).__name__}); declare the same "
                                        f"payload class on both sides")
-        elif not self.any and not _is_instance(self.from_plain(obj), self.payload):
+        elif not self.any and not _is_instance(obj, list if self.payload is tuple else self.payload):
             raise PayloadTypeError(f"the encoded payload is a {type(obj).__name__}, not a {self.payload.__name__}; "
                                    f"declare the same payload type on both sides")
         if self.stored_plain:
