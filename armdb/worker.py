@@ -193,9 +193,9 @@ class Worker:
         # The acks of handlers that returned wait for the next lease, which carries them
         # (through a client: ack_many and lease in one write, one round trip per batch),
         # but never longer than ACK_WITHIN: a slow handler's ack goes out before the next
-        # handler starts.  Through a client the next batch is asked for when half of a
-        # batch has run, so its round trip (a commit of the acks at the owner, under load
-        # a millisecond or two) is not waited for.
+        # handler starts.  Through a client the next batch is asked for as a batch starts,
+        # so its round trip (a commit of the acks at the owner, under load a millisecond or
+        # more: half a batch of 1 ms handlers was not always enough) is not waited for.
         acks: list[Lease[Any]] = []
         since = 0.0
         send_ahead = getattr(q, "_ack_many_and_lease_send", None)
@@ -217,7 +217,6 @@ class Worker:
                 with self._lock:
                     for lz in leases:
                         self._held[lz.token] = lz
-                half = len(leases) // 2  # where the next batch is asked for (through a client)
                 for i, lz in enumerate(leases):
                     if self._stop.is_set():
                         self._release(q, leases[i:])
@@ -225,7 +224,7 @@ class Worker:
                     if acks and time.monotonic() - since >= ACK_WITHIN:
                         self._ack(q, acks)
                         acks = []
-                    if i == half and send_ahead is not None:
+                    if i == 0 and send_ahead is not None:
                         ahead = (send_ahead(acks, self.batch), acks)
                         acks = []
                     if self._handle(q, lz):
