@@ -332,8 +332,16 @@ class Worker:
             return
         try:
             q.release_many(leases)  # one request through a client
-        except (StaleToken, DbClosed):
-            pass  # a lease this worker no longer holds stays as it is; or the owner went
+        except StaleToken:
+            # Through a client, one lease this connection no longer holds (lost to another
+            # worker) refuses the batch: the others are released one by one.
+            for lz in leases:
+                try:
+                    q.release_many([lz])
+                except (StaleToken, DbClosed):
+                    pass
+        except DbClosed:
+            pass  # the owner went: its leases are released with the connection
 
     def _heartbeat_loop(self, q: Any, beat: float) -> None:
         many = getattr(q, "_extend_many", None)

@@ -147,6 +147,29 @@ def test_p6_release_through_a_client(tmp_path: Path) -> None:
         db.shutdown()
 
 
+def _noop(job: Job) -> None:
+    pass
+
+
+def test_p6_a_worker_releases_the_rest_when_one_lease_was_lost(tmp_path: Path) -> None:
+    # SPEC P6, P3: through a client a token the connection no longer holds refuses the
+    # whole request; the worker then releases the others one by one
+    db = Db.open(tmp_path / "db")
+    try:
+        q = open_q(db, "var")
+        db.serve()
+        with armdb.connect(db.path, timeout=10) as c:
+            rq = open_q(c, "var")
+            rq.push_many([Job(i) for i in range(3)])
+            leases = rq.lease(3)
+            rq.ack(leases[1])  # lost to this worker: no longer held by the connection
+            armdb.Worker(c, VarQ, _noop)._release(rq, leases)
+            got = q.lease(3)
+            assert [lz.payload.doc for lz in got] == [0, 2] and {lz.attempt for lz in got} == {1}
+    finally:
+        db.shutdown()
+
+
 CHILD = """
 import armdb
 from tests.test_worker_release import make, open_q
