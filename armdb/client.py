@@ -477,9 +477,9 @@ class RemoteQueue(Generic[T]):
     def _payloads_of(self, raw: Any) -> list[Any]:
         """A var lease batch's payloads: the stored bodies, which the server sent as one
         msgpack array, decoded once here."""
-        if type(raw) is not bytes:
-            raise BadFrame("a var lease batch's payloads are one msgpack array")
         try:
+            if type(raw) is not bytes:
+                raise ValueError(f"a {type(raw).__name__} where one msgpack array of bodies was expected")
             objs = wire.unpack_value(raw)
         except ValueError as e:
             raise CorruptionError(f"queue {self.name!r}: the leased bodies do not decode ({e}); run armdb.check "
