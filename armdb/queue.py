@@ -651,13 +651,22 @@ class Queue(Generic[T]):
                 f"push_many takes a sequence of payloads (e.g. a list), not {type(payloads).__name__}; "
                 f"push one payload with push()"
             )
-        encode = self._encode
-        bodies: list[bytes] = []
-        for i, p in enumerate(payloads):
-            try:
-                bodies.append(encode(p))
-            except PayloadTypeError as e:
-                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        if self._payload is not None:
+            if not isinstance(payloads, list):
+                payloads = list(payloads)
+            got = typing.cast(VarCodec, self._codec).encode_many(payloads)
+        else:
+            got = None
+        if got is not None:
+            bodies = got
+        else:  # one by one: which payload is refused, and why
+            encode = self._encode
+            bodies = []
+            for i, p in enumerate(payloads):
+                try:
+                    bodies.append(encode(p))
+                except PayloadTypeError as e:
+                    raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
         return self._push_encoded(bodies, delay_ms)
 
     def _push_many_encoded(self, bodies: list[bytes], *, delay: timedelta | float | None = None) -> list[int]:
@@ -806,37 +815,57 @@ class Queue(Generic[T]):
         or the mask of the leases to hand out."""
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
                                            strict=True)), decode)
-        keep = np.fromiter((p is not _GONE for p in got), bool, len(got))
-        if keep.all():
+        if _GONE not in got:
             return got, None
-        return [p for p in got if p is not _GONE], keep
+        return [p for p in got if p is not _GONE], np.array([p is not _GONE for p in got], dtype=bool)
 
     def _read_payloads(self, rows: list[tuple[int, int, int, int]],
                        decode: Callable[[bytes], Any] | None = None) -> list[Any]:
         """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
         ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
-        cache's lock.  A row whose body is gone (its lease expired and it was settled
-        elsewhere) is dropped; one whose body fails its checks or does not decode (msgpack,
-        the payload class) is this row's problem alone: dropped and dead-lettered
-        (:meth:`_dead_letter_poisoned`).  I/O errors and DbClosed propagate.  ``decode``
-        replaces the codec's (:meth:`_lease_batch_encoded`)."""
+        cache's lock, and decoded together (one msgpack decode for the batch).  A row whose
+        body is gone (its lease expired and it was settled elsewhere) is dropped; one whose
+        body fails its checks or does not decode (msgpack, the payload class) is this row's
+        problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
+        errors and DbClosed propagate.  ``decode`` replaces the codec's, body by body
+        (:meth:`_lease_batch_encoded`)."""
+        codec = typing.cast(VarCodec, self._codec)  # (a fixed queue's leases come from QueueShard)
+        custom = decode is not None
         if decode is None:
-            decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
-        cached: dict[int, bytes] = {}
+            decode = codec.decode
+        if len(rows) == 1 and self._cache and not custom:  # lease(1): the cached body, decoded alone
+            seq = rows[0][2]
+            with self._cache_lock:
+                body = self._cache.get(seq)
+                if body is not None:
+                    self._cache.move_to_end(seq)
+            if body is not None:
+                try:
+                    return [codec.decode(body)]
+                except Exception:  # noqa: BLE001 - the general path below dead-letters it
+                    pass
+        bodies: list[bytes | None] = [None] * len(rows)
+        missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                cache = self._cache
-                for row in rows:
-                    body = cache.get(row[2])
+                get, touch = self._cache.get, self._cache.move_to_end
+                for i, row in enumerate(rows):
+                    body = get(row[2])
                     if body is not None:
-                        cache.move_to_end(row[2])
-                        cached[row[2]] = body
-        out: list[Any] = []
+                        touch(row[2])
+                        bodies[i] = body
+                        missing -= 1
+        if not missing and len(rows) > 1 and not custom:
+            out = codec.decode_many(typing.cast(list[bytes], bodies))
+            if out is not None:
+                return out
+        out = []
         poisoned: list[tuple[LeaseToken, Exception]] = []
-        for shard_no, due, seq, epoch in rows:
+        for (shard_no, due, seq, epoch), body in zip(rows, bodies, strict=True):
             err: Exception
             try:
-                body = cached.get(seq) or self._body_for_lease(shard_no, due, seq, epoch)
+                if body is None:
+                    body = self._body_for_lease(shard_no, due, seq, epoch)
                 if body is None:
                     out.append(_GONE)
                     continue
@@ -899,9 +928,11 @@ class Queue(Generic[T]):
         n = len(seqs)
         if n == 0:
             return 0
-        if len(np.unique(seqs)) != n:
-            uniq, counts = np.unique(seqs, return_counts=True)
-            raise StaleToken(f"row {int(uniq[counts > 1][0])} appears twice in this batch; nothing was acked")
+        if n > 1:
+            ordered = np.sort(seqs)
+            twice = ordered[1:] == ordered[:-1]
+            if twice.any():  # (np.unique hashes: several times slower on a batch this small)
+                raise StaleToken(f"row {int(ordered[1:][twice][0])} appears twice in this batch; nothing was acked")
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)

@@ -1,5 +1,7 @@
 """Stubs for the compiled ``armdb._core.fixed`` (see fixed.pyx)."""
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -16,6 +18,10 @@ NEWER: int
 STALE: int
 
 def crc32(data: bytes | npt.NDArray[np.uint8], crc: int = 0) -> int: ...
+def bitcask_group(
+    items: list[tuple[bytes, bytes | None, int]], index: dict[bytes, Any], highest: int, flag: int, magic: int,
+    fid: int, off: int, max_key: int, max_value: int,
+) -> tuple[bytes, bytes, list[bytes], list[tuple[int, int, int, int, None]], int] | None: ...
 def bitcask_record(gsn_word: int, key_field: bytes, value_field: bytes, magic: int) -> bytes: ...
 def log_record(magic: int, flags: int, txid: int, body: bytes) -> bytes: ...
 def hint_append(
