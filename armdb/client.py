@@ -11,10 +11,10 @@ the server is gone (the socket closed, or no reply in time) every call in flight
 every later one raises :class:`armdb.errors.ServerGone`, a ``DbClosed``, and the
 connection is closed, which releases its leases at the server.
 
-Payloads are encoded here, with the codec of the client's own ``QueueSpec``; a var
-batch is packed as one msgpack array, and leased var payloads arrive as msgpack values
-inside the reply; errors come back as their own ``armdb.errors`` class with the server's
-message.
+Payloads are encoded here, with the codec of the client's own ``QueueSpec``; the owner
+stores a var batch's bodies as they come (checked once, never decoded and encoded again)
+and sends leased bodies back as they are stored, as one msgpack array decoded here once;
+errors come back as their own ``armdb.errors`` class with the server's message.
 
 Lock policy: ``Client._wlock`` serialises frames written to the socket; ``Client._lock``
 (the lock of the condition ``_cv``) guards the table of pending requests, the reader role
@@ -31,6 +31,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
@@ -38,8 +39,9 @@ import numpy as np
 
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
+from ._pack import packb
 from .config import QueueConfig
-from .errors import ConfigError, NotALease, PayloadTypeError, ServerGone, StaleToken
+from .errors import ConfigError, CorruptionError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
 from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
@@ -408,11 +410,11 @@ class RemoteQueue(Generic[T]):
             return list(self._call("push_many", ps=[self._encode(p) for p in payloads], delay=d))
         payloads = self._checked_list(payloads)
         try:
-            return list(self._call("push_many", pb=self._pack_batch(payloads), delay=d))
+            return list(self._call("push_many", ps=self._encode_batch(payloads), delay=d))
         except PayloadTypeError as e:
-            if "cannot be read back" not in str(e):
+            if "not one complete msgpack value" not in str(e):
                 raise
-            self._name_unreadable(payloads)  # raises for the first payload that cannot be read back
+            self._name_unreadable(payloads)  # raises encode's own words for the first that cannot be read back
             raise
 
     @staticmethod
@@ -422,26 +424,25 @@ class RemoteQueue(Generic[T]):
                                    f"{type(payloads).__name__}; push one payload with push()")
         return list(payloads)
 
-    def _pack_batch(self, payloads: list[Any]) -> bytes:
-        """A var batch as one msgpack array, each payload checked as ``encode`` checks
-        its type.  Whether every payload reads back is checked where the array is
-        unpacked, once, by the server: a refusal comes back as ``PayloadTypeError``, and
-        only then is each payload encoded alone, to say which one."""
-        plain = self._codec.plain
-        objs = []
+    def _encode_batch(self, payloads: list[Any]) -> list[bytes]:
+        """A var batch's bodies, each checked as ``encode`` checks its type.  Whether each
+        reads back is checked once, by the server (``Queue._push_many_encoded``), which
+        stores the bodies as they are; a payload class that rebuilds itself is encoded
+        here as ``encode`` does, with every check."""
+        codec = self._codec
+        plain = codec.plain
+        enc: Callable[[Any], bytes] = self._encode if codec.rebuild_at_push else lambda p: packb(plain(p))
+        out = []
         for i, p in enumerate(payloads):
             try:
-                objs.append(plain(p))
+                try:
+                    out.append(enc(p))
+                except (TypeError, ValueError, OverflowError):
+                    self._encode(p)  # raises the PayloadTypeError saying which field cannot be packed
+                    raise
             except PayloadTypeError as e:
                 raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
-        if self._codec.rebuild_at_push:
-            self._name_unreadable(payloads)  # the class rebuilds itself: each checked as encode does
-        try:
-            return wire.pack(objs)
-        except (TypeError, ValueError, OverflowError):
-            self._name_unreadable(payloads)
-            raise PayloadTypeError("a payload of the batch cannot be serialised with msgpack; "
-                                   "nothing was pushed") from None
+        return out
 
     def _name_unreadable(self, payloads: list[Any]) -> None:
         """Encode each payload alone; raise the first one's ``PayloadTypeError`` (by its
@@ -464,7 +465,7 @@ class RemoteQueue(Generic[T]):
                               (0, ms_to_datetime(0)), payloads)
         handle, shards, dues, ids, attempts, epochs, deadline, raw = got
         if self.spec.var:
-            payloads = raw if self._from_plain_is_identity() else [self._from_plain(p) for p in raw]
+            payloads = self._payloads_of(raw)
         else:
             payloads = np.frombuffer(raw, dtype=self.spec.dtype).copy()
         return LeaseBatch(self.name, int.from_bytes(handle, "big"), np.frombuffer(shards, "<u4").astype(np.uint32),
@@ -472,6 +473,18 @@ class RemoteQueue(Generic[T]):
                           np.frombuffer(attempts, "<u2").astype(np.uint16),
                           np.frombuffer(epochs, "<u4").astype(np.uint32), (deadline, ms_to_datetime(deadline)),
                           payloads)
+
+    def _payloads_of(self, raw: Any) -> list[Any]:
+        """A var lease batch's payloads: the stored bodies, which the server sent as one
+        msgpack array, decoded once here."""
+        try:
+            if type(raw) is not bytes:
+                raise ValueError(f"a {type(raw).__name__} where one msgpack array of bodies was expected")
+            objs = wire.unpack_value(raw)
+        except ValueError as e:
+            raise CorruptionError(f"queue {self.name!r}: the leased bodies do not decode ({e}); run armdb.check "
+                                  f"on the database") from None
+        return objs if self._from_plain_is_identity() else [self._from_plain(p) for p in objs]  # type: ignore[no-any-return]
 
     def _leases(self, rows: list[Any]) -> list[Lease[T]]:
         out: list[Lease[T]] = []
@@ -499,14 +512,22 @@ class RemoteQueue(Generic[T]):
         """Ack a :class:`armdb.LeaseBatch`, or a sequence of Leases or tokens, in one request
         and one commit, all or nothing (as ``Queue.ack_many``); how many were acked."""
         if isinstance(leases, LeaseBatch):
-            return int(self._call("ack_many", tb=[
-                leases._handle.to_bytes(16, "big"), leases._shards.astype("<u4").tobytes(),
-                leases._dues.astype("<u8").tobytes(), leases.ids.astype("<u8").tobytes(),
-                leases._epochs.astype("<u4").tobytes()]))
+            return int(self._call("ack_many", tb=_token_batch(leases)))
         if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
             raise NotALease(f"ack_many takes a LeaseBatch or a sequence of Leases or tokens, "
                             f"not {type(leases).__name__}")
         return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
+
+    def release_many(self, leases: Any) -> int:
+        """Give back leases whose work has not started, as ``Queue.release_many``: ready
+        again at once, their attempt not counted; how many were released.  A token this
+        client does not hold raises ``StaleToken`` and nothing is released."""
+        if isinstance(leases, LeaseBatch):
+            return int(self._call("release_many", tb=_token_batch(leases)))
+        if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
+            raise NotALease(f"release_many takes a LeaseBatch or a sequence of Leases or tokens, "
+                            f"not {type(leases).__name__}")
+        return int(self._call("release_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
 
     def _ack_many_and_lease(self, acks: list[Lease[T]], n: int) -> tuple[BaseException | None, list[Lease[T]]]:
         """``ack_many(acks)`` then ``lease(n)``, pipelined: both requests in one write, one
@@ -520,8 +541,8 @@ class RemoteQueue(Generic[T]):
         takes the replies."""
         reqs: list[tuple[str, dict[str, Any]]] = []
         if acks:
-            reqs.append(("ack_many", {"q": self.name, "ts": [wire.token_to_wire(as_token(t)) for t in acks]}))
-        reqs.append(("lease", {"q": self.name, "n": n}))
+            reqs.append(("ack_many", {"q": self.name, **_tokens_arg(acks)}))
+        reqs.append(("lease_batch", {"q": self.name, "n": n}))
         return self._client._send_many(reqs)
 
     def _ack_many_and_lease_wait(self, calls: list[Any]) -> tuple[BaseException | None, list[Lease[T]]]:
@@ -532,7 +553,25 @@ class RemoteQueue(Generic[T]):
                 c._result(calls[0])
             except StaleToken as e:
                 stale = e
-        return stale, self._leases(c._result(calls[-1]))
+        return stale, self._batch_leases(c._result(calls[-1]))
+
+    def _batch_leases(self, got: Any) -> list[Lease[T]]:
+        """A ``lease_batch`` reply as a list of ``Lease`` objects (what ``lease`` returns),
+        made from its arrays in one pass (armdb.Worker)."""
+        if got is None:
+            return []
+        handle, shards, dues, ids, attempts, epochs, deadline, raw = got
+        h = int.from_bytes(handle, "big")
+        payloads: Any = (self._payloads_of(raw) if self.spec.var
+                         else np.frombuffer(raw, dtype=self.spec.dtype).copy())
+        dl = ms_to_datetime(deadline)
+        new = tuple.__new__  # the NamedTuples without their Python-level __new__
+        return [new(Lease, (i, p, a, dl, new(LeaseToken, (h, k, d, i, e))))
+                for i, p, a, k, d, e in zip(np.frombuffer(ids, "<u8").tolist(), payloads,
+                                            np.frombuffer(attempts, "<u2").tolist(),
+                                            np.frombuffer(shards, "<u4").tolist(),
+                                            np.frombuffer(dues, "<u8").tolist(),
+                                            np.frombuffer(epochs, "<u4").tolist(), strict=True)]
 
     def _extend_many(self, leases: list[Lease[T]], by: timedelta | None) -> None:
         """Extend each lease by ``by`` (None: the lease timeout), pipelined (a worker's
@@ -633,6 +672,25 @@ def _await_call(c: Client, call: _Call, extra: float, loop: asyncio.AbstractEven
         loop.call_soon_threadsafe(settle)
     except RuntimeError:
         pass  # the event loop was closed meanwhile
+
+
+def _tokens_arg(leases: list[Any]) -> dict[str, Any]:
+    """The tokens of ``leases`` as ``ack_many`` takes them: a token batch (``tb``) when
+    they share one handle, as a worker's do, else a list (``ts``)."""
+    toks = [as_token(t) for t in leases]
+    h = toks[0].handle
+    n = len(toks)
+    if any(t.handle != h for t in toks):
+        return {"ts": [wire.token_to_wire(t) for t in toks]}
+    shards, dues, ids, epochs = zip(*[t[1:] for t in toks], strict=True)
+    return {"tb": [h.to_bytes(16, "big"), struct.pack(f"<{n}I", *shards), struct.pack(f"<{n}Q", *dues),
+                   struct.pack(f"<{n}Q", *ids), struct.pack(f"<{n}I", *epochs)]}
+
+
+def _token_batch(b: LeaseBatch[Any]) -> list[bytes]:
+    """A batch's tokens as the server takes them: [handle, shards u4, dues u8, ids u8, epochs u4]."""
+    return [b._handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
+            b.ids.astype("<u8").tobytes(), b._epochs.astype("<u4").tobytes()]
 
 
 def _ids(ids: Any) -> list[int] | None:

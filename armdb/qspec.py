@@ -324,6 +324,10 @@ class VarCodec:
         # otherwise (a __post_init__, init=False or keyword-only fields, a hand-written
         # __init__ of another signature) push rebuilds the value once to be sure.
         self.rebuild_at_push = self.is_dataclass and not _rebuilds_plainly(payload)
+        # Whether a stored body is the plain msgpack value a client packs and unpacks
+        # (no layout tag), which decodes to a payload whenever its shape is right:
+        # accept_encoded and Queue._lease_batch_encoded pass such bodies through as bytes.
+        self.stored_plain = not self.rebuild_at_push
 
     def encode(self, value: Any) -> bytes:
         if self.is_dataclass:
@@ -410,6 +414,42 @@ class VarCodec:
             return tuple(obj)
         return obj
 
+    def accept_encoded(self, raw: bytes) -> bytes:
+        """The body to store for ``raw``, a payload encoded elsewhere as :meth:`plain` and
+        msgpack give it (a client's push, armdb.server), checked once: it must be one
+        complete msgpack value, nothing after it, that :meth:`decode` turns into a payload
+        of the declared type (a dataclass: a list of its fields); with ``stored_plain``
+        it is stored as it came, else it is decoded and encoded as :meth:`encode` does.
+
+        Raises
+        ------
+        PayloadTypeError
+            ``raw`` is not bytes, not msgpack, has bytes after its value, or is not a
+            payload of the declared type."""
+        if type(raw) is not bytes:
+            raise PayloadTypeError(f"an encoded payload is bytes, not {type(raw).__name__}")
+        try:
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated classes
+            raise PayloadTypeError(f"the encoded payload is not one complete msgpack value ({type(e).__name__}: "
+                                   f"{e}); encode payloads with the queue's own spec") from None
+        if self.is_dataclass:
+            if type(obj) is not list or len(obj) != len(self.fields):
+                raise PayloadTypeError(f"the encoded payload is not the {len(self.fields)} fields of "
+                                       f"{self.payload.__name__} (got {type(obj).__name__}); declare the same "
+                                       f"payload class on both sides")
+        elif not self.any and not _is_instance(obj, list if self.payload is tuple else self.payload):
+            raise PayloadTypeError(f"the encoded payload is a {type(obj).__name__}, not a {self.payload.__name__}; "
+                                   f"declare the same payload type on both sides")
+        if self.stored_plain:
+            return raw
+        try:
+            value = self.from_plain(obj)
+        except Exception as e:  # noqa: BLE001 - the payload class refused the fields
+            raise PayloadTypeError(f"{self.payload.__name__} cannot be built from the encoded fields "
+                                   f"({type(e).__name__}: {e})") from None
+        return self.encode(value)
+
     def _which_field(self, value: Any) -> str:
         """``"field 'x' of Job holds a set: "`` for the first dataclass field msgpack refuses."""
         for name in self.fields if self.is_dataclass else ():
@@ -428,6 +468,7 @@ class VarCodec:
         whose first byte is never 0xd5)."""
         if not self.is_dataclass or len(layouts) <= 1:
             return
+        self.stored_plain = False  # bodies of older layouts are translated by decode
         self._names = [[name for name, _type in layout] for layout in layouts]
         self._current = current
         self._prefix = b"" if current == 0 else LAYOUT_TAG + current.to_bytes(2, "big")

@@ -181,6 +181,11 @@ def as_token(lease: object) -> LeaseToken:
 _GONE: Any = object()  # a claimed var row that is not handed out (Queue._read_payloads)
 
 
+def _as_stored(body: bytes) -> bytes:
+    """The "decode" of :meth:`Queue._lease_batch_encoded` for bodies stored plain."""
+    return body
+
+
 class LeaseBatch(Generic[T]):
     """Leases taken by one :meth:`Queue.lease_batch` call (Q32), as arrays.
 
@@ -664,6 +669,28 @@ class Queue(Generic[T]):
                     bodies.append(encode(p))
                 except PayloadTypeError as e:
                     raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        return self._push_encoded(bodies, delay_ms)
+
+    def _push_many_encoded(self, bodies: list[bytes], *, delay: timedelta | float | None = None) -> list[int]:
+        """:meth:`push_many` of a var queue's payloads already encoded (a client's batch,
+        armdb.server): each body is checked once to read back as a payload of the queue's
+        type (``VarCodec.accept_encoded``) and stored as it came, with no decode and second
+        encode.  All or nothing, raising what ``push_many`` raises."""
+        now = self._check()
+        delay_ms = self._delay_ms(delay, now)
+        if self._payload is None:
+            raise PayloadTypeError(f"queue {self.name!r} is a fixed queue: push its records, not encoded bodies")
+        accept = typing.cast(VarCodec, self._codec).accept_encoded
+        stored: list[bytes] = []
+        for i, raw in enumerate(bodies):
+            try:
+                stored.append(accept(raw))
+            except PayloadTypeError as e:
+                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        return self._push_encoded(stored, delay_ms)
+
+    def _push_encoded(self, bodies: list[bytes], delay_ms: int) -> list[int]:
+        """The commit of :meth:`push_many` once its payloads are encoded bodies."""
         n = len(bodies)
         if n == 0:
             return []
@@ -706,6 +733,25 @@ class Queue(Generic[T]):
         ConfigError
             As for :meth:`lease`; nothing changes.
         """
+        return self._lease_batch(n, lease_timeout, None)
+
+    def _lease_batch_encoded(self, n: int, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[bytes]:
+        """:meth:`lease_batch` of a var queue whose payloads are the stored bodies (decrypted),
+        as bytes a client decodes (armdb.server puts them in its reply as they are): each is
+        one msgpack value as ``VarCodec.plain`` gives it.  Bodies stored otherwise (a payload
+        class with a ``__post_init__``, or whose fields changed) are decoded and encoded again
+        in that form; one that cannot be is dead-lettered as :meth:`lease` does."""
+        if self._payload is None:
+            raise PayloadTypeError(f"queue {self.name!r} is a fixed queue: lease_batch gives its records")
+        codec = typing.cast(VarCodec, self._codec)
+        if codec.stored_plain:
+            return self._lease_batch(n, lease_timeout, _as_stored)
+        decode, plain = codec.decode, codec.plain
+        return self._lease_batch(n, lease_timeout, lambda raw: packb(plain(decode(raw))))
+
+    def _lease_batch(self, n: int, lease_timeout: timedelta | float | None,
+                     decode: Callable[[bytes], Any] | None) -> LeaseBatch[Any]:
+        """:meth:`lease_batch`; a var queue's bodies are given by ``decode`` (None: the codec's)."""
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
         now = self._check()
         deadline = now + lease_ms
@@ -756,7 +802,7 @@ class Queue(Generic[T]):
             if not var:
                 payloads = payloads[:got].copy()
         if var:
-            payloads, keep = self._batch_bodies(shard_nos, dues, seqs, epochs)
+            payloads, keep = self._batch_bodies(shard_nos, dues, seqs, epochs, decode)
             if keep is not None:
                 shard_nos, dues, seqs, attempts, epochs = (
                     shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
@@ -765,25 +811,31 @@ class Queue(Generic[T]):
         return LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last, payloads)
 
     def _batch_bodies(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
-                      epochs: np.ndarray) -> tuple[list[Any], np.ndarray | None]:
+                      epochs: np.ndarray, decode: Callable[[bytes], Any] | None = None
+                      ) -> tuple[list[Any], np.ndarray | None]:
         """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), and None
         or the mask of the leases to hand out."""
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
-                                           strict=True)))
+                                           strict=True)), decode)
         if _GONE not in got:
             return got, None
         return [p for p in got if p is not _GONE], np.array([p is not _GONE for p in got], dtype=bool)
 
-    def _read_payloads(self, rows: list[tuple[int, int, int, int]]) -> list[Any]:
+    def _read_payloads(self, rows: list[tuple[int, int, int, int]],
+                       decode: Callable[[bytes], Any] | None = None) -> list[Any]:
         """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
         ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
         cache's lock, and decoded together (one msgpack decode for the batch).  A row whose
         body is gone (its lease expired and it was settled elsewhere) is dropped; one whose
         body fails its checks or does not decode (msgpack, the payload class) is this row's
         problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
-        errors and DbClosed propagate."""
+        errors and DbClosed propagate.  ``decode`` replaces the codec's, body by body
+        (:meth:`_lease_batch_encoded`)."""
         codec = typing.cast(VarCodec, self._codec)  # (a fixed queue's leases come from QueueShard)
-        if len(rows) == 1 and self._cache:  # lease(1): the cached body, decoded alone
+        custom = decode is not None
+        if decode is None:
+            decode = codec.decode
+        if len(rows) == 1 and self._cache and not custom:  # lease(1): the cached body, decoded alone
             seq = rows[0][2]
             with self._cache_lock:
                 body = self._cache.get(seq)
@@ -805,7 +857,7 @@ class Queue(Generic[T]):
                         touch(row[2])
                         bodies[i] = body
                         missing -= 1
-        if not missing and len(rows) > 1:
+        if not missing and len(rows) > 1 and not custom:
             out = codec.decode_many(typing.cast(list[bytes], bodies))
             if out is not None:
                 return out
@@ -823,7 +875,7 @@ class Queue(Generic[T]):
                 err = e
             else:
                 try:
-                    out.append(codec.decode(body))
+                    out.append(decode(body))
                     continue
                 except Exception as e:  # noqa: BLE001 - whatever the decoder raises
                     err = e
@@ -1098,6 +1150,55 @@ class Queue(Generic[T]):
             fixed.write(slot, image, ring_next(int(fixed.versions[slot])))
             sh.live.set_deadline(token.due, token.seq, deadline)
         return ms_to_datetime(deadline)
+
+    def release_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
+        """Give back leases whose work has not started (P6); return how many were released.
+
+        Each row is ready again at once, under its key (so in its place in key order), with
+        the attempt its lease counted taken back: the next delivery has the attempt number
+        this one had.  The token is stale from then on.  A lease no longer held (acked,
+        nacked, dead-lettered, or expired and leased again) is left alone and not counted.
+        A header update, crash-safe like a lease: after a crash the row is either still
+        leased until its deadline or ready.
+
+        Raises
+        ------
+        StaleToken
+            A token comes from another queue handle (another queue, or before a reopen);
+            nothing is released.
+        NotALease
+            An item is neither a ``Lease`` nor a ``LeaseToken``.
+        """
+        if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
+            raise NotALease(
+                f"release_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
+                f"{type(leases).__name__}"
+            )
+        toks = [as_token(x) for x in leases]
+        for t in toks:
+            self._token_shard(t)  # StaleToken for a token of another handle
+        self._check()
+        released = 0
+        for t in toks:
+            sh = self._shards[t.shard]
+            with sh.lock:
+                cur = sh.live.get(t.due, t.seq)
+                if cur is None:
+                    continue
+                slot = cur[0]
+                hdr = self._header(sh, slot)
+                if hdr[0] != State.LEASED or hdr[3] != t.epoch:
+                    continue
+                fixed = sh.fixed
+                image = transitions.release(fixed.sf.body(slot, 0, self._row_size))
+                fixed.write(slot, image, ring_next(int(fixed.versions[slot])))
+                sh.live.set_deadline(t.due, t.seq, 0)
+            released += 1
+            if self._lease_timeouts:
+                self._lease_timeouts.pop((t.seq, t.epoch), None)
+        if released:
+            self._notify()
+        return released
 
     def _dead_letter_poisoned(self, poisoned: list[tuple[LeaseToken, Exception]]) -> None:
         """Dead-letter, one by one, the rows this lease claimed but cannot hand out.

@@ -42,7 +42,7 @@ import struct
 import threading
 import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -55,7 +55,6 @@ from .errors import (
     ArmdbError,
     ConfigError,
     DbClosed,
-    PayloadTypeError,
     QueueAlreadyOpen,
     SchemaMismatch,
     StaleToken,
@@ -233,7 +232,8 @@ class _Conn:
         self.pid = pid
         self.wlock = threading.Lock()
         self.lock = threading.Lock()
-        self.held: dict[LeaseToken, Queue[Any]] = {}  # this connection's leases
+        # This connection's leases: LeaseTokens, or plain tuples of their fields (a batch's).
+        self.held: dict[tuple[int, int, int, int, int], Queue[Any]] = {}
         self.prune_at = PRUNE_MIN  # prune ``held`` when it grows past this
         self.queues: dict[str, _QueueRef] = {}
         self.maps: dict[str, Map] = {}
@@ -383,7 +383,8 @@ class _Conn:
         with self.lock:
             held, self.held = self.held, {}
         touched: set[int] = set()
-        for token, q in held.items():
+        for key, q in held.items():
+            token = _as_token(key)
             try:
                 q.extend(token, by=timedelta(milliseconds=RELEASE_MS))
                 touched.add(id(q))
@@ -419,11 +420,11 @@ class _Conn:
             )
         return tok
 
-    def remember(self, tokens: list[LeaseToken], q: Queue[Any]) -> None:
-        """Add a lease's tokens to this connection's set, pruning it when it has grown."""
+    def remember(self, tokens: Iterable[tuple[int, int, int, int, int]], q: Queue[Any]) -> None:
+        """Add a lease's tokens (``LeaseToken`` objects, or plain tuples of their fields:
+        equal, and hashed alike) to this connection's set, pruning it when it has grown."""
         with self.lock:
-            for t in tokens:
-                self.held[t] = q
+            self.held.update(zip(tokens, itertools.repeat(q)))
             grown = len(self.held) > self.prune_at
         if grown:
             self.prune()
@@ -436,7 +437,7 @@ class _Conn:
         stale = []
         for t, q in items:
             try:
-                if not q._holds(t):
+                if not q._holds(_as_token(t)):
                     stale.append(t)
             except DbClosed:
                 stale.append(t)
@@ -446,7 +447,7 @@ class _Conn:
             self.prune_at = max(PRUNE_MIN, 2 * len(self.held))
         return len(stale)
 
-    def drop(self, tokens: list[LeaseToken]) -> None:
+    def drop(self, tokens: list[Any]) -> None:
         with self.lock:
             for t in tokens:
                 self.held.pop(t, None)
@@ -495,23 +496,6 @@ class _QueueRef:
         if codec.is_dataclass:
             return [getattr(payload, f) for f in codec.fields]
         return payload
-
-    def payloads_in(self, blob: bytes) -> list[Any]:
-        """A var batch's payloads, packed together as one msgpack array by the client, as
-        the objects ``Queue.push_many`` takes (it checks and encodes them)."""
-        try:
-            objs = wire.unpack_value(blob)
-        except ValueError as e:
-            raise PayloadTypeError(f"the batch's payloads cannot be read back ({e}); nothing was pushed") from None
-        if not isinstance(objs, list):
-            raise BadFrame("a push_many payload blob must be a msgpack array")
-        codec = typing.cast(VarCodec, self.q._codec)
-        if codec.is_dataclass:
-            n = len(codec.fields)
-            if not all(isinstance(o, list) and len(o) == n for o in objs):
-                raise PayloadTypeError(f"a payload of the batch is not the {n} fields of {codec.payload.__name__}; "
-                                       f"nothing was pushed")
-        return [codec.from_plain(o) for o in objs] if codec.is_dataclass or codec.payload is tuple else objs
 
 
 # -- the operation table ---------------------------------------------------------------------
@@ -633,23 +617,25 @@ def _push(conn: _Conn, q: str, p: bytes, delay: float | None = None) -> int:
     return ref.q.push(ref.payload_in(p), delay=delay)
 
 
-@op("push_many", q=str, ps=_opt(list), pb=_opt(bytes), blob=_opt(bytes), delay=_opt(int, float))
-def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, pb: bytes | None = None, blob: bytes | None = None,
+@op("push_many", q=str, ps=_opt(list), blob=_opt(bytes), delay=_opt(int, float))
+def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, blob: bytes | None = None,
                delay: float | None = None) -> list[int] | bytes:
-    """A list of encoded payloads (``ps``), a var queue's payloads packed as one msgpack
-    array (``pb``), or (a fixed queue) one blob of records: one commit."""
+    """A list of encoded payloads (``ps``), or (a fixed queue) one blob of records: one
+    commit.  A var queue's bodies are checked once and stored as they came
+    (``Queue._push_many_encoded``): no decode and second encode here."""
     ref = conn.queue(q)
     if blob is not None:
-        if ps is not None or pb is not None or ref.dtype is None or len(blob) % ref.dtype.itemsize:
+        if ps is not None or ref.dtype is None or len(blob) % ref.dtype.itemsize:
             raise BadFrame("a push_many blob is whole records of a fixed queue's dtype")
         ids = ref.q.push_many(np.frombuffer(blob, dtype=ref.dtype), delay=delay)
         return np.asarray(ids, dtype="<u8").tobytes()
-    if pb is not None:
-        if ps is not None or not ref.var:
-            raise BadFrame("pb carries a var queue's payloads, alone")
-        return list(ref.q.push_many(ref.payloads_in(pb), delay=delay))
     if ps is None:
-        raise BadFrame("push_many needs ps, pb or blob")
+        raise BadFrame("push_many needs ps or blob")
+    if ref.var:
+        for p in ps:
+            if type(p) is not bytes:
+                raise BadFrame("a payload must be bytes")
+        return ref.q._push_many_encoded(ps, delay=delay)
     return list(ref.q.push_many([ref.payload_in(p) for p in ps], delay=delay))
 
 
@@ -680,22 +666,24 @@ def _ack(conn: _Conn, q: str, t: list[Any]) -> None:
 @op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float))
 def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> list[Any] | None:
     """A LeaseBatch as arrays: [handle, shards u4, dues u8, ids u8, attempts u2, epochs u4,
-    deadline ms, payloads (a fixed queue: one blob of records; a var queue: a list)]."""
+    deadline ms, payloads (a fixed queue: one blob of records; a var queue: one msgpack
+    array of the stored bodies, joined behind an array header, never decoded here)]."""
     ref = conn.queue(q)
-    b = ref.q.lease_batch(n, lease_timeout=lease_timeout)
+    b: LeaseBatch[Any]
+    if ref.var:
+        b = ref.q._lease_batch_encoded(n, lease_timeout=lease_timeout)
+    else:
+        b = ref.q.lease_batch(n, lease_timeout=lease_timeout)
     if not len(b):
         return None
     handle = b._handle
     shards, dues, ids, epochs = b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist()
-    new = tuple.__new__  # the NamedTuple without its Python-level __new__
-    conn.remember([new(LeaseToken, t) for t in zip(itertools.repeat(handle), shards, dues, ids, epochs)], ref.q)
+    conn.remember(zip(itertools.repeat(handle), shards, dues, ids, epochs), ref.q)
     payloads: Any
     if not ref.var:
         payloads = np.ascontiguousarray(b.payloads).tobytes()
-    elif typing.cast(VarCodec, ref.q._codec).is_dataclass:
-        payloads = [ref.plain_out(p) for p in b.payloads]
     else:
-        payloads = b.payloads
+        payloads = _ARRAY32 + len(ids).to_bytes(4, "big") + b"".join(b.payloads)
     return [handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
             b.ids.astype("<u8").tobytes(), b.attempts.astype("<u2").tobytes(), b._epochs.astype("<u4").tobytes(),
             wire.dt_to_ms(b._deadline), payloads]
@@ -719,7 +707,35 @@ def _ack_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any] | 
     return n
 
 
-def _token_batch(tb: list[Any], conn: _Conn, ref: _QueueRef) -> tuple[LeaseBatch[Any], list[Any]]:
+@op("release_many", q=str, ts=_opt(list), tb=_opt(list))
+def _release_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any] | None = None) -> int:
+    """Give back leases not started (``Queue.release_many``): tokens as for ``ack_many``,
+    each held by this connection (else ``StaleToken``, nothing released); how many were
+    released (a lease that ended meanwhile is not)."""
+    ref = conn.queue(q)
+    if tb is not None:
+        batch, keys = _token_batch(tb, conn, ref, "released")
+        n = ref.q.release_many(batch)
+        conn.drop(keys)
+        return n
+    if ts is None:
+        raise BadFrame("release_many needs ts or tb")
+    toks = [conn.token(raw, ref) for raw in ts]
+    n = ref.q.release_many(toks)
+    conn.drop(toks)
+    return n
+
+
+_ARRAY32 = b"\xdd"  # msgpack's array 32 marker: a var lease batch's bodies are its elements
+
+
+def _as_token(key: tuple[int, int, int, int, int]) -> LeaseToken:
+    """A key of a connection's token set as the ``LeaseToken`` the queue takes."""
+    return key if isinstance(key, LeaseToken) else tuple.__new__(LeaseToken, key)
+
+
+def _token_batch(tb: list[Any], conn: _Conn, ref: _QueueRef,
+                 done: str = "acked") -> tuple[LeaseBatch[Any], list[Any]]:
     """A token batch as a ``LeaseBatch`` (no payloads) and its tokens as the keys of the
     connection's set, once every token is checked to be held by this connection."""
     if not (len(tb) == 5 and all(isinstance(x, bytes) for x in tb) and len(tb[0]) == 16):
@@ -734,14 +750,16 @@ def _token_batch(tb: list[Any], conn: _Conn, ref: _QueueRef) -> tuple[LeaseBatch
     shards, dues, ids, epochs = (a.astype(a.dtype.newbyteorder("=")) for a in arrays)
     # Plain tuples: equal to the LeaseTokens the set holds, and hashed alike.
     keys = list(zip(itertools.repeat(handle), shards.tolist(), dues.tolist(), ids.tolist(), epochs.tolist()))
-    held: dict[Any, Queue[Any]] = conn.held
     q = ref.q
+    held = conn.held
     with conn.lock:
-        foreign = [k for k in keys if held.get(k) is not q]
+        # A token's handle names its queue handle: held and of this handle is held for q.
+        ok = handle == q._handle and all(map(held.__contains__, keys))
+        foreign = [] if ok else [k for k in keys if held.get(k) is not q]
     if foreign:
         raise StaleToken(
             f"row {foreign[0][3]}: this token is not held by this connection (issued to another client, or "
-            f"already acked or nacked); lease the row again through this client; nothing was acked"
+            f"already acked or nacked); lease the row again through this client; nothing was {done}"
         )
     n = len(keys)
     none = np.zeros(n, dtype=np.uint16)

@@ -12,7 +12,8 @@ backoff of a retry, the retention of dead rows.  The direct nack of a fixed queu
 behind every var ack and nack and every ``db.tx()``) call it; nothing else computes a
 backoff, an attempt count or a dead-letter decision.
 
-Room to grow: ``extend`` (Q29) and ``redrive`` (Q34) are rules of the same shape.
+``extend`` (Q29), ``release`` (P6) and ``redrive`` (Q34) are header rewrites computed here in
+Python.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ def extend(image: bytes, deadline: int) -> bytes:
     state, flags, attempts, epoch, _deadline, payload_id, pushed = header_of(image)
     due, seq = key_of(image)
     return pack_row(due, seq, state, flags, attempts, epoch, deadline, payload_id, pushed, image[ROW_SIZE:])
+
+
+def release(image: bytes) -> bytes:
+    """A leased row given back before its work started (P6): ready again under the same
+    key (due at once, in its place in key order), the lease's attempt not counted (one
+    less than the lease made it), no deadline.  Its epoch stays: the token is stale because
+    the row is no longer LEASED, and the next lease's new epoch keeps it so."""
+    _state, flags, attempts, epoch, _deadline, payload_id, pushed = header_of(image)
+    due, seq = key_of(image)
+    return pack_row(due, seq, State.READY, flags, max(attempts - 1, 0), epoch, 0, payload_id, pushed,
+                    image[ROW_SIZE:])
 
 
 def redrive(image: bytes, due: int) -> Moved:

@@ -5,9 +5,9 @@ an exception (logged with its traceback).  A heartbeat thread extends every leas
 worker holds (running or waiting in its batch) every ``lease_timeout / 3``, so a handler
 that runs longer than the lease timeout is not delivered twice while its worker lives.
 ``stop()`` (or SIGTERM/SIGINT while ``run()`` runs in the main thread) stops leasing, lets
-running handlers finish, and releases the leases not yet started at once: their lease is
-made to expire 1 ms later (``extend``), so the next lease redelivers them with the attempt
-counted, as when a client's connection closes (armdb.server).
+running handlers finish, and releases the leases not yet started at once
+(``release_many``): ready again at once, their attempt not counted, since no handler saw
+them.
 
 With ``processes=N`` the handlers run in N child processes started with the ``spawn``
 method (never ``fork``: a forked child would inherit the owner's database and sockets),
@@ -44,7 +44,6 @@ log = logging.getLogger("armdb")
 
 IDLE_WAIT = 0.25  # seconds a thread waits for a due row before it looks at the stop flag again
 ACK_WITHIN = 0.02  # seconds a returned handler's ack may wait to go out with the next lease
-RELEASE = timedelta(milliseconds=1)
 
 
 def _takes_lease(handler: Callable[..., Any]) -> bool:
@@ -194,9 +193,9 @@ class Worker:
         # The acks of handlers that returned wait for the next lease, which carries them
         # (through a client: ack_many and lease in one write, one round trip per batch),
         # but never longer than ACK_WITHIN: a slow handler's ack goes out before the next
-        # handler starts.  Through a client the next batch is asked for when half of a
-        # batch has run, so its round trip (a commit of the acks at the owner, under load
-        # a millisecond or two) is not waited for.
+        # handler starts.  Through a client the next batch is asked for as a batch starts,
+        # so its round trip (a commit of the acks at the owner, under load a millisecond or
+        # more: half a batch of 1 ms handlers was not always enough) is not waited for.
         acks: list[Lease[Any]] = []
         since = 0.0
         send_ahead = getattr(q, "_ack_many_and_lease_send", None)
@@ -210,12 +209,14 @@ class Worker:
                     leases = self._ack_and_lease(q, acks)
                     acks = []
                 if not leases:
+                    # Nothing due: the acks still held go out now, not after the wait.
+                    self._ack(q, acks)
+                    acks = []
                     q.wait_due_timeout(IDLE_WAIT)
                     continue
                 with self._lock:
                     for lz in leases:
                         self._held[lz.token] = lz
-                half = len(leases) // 2  # where the next batch is asked for (through a client)
                 for i, lz in enumerate(leases):
                     if self._stop.is_set():
                         self._release(q, leases[i:])
@@ -223,7 +224,7 @@ class Worker:
                     if acks and time.monotonic() - since >= ACK_WITHIN:
                         self._ack(q, acks)
                         acks = []
-                    if i == half and send_ahead is not None:
+                    if i == 0 and send_ahead is not None:
                         ahead = (send_ahead(acks, self.batch), acks)
                         acks = []
                     if self._handle(q, lz):
@@ -323,21 +324,24 @@ class Worker:
                 live[0 if ack else 1] += 1
 
     def _release(self, q: Any, leases: list[Lease[Any]]) -> None:
+        """Give back leases not started: ready again at once, the attempt not counted."""
         with self._lock:
             for lz in leases:
                 self._held.pop(lz.token, None)
-        many = getattr(q, "_extend_many", None)
-        if many is not None:  # through a client: every extend in one write
-            try:
-                many(leases, RELEASE)
-            except DbClosed:
-                pass
+        if not leases:
             return
-        for lz in leases:
-            try:
-                q.extend(lz, by=RELEASE)  # expires in 1 ms: redelivered with the attempt counted
-            except (StaleToken, DbClosed):
-                pass
+        try:
+            q.release_many(leases)  # one request through a client
+        except StaleToken:
+            # Through a client, one lease this connection no longer holds (lost to another
+            # worker) refuses the batch: the others are released one by one.
+            for lz in leases:
+                try:
+                    q.release_many([lz])
+                except (StaleToken, DbClosed):
+                    pass
+        except DbClosed:
+            pass  # the owner went: its leases are released with the connection
 
     def _heartbeat_loop(self, q: Any, beat: float) -> None:
         many = getattr(q, "_extend_many", None)

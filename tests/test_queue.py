@@ -206,7 +206,7 @@ def test_q3_queue_collections_cannot_be_opened_as_maps(db, q):
     assert public == {
         "push", "lease", "ack", "nack", "len", "dead_len", "next_delay", "wait_due_timeout", "due",
         "stats", "snapshot", "snapshot_frame", "name", "spec", "config", "peek", "redrive", "purge_dead", "extend",
-        "push_many", "lease_batch", "ack_many",
+        "push_many", "lease_batch", "ack_many", "release_many",
     }
 
 

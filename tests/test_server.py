@@ -751,7 +751,7 @@ def test_p5_var_batches_cross_as_one_packed_array(client: armdb.Client) -> None:
 
 
 def test_p5_a_malformed_payload_array_is_refused_without_closing(owner: tuple[armdb.Db, server_mod.Server]) -> None:
-    # SPEC P5: push_many's packed payloads that do not decode are a PayloadTypeError reply
+    # SPEC P5: push_many's encoded payloads that do not decode are a PayloadTypeError reply
     # (the frame itself was sound): nothing is pushed and the connection serves on
     db, srv = owner
     s = _raw(srv.path)
@@ -759,7 +759,7 @@ def test_p5_a_malformed_payload_array_is_refused_without_closing(owner: tuple[ar
         s.sendall(wire.frame([1, "open_queue", {"name": "docs", "var": True, "fingerprint": Docs.fingerprint}]))
         n = struct.unpack(">I", _recv(s, 4))[0]
         assert msgpack.unpackb(_recv(s, n))[1] == wire.OK
-        s.sendall(wire.frame([2, "push_many", {"q": "docs", "pb": b"\x92\x81\x01"}]))  # truncated array
+        s.sendall(wire.frame([2, "push_many", {"q": "docs", "ps": [b"\x81\xa1a\x01", b"\x81\x01"]}]))  # truncated
         n = struct.unpack(">I", _recv(s, 4))[0]
         rid, status, err = msgpack.unpackb(_recv(s, n))
         assert (rid, status, err[0]) == (2, wire.ERR, "PayloadTypeError")

@@ -509,6 +509,35 @@ class PgQueue(Generic[T]):
             c.execute(self._sql.update_row, (due, new_deadline, state, flags, attempts, epoch, new_deadline, row[0]))
         return ms_to_datetime(new_deadline)
 
+    def release_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
+        """Give back leases whose work has not started, as ``armdb.Queue.release_many``
+        (P6): each row ready again at once under its key, the attempt its lease counted
+        taken back (``armdb.transitions.release``), in one transaction; a lease no longer
+        held is left alone.  Returns how many were released."""
+        if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
+            raise NotALease(f"release_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
+                            f"{type(leases).__name__}")
+        tokens = [self._token(x) for x in leases]
+        self._check()
+        if not tokens:
+            return 0
+        n = 0
+        with self._db._conn() as c, c.transaction():
+            for token in tokens:
+                row = c.execute(self._sql.settle_pick, (token.seq, token.epoch)).fetchone()
+                if row is None:
+                    continue
+                image = transitions.release(_image(row))
+                state, flags, attempts, epoch, deadline = header_of(image)[:5]
+                due = key_of(image)[0]
+                c.execute(self._sql.update_row, (due, due, state, flags, attempts, epoch, deadline, row[0]))
+                n += 1
+            if n:
+                c.execute(self._sql.notify, self._notify_args)
+        for token in tokens:
+            self._forget(token)
+        return n
+
     # -- counts and waiting (Q18, Q19, G4) -----------------------------------------------------
     def len(self) -> int:
         """Live rows: ready, delayed and leased."""
