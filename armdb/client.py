@@ -452,10 +452,15 @@ class RemoteQueue(Generic[T]):
             except PayloadTypeError as e:
                 raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
 
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
-        """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`."""
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None,
+                    ack: Any = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`.
+        ``ack``: leases to ack first with :meth:`ack_many` (as ``Queue.lease_batch``); if
+        that raises, nothing is leased."""
         if type(n) is not int or n < 1:
             raise ConfigError(f"lease_batch(n) needs an int n >= 1, got {n!r}")
+        if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
+            self.ack_many(ack)
         got = self._call("lease_batch", n=n, lease_timeout=_secs(lease_timeout, "lease_timeout"))
         if got is None:
             e = np.empty(0, dtype=np.uint64)

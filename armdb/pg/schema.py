@@ -263,6 +263,13 @@ class QueueSQL:
             "ON t.id = u.id AND t.state = 1 AND t.epoch = u.epoch FOR UPDATE OF t) "
             "DELETE FROM {L} WHERE id IN (SELECT id FROM ok) AND (SELECT count(*) FROM ok) = %s"
         ).format(**f)
+        # The acks of lease_batch(ack=), in the lease's transaction: a plain delete of the
+        # rows whose token still holds its lease; the caller compares the count and rolls
+        # the transaction back if one is missing (nothing to lock first, unlike ack_many).
+        self.ack_in_tx = sql.SQL(
+            "DELETE FROM {L} t USING unnest(%s::bigint[], %s::bigint[]) AS u(id, epoch) "
+            "WHERE t.id = u.id AND t.state = 1 AND t.epoch = u.epoch"
+        ).format(**f)
         self.update_row = sql.SQL(
             "UPDATE {L} SET due_ms = %s, visible_ms = %s, state = %s, flags = %s, attempts = %s, epoch = %s, "
             "deadline_ms = %s WHERE id = %s"
