@@ -101,6 +101,10 @@ def test_empty_ack_and_bad_arguments(backend: Backend) -> None:
         q.lease_batch(1, ack=b1[0])  # one Lease, not a batch: nothing acked nor leased
     with pytest.raises(ConfigError):
         q.lease_batch(0, ack=b1)  # a bad n: the acks are not applied
+    with pytest.raises(ConfigError):
+        q.lease_batch(10**9, ack=b1)
+    with pytest.raises(ConfigError):
+        q.lease_batch(1, ack=b1, lease_timeout=0)
     with pytest.raises(StaleToken):
         q.lease_batch(1, ack=[b1[0], b1[0]])  # a row twice
     assert q.stats().acks == 0 and q.len() == 4 and len(_ready(q)) == 2
@@ -139,5 +143,9 @@ def test_client_lease_batch_with_ack(client: armdb.Client) -> None:
     assert q.len() == 3 and len(q.lease_batch(5)) == 1  # the failed call leased nothing
     empty = q.lease_batch(5)
     assert len(empty) == 0 and len(q.lease_batch(1, ack=empty)) == 0
+    with pytest.raises(ConfigError):
+        q.lease_batch(10**9, ack=b2)  # the lease would be refused: the acks are not sent
+    with pytest.raises(ConfigError):
+        q.lease_batch(1, ack=b2, lease_timeout=0)
     q.ack_many(b2)
     assert q.len() == 1
