@@ -90,7 +90,9 @@ class PgQueue(Generic[T]):
         self._tables = (live, dead, seq)
         self._channel = schema.channel_name(db.namespace, coll_id)
         self._listen_key = schema.listen_key(db.namespace, coll_id)
-        self._notify_args = {"chan": self._channel, "lk": self._listen_key}
+        self._gate_key = schema.gate_key(db.namespace, coll_id)
+        self._notify_args = {"chan": self._channel, "lk": self._listen_key, "g1": self._gate_key[0],
+                             "g2": self._gate_key[1]}
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._sealer = sealer
         self._codec = codec
@@ -214,7 +216,7 @@ class PgQueue(Generic[T]):
     def _push_params(self, rid: int | None, delay_ms: int, body: bytes) -> dict[str, Any]:
         return {"id": rid, "seq": self._sql.seq, "delay": delay_ms, "state": _PUSH_STATE, "flags": _PUSH_FLAGS,
                 "attempts": _PUSH_ATTEMPTS, "epoch": _PUSH_EPOCH, "deadline": _PUSH_DEADLINE, "payload": body,
-                "chan": self._channel, "lk": self._listen_key}
+                **self._notify_args}
 
     def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
         """Push a sequence in one commit, all or nothing (Q31); ids increase in input order.
