@@ -24,6 +24,9 @@ default ``synchronous_commit = on`` with ``fsync = on`` (every commit that retur
 disk), every statement its own transaction (autocommit) unless the library opens one:
 
 * ``armdb.pg`` at its defaults (``armdb.pg.connect(dsn)``, ``open_queue(spec)``).
+* ``armdb.pg`` with ``lease_batch(n, ack=previous)``: each lease acks the leases of the
+  call before it in the same commit (per job: ``lease_batch(1, ack=previous)``); the
+  last ones are acked with ``ack_many`` before the process reports (inside the clock).
 * **plain SQL**: a pgmq-style table written plainly here, the honest baseline: insert;
   lease = ``UPDATE ... SET vt = now() + timeout WHERE id IN (SELECT id ... WHERE vt <=
   now() ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED) RETURNING``; ack = ``DELETE ...
