@@ -1427,6 +1427,11 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
             best, name = max(peers)
             out.append(Target(f"{workload}, armdb.pg vs the best peer", "≥ 1.5× the best peer",
                               f"{a:,.0f} jobs/s vs {name} {best:,.0f} = {a / best:.2f}×", a / best >= 1.5))
+        a_ack = _find(results, workload, "armdb.pg (lease_batch(n, ack=")
+        if a_ack is not None and peers:
+            best, name = max(peers)
+            out.append(Target(f"{workload}, armdb.pg with lease_batch(ack=) vs the best peer", "≥ 1.5× the best peer",
+                              f"{a_ack:,.0f} jobs/s vs {name} {best:,.0f} = {a_ack / best:.2f}×", a_ack / best >= 1.5))
     d = _find(results, "push/durable", "armdb")
     raw = _find(results, "push/durable", "raw")
     if d is not None and raw is not None:

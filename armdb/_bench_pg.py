@@ -24,6 +24,9 @@ default ``synchronous_commit = on`` with ``fsync = on`` (every commit that retur
 disk), every statement its own transaction (autocommit) unless the library opens one:
 
 * ``armdb.pg`` at its defaults (``armdb.pg.connect(dsn)``, ``open_queue(spec)``).
+* ``armdb.pg`` with ``lease_batch(n, ack=previous)``: each lease acks the leases of the
+  call before it in the same commit (per job: ``lease_batch(1, ack=previous)``); the
+  last ones are acked with ``ack_many`` before the process reports (inside the clock).
 * **plain SQL**: a pgmq-style table written plainly here, the honest baseline: insert;
   lease = ``UPDATE ... SET vt = now() + timeout WHERE id IN (SELECT id ... WHERE vt <=
   now() ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED) RETURNING``; ack = ``DELETE ...
@@ -188,6 +191,46 @@ class ArmdbPg:
 
     def close(self) -> None:
         self.db.close()
+
+
+class ArmdbPgAck(ArmdbPg):
+    """armdb.pg at its defaults, each lease acking the previous one: ``lease_batch(n,
+    ack=previous)`` (the acks and the lease in one transaction, one commit).  The leases
+    of a call are acked by the next call; :meth:`finish` acks the last ones."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.pending: Any = None
+
+    def _lease(self, n: int) -> int:
+        """Lease up to ``n``, acking the pending leases; returns how many were acked."""
+        acked = len(self.pending) if self.pending is not None else 0
+        self.pending = self.q.lease_batch(n, ack=self.pending)
+        return acked
+
+    def cycle(self, i: int) -> int:
+        self.q.push(body(i))
+        acked = self._lease(1)
+        while not len(self.pending):
+            acked += self._lease(1)
+        return acked
+
+    def batch(self, i: int) -> int:
+        self.q.push_many([body(i + k) for k in range(BATCH)])
+        leased = acked = 0
+        while leased < BATCH:
+            acked += self._lease(BATCH - leased)
+            leased += len(self.pending)
+        return acked
+
+    def outstanding(self) -> int:
+        return len(self.pending) if self.pending is not None else 0
+
+    def finish(self) -> int:
+        """Ack what the last call leased."""
+        acked = self.q.ack_many(self.pending) if self.pending is not None else 0
+        self.pending = None
+        return acked
 
 
 class PlainSql:
@@ -389,6 +432,7 @@ class Procrastinate(_Async):
 # needs no more than a few seconds of work.
 SYSTEMS: list[tuple[str, Any, str | None]] = [
     ("armdb.pg (defaults)", ArmdbPg, None),
+    ("armdb.pg (lease_batch(n, ack=previous): ack and lease in one commit)", ArmdbPgAck, None),
     ("plain SQL: pgmq-style SKIP LOCKED table", PlainSql, None),
     ("pgqueuer (Queries: enqueue/dequeue/log_jobs)", PgQueuer, "pgqueuer"),
     ("procrastinate (JobManager: defer/fetch_job/finish_job, one fetch per job)", Procrastinate, "procrastinate"),
@@ -405,8 +449,13 @@ def _child(cls: Any, dsn: str, kind: str, jobs: int, warmup: int, offset: int, r
     try:
         step: Callable[[int], int] = system.cycle if kind == "cycle" else system.batch
         per = 1 if kind == "cycle" else BATCH
+        # A system that acks a call's leases in its next call (ArmdbPgAck) holds some
+        # leases between calls: ``outstanding()`` of them, acked by ``finish()``.
+        finish: Callable[[], int] = getattr(system, "finish", lambda: 0)
+        outstanding: Callable[[], int] = getattr(system, "outstanding", lambda: 0)
         for w in range(warmup):
             step(offset + w * per)
+        finish()
         ready.release()
         start.wait()
         acked = 0
@@ -414,6 +463,8 @@ def _child(cls: Any, dsn: str, kind: str, jobs: int, warmup: int, offset: int, r
         while acked < jobs:
             acked += step(i)
             i += per
+            if acked + outstanding() >= jobs:  # the last leases are acked now, not by a next call
+                acked += finish()
         with done.get_lock():
             done.value += acked
     finally:

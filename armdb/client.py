@@ -43,7 +43,7 @@ from ._pack import packb
 from .config import QueueConfig
 from .errors import ConfigError, CorruptionError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
-from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
+from .queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
 
 __all__ = ["Client", "RemoteMap", "RemoteQueue", "RemoteTx", "connect"]
@@ -453,11 +453,22 @@ class RemoteQueue(Generic[T]):
             except PayloadTypeError as e:
                 raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
 
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
-        """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`."""
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None,
+                    ack: Any = None) -> LeaseBatch[T]:
+        """Lease like :meth:`lease`, in one reply of arrays: a :class:`armdb.LeaseBatch`.
+        ``ack``: leases to ack first with :meth:`ack_many` (as ``Queue.lease_batch``); if
+        that raises, nothing is leased."""
         if type(n) is not int or n < 1:
             raise ConfigError(f"lease_batch(n) needs an int n >= 1, got {n!r}")
-        got = self._call("lease_batch", n=n, lease_timeout=_secs(lease_timeout, "lease_timeout"))
+        secs = _secs(lease_timeout, "lease_timeout")
+        if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
+            # What the owner would refuse in the lease, refused before the acks.
+            if n > MAX_LEASE:
+                raise ConfigError(f"lease_batch(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}")
+            if secs is not None and secs < 0.001:
+                raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
+            self.ack_many(ack)
+        got = self._call("lease_batch", n=n, lease_timeout=secs)
         if got is None:
             e = np.empty(0, dtype=np.uint64)
             payloads: Any = [] if self.spec.var else np.empty(0, dtype=self.spec.dtype)

@@ -721,17 +721,26 @@ class Queue(Generic[T]):
             )
         return np.ascontiguousarray(arr)
 
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None,
+                    ack: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken] | None = None) -> LeaseBatch[T]:
         """Lease like :meth:`lease` (same rules, key order) and return the leases as a
         :class:`LeaseBatch` of arrays, filled by a compiled loop with no Python object per
         row: for a fixed queue the payloads are one structured array; for a var queue each
         body is then read and decoded (a body that cannot be is dead-lettered alone, as in
         :meth:`lease`).
 
+        ``ack``: leases to ack first, as :meth:`ack_many` takes them (typically the batch
+        the worker just finished).  Here the acks commit first (one ``ack_many``), then
+        the lease runs; if the acks raise, nothing is acked and nothing is leased.  An
+        empty ``ack`` (an empty batch or list) leases only.  On ``armdb.pg`` the two are
+        one transaction.
+
         Raises
         ------
         ConfigError
             As for :meth:`lease`; nothing changes.
+        StaleToken, NotALease
+            As for :meth:`ack_many`, for ``ack``; nothing is acked nor leased.
         """
         return self._lease_batch(n, lease_timeout, None)
 
@@ -753,6 +762,8 @@ class Queue(Generic[T]):
                      decode: Callable[[bytes], Any] | None) -> LeaseBatch[Any]:
         """:meth:`lease_batch`; a var queue's bodies are given by ``decode`` (None: the codec's)."""
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
+        if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
+            self.ack_many(ack)
         now = self._check()
         deadline = now + lease_ms
         last = self._last_deadline

@@ -49,6 +49,9 @@ def test_c3_postgres_bench_main_judges_the_target(bench_dsn: str, capsys: pytest
     out = capsys.readouterr().out
     assert "| armdb.pg (defaults) |" in out and "reference" in out
     assert "armdb.pg vs the best peer | ≥ 1.5× the best peer |" in out
+    # the row of lease_batch(ack=) (issue 19, round 3) and its own line under the target
+    assert "| armdb.pg (lease_batch(n, ack=previous)" in out
+    assert "armdb.pg with lease_batch(ack=) vs the best peer | ≥ 1.5× the best peer |" in out
 
 
 def test_c3_postgres_fresh_database_is_dropped(bench_dsn: str) -> None:

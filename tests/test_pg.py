@@ -351,3 +351,37 @@ def test_a_push_notifies_only_when_a_listener_holds_the_queue_key(db: Any, pg_ds
         q.push(Doc(8, "unheard"))
         assert received(conn) == 0
     assert q.len() == 8
+
+
+def test_concurrent_producers_do_not_make_each_other_notify(db: Any, pg_dsn: str) -> None:
+    # SPEC G4: with nobody listening, a push whose commit overlaps another producer's open
+    # transaction sends no notification (producers share the gate key, never the listen key)
+    q = db.open_queue(Docs)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, psycopg.connect(pg_dsn) as writer:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(q._channel)))
+        writer.execute(q._sql.push, q._push_params(None, 0, q._encode(Doc(1, "open"))))  # open, not committed
+        q.push(Doc(2, "meanwhile"))
+        q.push_many([Doc(3, "meanwhile"), Doc(4, "meanwhile")])
+        assert sum(1 for _ in conn.notifies(timeout=0.3)) == 0
+        writer.commit()
+        assert sum(1 for _ in conn.notifies(timeout=0.3)) == 0
+    assert q.len() == 4
+
+
+def test_a_registering_listener_waits_for_commits_in_flight(db: Any, pg_dsn: str) -> None:
+    # SPEC G4: a listener takes the gate key before its LISTEN: it waits for a commit that
+    # skipped its notification, and a commit made while it registers notifies
+    q = db.open_queue(Docs)
+    with psycopg.connect(pg_dsn, autocommit=True) as listener, psycopg.connect(pg_dsn) as writer:
+        writer.execute(q._sql.push, q._push_params(None, 0, q._encode(Doc(1, "in flight"))))
+        listener.execute("SET lock_timeout = '300ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            listener.execute("SELECT pg_advisory_lock(%s, %s)", q._gate_key)  # the writer holds it shared
+        writer.commit()
+        listener.execute("SELECT pg_advisory_lock(%s, %s)", q._gate_key)  # now it registers
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(q._channel)))
+        q.push(Doc(2, "while registering"))  # the gate cannot be had: it notifies
+        assert sum(1 for _ in listener.notifies(timeout=0.3)) == 1
+        listener.execute("SELECT pg_advisory_unlock(%s, %s)", q._gate_key)
+        q.push(Doc(3, "nobody holds the listen key"))
+        assert sum(1 for _ in listener.notifies(timeout=0.3)) == 0

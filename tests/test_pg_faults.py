@@ -77,8 +77,10 @@ def test_killed_worker_leases_come_back_after_the_timeout(pg_dsn: str, pg_namesp
         assert {lz.id for lz in back} == held and all(lz.attempt == 2 for lz in back)
 
 
-def _restart_round(srv: Any, dsn: str, ns: str, seed: int) -> dict[str, int]:
-    """One crash of the server under a producer and a consumer (see the module docstring)."""
+def _restart_round(srv: Any, dsn: str, ns: str, seed: int, ack_in_lease: bool = False) -> dict[str, int]:
+    """One crash of the server under a producer and a consumer (see the module docstring).
+    ``ack_in_lease``: the consumer acks each batch in its next lease,
+    ``lease_batch(8, ack=previous)``: one commit for the acks and the lease."""
     rng = random.Random(seed)
     pushed: set[int] = set()
     acked: set[int] = set()
@@ -106,6 +108,26 @@ def _restart_round(srv: Any, dsn: str, ns: str, seed: int) -> dict[str, int]:
                     return
                 i += 1
 
+        def consume_with_ack_in_lease() -> None:
+            previous = None
+            while not stop.is_set():
+                try:
+                    got = q.lease_batch(8, ack=previous)
+                except StorageError:
+                    failures["consume"] += 1
+                    previous = None  # its acks may or may not have committed: they stay unsure
+                    time.sleep(0.02)
+                    continue
+                except BaseException as e:  # noqa: BLE001 - any other error type is a failure of the test
+                    errors.append(e)
+                    return
+                if previous is not None:
+                    done = previous.ids.tolist()
+                    unsure.difference_update(done)
+                    acked.update(done)
+                unsure.update(got.ids.tolist())
+                previous = got
+
         def consume() -> None:
             while not stop.is_set():
                 try:
@@ -121,7 +143,8 @@ def _restart_round(srv: Any, dsn: str, ns: str, seed: int) -> dict[str, int]:
                     errors.append(e)
                     return
 
-        threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+        threads = [threading.Thread(target=produce),
+                   threading.Thread(target=consume_with_ack_in_lease if ack_in_lease else consume)]
         for t in threads:
             t.start()
         try:
@@ -163,11 +186,23 @@ def test_server_crash_under_load_loses_no_commit(pg_server: Any, pg_namespace: s
     assert seen_failure > 0, "no call failed while the server was down: the crash was not under load"
 
 
+def test_server_crash_with_acks_in_the_lease_commit(pg_server: Any, pg_namespace: str) -> None:
+    # SPEC G7 Q32: the same crash under a consumer whose acks ride in its next lease's commit
+    # (lease_batch(ack=)): no acked job returns, no push that returned is lost
+    rounds = int(os.environ.get("ARMDB_PG_RESTARTS", "2"))
+    seen_failure = 0
+    for seed in range(rounds):
+        got = _restart_round(pg_server, pg_server.dsn, pg_namespace, 500 + seed, ack_in_lease=True)
+        assert got["pushed"] > 0 and got["acked"] > 0
+        seen_failure += got["push"] + got["consume"]
+    assert seen_failure > 0, "no call failed while the server was down: the crash was not under load"
+
+
 @pytest.mark.slow
 def test_server_crash_under_load_many_rounds(pg_server: Any, pg_namespace: str) -> None:
     # SPEC G7: 20 rounds from fixed seeds
     for seed in range(int(os.environ.get("ARMDB_PG_RESTARTS_SLOW", "20"))):
-        _restart_round(pg_server, pg_server.dsn, pg_namespace, 1000 + seed)
+        _restart_round(pg_server, pg_server.dsn, pg_namespace, 1000 + seed, ack_in_lease=seed % 2 == 1)
 
 
 _WORKER = """

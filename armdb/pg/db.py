@@ -445,10 +445,14 @@ class _Listener(threading.Thread):
                         self._active.clear()
                         pending = list(self._queues)
                 for ch in pending:
-                    # First the key that makes every commit notify (schema.listen_key), then
-                    # LISTEN: a commit that skipped its notification ended before this.
-                    conn.execute("SELECT pg_advisory_lock_shared(%s)", (self._queues[ch]._listen_key,))
+                    # The gate (waiting for the commits in flight), the key that makes every
+                    # later commit notify, LISTEN, and the gate let go: a commit that skipped
+                    # its notification ended before this (schema.NOTIFY_IF_LISTENED).
+                    q = self._queues[ch]
+                    conn.execute("SELECT pg_advisory_lock(%s, %s)", q._gate_key)
+                    conn.execute("SELECT pg_advisory_lock_shared(%s)", (q._listen_key,))
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(ch)))
+                    conn.execute("SELECT pg_advisory_unlock(%s, %s)", q._gate_key)
                     with self._cv:
                         self._active.add(ch)
                         self._cv.notify_all()

@@ -90,7 +90,9 @@ class PgQueue(Generic[T]):
         self._tables = (live, dead, seq)
         self._channel = schema.channel_name(db.namespace, coll_id)
         self._listen_key = schema.listen_key(db.namespace, coll_id)
-        self._notify_args = {"chan": self._channel, "lk": self._listen_key}
+        self._gate_key = schema.gate_key(db.namespace, coll_id)
+        self._notify_args = {"chan": self._channel, "lk": self._listen_key, "g1": self._gate_key[0],
+                             "g2": self._gate_key[1]}
         self._handle = (_PROCESS_TAG << 32) | next(_handle_ids)
         self._sealer = sealer
         self._codec = codec
@@ -214,7 +216,7 @@ class PgQueue(Generic[T]):
     def _push_params(self, rid: int | None, delay_ms: int, body: bytes) -> dict[str, Any]:
         return {"id": rid, "seq": self._sql.seq, "delay": delay_ms, "state": _PUSH_STATE, "flags": _PUSH_FLAGS,
                 "attempts": _PUSH_ATTEMPTS, "epoch": _PUSH_EPOCH, "deadline": _PUSH_DEADLINE, "payload": body,
-                "chan": self._channel, "lk": self._listen_key}
+                **self._notify_args}
 
     def push_many(self, payloads: Iterable[T] | np.ndarray, *, delay: timedelta | float | None = None) -> Any:
         """Push a sequence in one commit, all or nothing (Q31); ids increase in input order.
@@ -280,11 +282,19 @@ class PgQueue(Generic[T]):
         return [Lease(rid, payload, attempt, ms_to_datetime(deadline), LeaseToken(handle, 0, due, rid, epoch))
                 for (rid, due, attempt, epoch, deadline), payload in zip(taken, payloads, strict=True)]
 
-    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[T]:
+    def lease_batch(self, n: int = 1, *, lease_timeout: timedelta | float | None = None,
+                    ack: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken] | None = None) -> LeaseBatch[T]:
         """Lease like :meth:`lease` and return the leases as a ``LeaseBatch`` of arrays
         (Q32): ``ids``, ``attempts``, ``deadlines`` and ``payloads`` (a structured array of
-        the dtype for a fixed queue, a list for a var queue), in key order."""
-        taken, decoded = self._take(n, lease_timeout)
+        the dtype for a fixed queue, a list for a var queue), in key order.
+
+        ``ack``: leases to ack first, as :meth:`ack_many` takes them (typically the batch
+        the worker just finished).  The acks and the lease are one SQL transaction, one
+        commit: a worker loop pays one WAL flush per batch instead of two.  All or nothing:
+        if any of them no longer holds its lease, ``StaleToken`` and nothing is acked nor
+        leased; an empty ``ack`` (an empty batch or list) leases only."""
+        acks = None if ack is None or isinstance(ack, LeaseBatch) and not len(ack) else self._ack_arrays(ack)
+        taken, decoded = self._take(n, lease_timeout, acks)
         k = len(taken)
         payloads: Any = decoded
         if not self.spec.var:
@@ -296,11 +306,13 @@ class PgQueue(Generic[T]):
                           np.array(ids, np.uint64), np.array(attempts, np.uint16), np.array(epochs, np.uint32),
                           deadline, payloads)
 
-    def _take(self, n: int, lease_timeout: timedelta | float | None
+    def _take(self, n: int, lease_timeout: timedelta | float | None,
+              acks: tuple[list[int], list[int]] | None = None
               ) -> tuple[list[tuple[int, int, int, int, int]], list[Any]]:
         """Lease up to ``n`` rows: ``(id, due, attempt, epoch, deadline)`` of each, in key
         order, and their decoded payloads.  A row whose body cannot be read is
-        dead-lettered (poisoned) and left out."""
+        dead-lettered (poisoned) and left out.  ``acks`` (row ids and epochs) are acked
+        first in the same transaction, all or nothing (``StaleToken``: nothing happened)."""
         if type(n) is not int and (not isinstance(n, int) or isinstance(n, bool)) or n < 1:
             raise ConfigError(f"lease(n) needs an int n >= 1, got {n!r}")
         if n > MAX_LEASE:
@@ -314,12 +326,19 @@ class PgQueue(Generic[T]):
             lease_ms = int(round(timeout * 1000))
         self._check()
         taken: list[tuple[int, int, int, int, int, bytes]] = []  # id, due, attempt, epoch, deadline, raw
-        # Pipelined: BEGIN goes out with the pick, and the UPDATE with the COMMIT (two round
-        # trips); rows come back in binary (no hex decoding of the payloads).
+        if acks is not None and not acks[0]:
+            acks = None
+        # Pipelined: BEGIN goes out with the pick (and the acks, if any), and the UPDATE
+        # with the COMMIT (two round trips); rows come back in binary (no hex decoding of
+        # the payloads).
         with self._db._conn() as c, c.pipeline(), c.transaction():
+            acked = None if acks is None else c.execute(self._sql.ack_in_tx, (int_array(acks[0]),
+                                                                              int_array(acks[1])))
             rows = c.execute(self._sql.lease_pick, (n,), binary=True).fetchall()
-            if not rows:
-                return [], []
+            if acks is not None and typing.cast("psycopg.Cursor[Any]", acked).rowcount != len(acks[0]):
+                # Raised inside the transaction: it rolls back, the rows picked are let go.
+                raise StaleToken("some of the leases given as ack= no longer hold their lease (their rows were "
+                                 "acked, nacked, dead-lettered or leased again); nothing was acked nor leased")
             ids: list[int] = []
             states: list[int] = []
             attempts_col: list[int] = []
@@ -350,6 +369,8 @@ class PgQueue(Generic[T]):
                                                     int_array(epochs), int_array(deadlines)))
             if dead:
                 self._move_dead(c, dead)
+        if acks is not None:
+            self._acked(*acks)
         if expired or dead:
             with self._lock:
                 self._counts["expired_leases"] += expired + len(dead)
@@ -405,6 +426,22 @@ class PgQueue(Generic[T]):
         """Ack a ``LeaseBatch`` (or a sequence of leases or tokens) in one commit, all or
         nothing (Q32): if any token is stale, ``StaleToken`` and nothing is acked.  Returns
         how many rows were acked."""
+        seqs, epochs = self._ack_arrays(leases)
+        self._check()
+        if not seqs:
+            return 0
+        with self._db._conn() as c:
+            n = c.execute(self._sql.ack_many, (int_array(seqs), int_array(epochs), len(seqs))).rowcount
+        if n != len(seqs):
+            raise StaleToken("some of these tokens no longer hold their lease (their rows were acked, nacked, "
+                             "dead-lettered or leased again); nothing was acked")
+        self._acked(seqs, epochs)
+        return n
+
+    def _ack_arrays(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> tuple[list[int], list[int]]:
+        """The row ids and epochs of what ``ack_many`` (or ``lease_batch(ack=)``) was given;
+        ``StaleToken`` for a batch or token of another handle or a row given twice,
+        ``NotALease`` for something that is not a lease."""
         if isinstance(leases, LeaseBatch):
             if leases._handle != self._handle:
                 raise StaleToken(f"this batch was leased through another handle (or before a reopen); lease again "
@@ -418,20 +455,15 @@ class PgQueue(Generic[T]):
             seqs, epochs = [t.seq for t in tokens], [t.epoch for t in tokens]
         if len(set(seqs)) != len(seqs):
             raise StaleToken("a row appears twice in this batch; nothing was acked")
-        self._check()
-        if not seqs:
-            return 0
-        with self._db._conn() as c:
-            n = c.execute(self._sql.ack_many, (int_array(seqs), int_array(epochs), len(seqs))).rowcount
-        if n != len(seqs):
-            raise StaleToken("some of these tokens no longer hold their lease (their rows were acked, nacked, "
-                             "dead-lettered or leased again); nothing was acked")
+        return seqs, epochs
+
+    def _acked(self, seqs: list[int], epochs: list[int]) -> None:
+        """Count acks that committed and forget their per-lease timeouts."""
         if self._lease_timeouts:
             with self._lock:
                 for key in zip(seqs, epochs, strict=True):
                     self._lease_timeouts.pop(key, None)
-        self._count("acks", n)
-        return n
+        self._count("acks", len(seqs))
 
     def _forget(self, token: LeaseToken) -> None:
         if self._lease_timeouts:

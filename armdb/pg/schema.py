@@ -70,22 +70,45 @@ def listen_key(namespace: str, coll_id: int) -> int:
     """The advisory-lock key that says "a process listens on this queue's channel".
 
     A listening connection holds it shared (a session lock) from before its ``LISTEN``;
-    a commit that makes rows due tries to take it exclusively for its transaction and
-    sends a notification only when that fails (see :data:`NOTIFY_IF_LISTENED`).  The key
-    is a bigint above the int4 range of the namespace lock's ``hashtext`` keys."""
+    a commit that makes rows due checks whether it could take it exclusively and sends a
+    notification only when it could not (see :data:`NOTIFY_IF_LISTENED`).  The key is a
+    bigint above the int4 range of the namespace lock's ``hashtext`` keys."""
     return ((zlib.crc32(namespace.encode()) & 0x7FFFFFFF) << 32 | 1 << 31) | (coll_id & 0x7FFFFFFF)
 
 
+def gate_key(namespace: str, coll_id: int) -> tuple[int, int]:
+    """The advisory-lock key (two int4s, so it meets no bigint key) that a listener holds
+    exclusively while it registers, and a commit that makes rows due holds shared until
+    it ends (see :data:`NOTIFY_IF_LISTENED`).  Its first half is negative, unlike the
+    collection ids of the per-key locks of change streams (:func:`key_lock`)."""
+    crc = zlib.crc32(namespace.encode())
+    return -1 - (coll_id & 0x7FFFFFFF), crc - (1 << 32) if crc >= 1 << 31 else crc
+
+
 # A notification only when somebody may be listening.  pg_notify makes a writing commit
-# take a cluster-wide lock and write the notification queue, which cost as much as the
-# commit itself in the bench (docs/postgres.md, "Notifications"); with no listener the
-# try-lock below succeeds and no notification is sent.  It is race-free: the try-lock is
-# held until this transaction ends, and a listener takes the key (shared, blocking)
-# before it LISTENs and before its waiters look at the table, so a listener either holds
-# the key already (the try fails: a notification is sent) or starts after this commit
-# (its waiters see the rows).  Two commits at once: the second one's try fails and it
-# notifies, which is only a wakeup too many.
-NOTIFY_IF_LISTENED = "(SELECT pg_notify(%(chan)s, '') WHERE NOT pg_try_advisory_xact_lock(%(lk)s))"
+# take a cluster-wide lock, held until the commit has flushed, and write the notification
+# queue: notifying commits are serialised, which cost as much as the commit itself in the
+# bench and kept concurrent producers from sharing WAL flushes (docs/postgres.md,
+# "Notifications").  Two keys make it race-free without making producers meet each other:
+#
+# * a listener takes the gate key exclusively (waiting for the commits that hold it
+#   shared to end), then the listen key shared for as long as it listens, LISTENs, and
+#   lets the gate go; only then do its waiters look at the table;
+# * a writing statement takes the gate key shared for its transaction (producers share
+#   it), then checks the listen key: it tries to take it exclusively and lets it go at
+#   once.  When the try fails, somebody listens: notify.
+#
+# A commit that took the gate before a listener did ended before that listener's waiters
+# looked at the table (they see its rows); one that took it after finds the listen key
+# held (it notifies, and the listener LISTENs already).  When the gate cannot be had (a
+# listener registers at that moment) the commit notifies.  Two producers checking the
+# listen key at the same instant: one may see the other's brief hold and notify, a
+# wakeup too many, never one too few.
+NOTIFY_IF_LISTENED = (
+    "(SELECT pg_notify(%(chan)s, '') WHERE CASE WHEN pg_try_advisory_xact_lock_shared(%(g1)s, %(g2)s) "
+    "THEN CASE WHEN pg_try_advisory_lock(%(lk)s) THEN NOT pg_advisory_unlock(%(lk)s) ELSE true END "
+    "ELSE true END)"
+)
 
 
 def quote(name: str) -> str:
@@ -262,6 +285,13 @@ class QueueSQL:
             "WITH ok AS (SELECT t.id FROM {L} t JOIN unnest(%s::bigint[], %s::bigint[]) AS u(id, epoch) "
             "ON t.id = u.id AND t.state = 1 AND t.epoch = u.epoch FOR UPDATE OF t) "
             "DELETE FROM {L} WHERE id IN (SELECT id FROM ok) AND (SELECT count(*) FROM ok) = %s"
+        ).format(**f)
+        # The acks of lease_batch(ack=), in the lease's transaction: a plain delete of the
+        # rows whose token still holds its lease; the caller compares the count and rolls
+        # the transaction back if one is missing (nothing to lock first, unlike ack_many).
+        self.ack_in_tx = sql.SQL(
+            "DELETE FROM {L} t USING unnest(%s::bigint[], %s::bigint[]) AS u(id, epoch) "
+            "WHERE t.id = u.id AND t.state = 1 AND t.epoch = u.epoch"
         ).format(**f)
         self.update_row = sql.SQL(
             "UPDATE {L} SET due_ms = %s, visible_ms = %s, state = %s, flags = %s, attempts = %s, epoch = %s, "
