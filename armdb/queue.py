@@ -742,6 +742,9 @@ class Queue(Generic[T]):
         StaleToken, NotALease
             As for :meth:`ack_many`, for ``ack``; nothing is acked nor leased.
         """
+        if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
+            self._lease_arg(n, lease_timeout, "lease_batch")  # a bad argument raises before anything is acked
+            self.ack_many(ack)
         return self._lease_batch(n, lease_timeout, None)
 
     def _lease_batch_encoded(self, n: int, *, lease_timeout: timedelta | float | None = None) -> LeaseBatch[bytes]:
@@ -762,8 +765,6 @@ class Queue(Generic[T]):
                      decode: Callable[[bytes], Any] | None) -> LeaseBatch[Any]:
         """:meth:`lease_batch`; a var queue's bodies are given by ``decode`` (None: the codec's)."""
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
-        if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
-            self.ack_many(ack)
         now = self._check()
         deadline = now + lease_ms
         last = self._last_deadline
