@@ -55,7 +55,7 @@ from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, to_ms, to_seconds
 from ._core.fixed import ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FOREIGN, QueueShard
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -849,9 +849,6 @@ class Queue(Generic[T]):
         n = len(seqs)
         if n == 0:
             return 0
-        if len(np.unique(seqs)) != n:
-            uniq, counts = np.unique(seqs, return_counts=True)
-            raise StaleToken(f"row {int(uniq[counts > 1][0])} appears twice in this batch; nothing was acked")
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
@@ -1866,6 +1863,8 @@ class Queue(Generic[T]):
             d, q, e = (np.ascontiguousarray(a) for a in (d, q, e))
             slots, versions, bad, code = sh.plan_ack_block(self._name_field, d, q, e, buf)
             if slots is None:
+                if code == DUPLICATE:  # each row lives in one shard: a repeat is seen there
+                    raise StaleToken(f"row {int(q[bad])} appears twice in this batch; nothing was acked")
                 tok = LeaseToken(self._handle, k, int(d[bad]), int(q[bad]), int(e[bad]))
                 raise StaleToken(f"{self._stale(tok, code == ABSENT)} (nothing of this batch was acked)")
             plan.add_fixed(sh.fixed)

@@ -6,6 +6,7 @@ ACKED: int
 ABSENT: int
 RELEASED: int
 FOREIGN: int
+DUPLICATE: int
 
 def wall_ms() -> int: ...
 

@@ -74,11 +74,13 @@ cdef enum:
     _ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
     _RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
     _FOREIGN = 3     # ack_token: not a token of this handle and shard (the caller says why)
+    _DUPLICATE = 4   # plan_ack_block: the same lease twice in one batch
 
 ACKED = _ACKED
 ABSENT = _ABSENT
 RELEASED = _RELEASED
 FOREIGN = _FOREIGN
+DUPLICATE = _DUPLICATE
 
 
 cdef struct _Sink:
@@ -185,6 +187,8 @@ cdef class QueueShard:
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
     cdef bint hook_ran       # after_write ran during this call: it may have stashed a sync error
+    cdef bint batching       # a loop of writes: the timed-sync check runs once, at its end
+    cdef Py_ssize_t pending  # the last slot written while batching (-1: none)
     cdef double sync_every
     # Lease building (set_lease_types): fixed queues get their Lease objects from here.
     cdef object lease_cls, token_cls, handle, dtype
@@ -205,6 +209,7 @@ cdef class QueueShard:
         self.ordered = fixed.ordered
         self.hooked = hooked
         self.sync_every = -1.0 if fixed.sync_every is None else fixed.sync_every
+        self.pending = -1
 
     def set_lease_types(self, lease_cls, token_cls, handle, dtype):
         """Make the lease calls return ``lease_cls(id, payload, attempt, deadline,
@@ -259,7 +264,23 @@ cdef class QueueShard:
             sf.commit()
         else:
             sf._put(slot, st, row, n, version, True)
-        if self.hooked or (self.sync_every >= 0 and monotonic_s() - sf.last_sync >= self.sync_every):
+        if self.hooked:
+            self.hook_ran = True
+            (<object>self.fixed).after_write(slot)
+        elif self.sync_every >= 0:
+            if self.batching:
+                self.pending = slot  # one clock read for the whole loop (_end_batch)
+            elif monotonic_s() - sf.last_sync >= self.sync_every:
+                self.hook_ran = True
+                (<object>self.fixed).after_write(slot)
+        return 0
+
+    cdef int _end_batch(self) except -1:
+        """The end of a loop of writes: the timed-sync check they deferred, once."""
+        cdef Py_ssize_t slot = self.pending
+        self.batching = False
+        self.pending = -1
+        if slot >= 0 and monotonic_s() - self.sf.last_sync >= self.sync_every:
             self.hook_ran = True
             (<object>self.fixed).after_write(slot)
         return 0
@@ -378,6 +399,7 @@ cdef class QueueShard:
             n = live.n
         if n > SCAN_STACK:
             buf = <uint64_t*>malloc_array(n, SCAN_WORDS * sizeof(uint64_t))
+        self.batching = True
         try:
             while got < n and live.n:
                 live._enter()
@@ -407,8 +429,10 @@ cdef class QueueShard:
                         memcpy(sink.payloads + w * self.psize, row + ROW_HEAD, self.psize)
                     got += 1
         finally:
+            self.batching = False
             if buf != stack:
                 free(buf)
+        self._end_batch()
         self._raise_stashed()
         return got
 
@@ -581,38 +605,69 @@ cdef class QueueShard:
         cdef const uint8_t* img
         cdef uint64_t due, seq
         self._check()
-        for j in range(count):
-            img = &images[j, 0]
-            self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
-            due = load_be64(img + AT_DUE)
-            seq = load_be64(img + AT_SEQ)
-            raise_status(self.live._insert(due, seq, slots[j], 0), due, seq)
-            self.pushes += 1
+        self.batching = True
+        try:
+            for j in range(count):
+                img = &images[j, 0]
+                self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
+                due = load_be64(img + AT_DUE)
+                seq = load_be64(img + AT_SEQ)
+                raise_status(self.live._insert(due, seq, slots[j], 0), due, seq)
+                self.pushes += 1
+        finally:
+            self.batching = False
+        self._end_batch()
         self.hook_ran = False
 
     def plan_ack_block(self, bytes name_field not None, const uint64_t[::1] dues, const uint64_t[::1] seqs,
                        const uint32_t[::1] epochs, bytearray log_out not None):
-        """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard (ids
-        distinct): ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended
-        to ``log_out``, or ``(None, None, j, code)`` for the first lease ``j`` that is no
-        longer held (code ABSENT or RELEASED), and then ``log_out`` is left as it was."""
-        cdef Py_ssize_t j, count = seqs.shape[0], name_len = len(name_field)
-        cdef Py_ssize_t slot = -1
-        cdef int r
+        """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard:
+        ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended to ``log_out``,
+        or ``(None, None, j, code)`` for the first lease ``j`` that is no longer held (code
+        ABSENT or RELEASED) or that an earlier ``j`` already named (DUPLICATE), and then
+        nothing changed and ``log_out`` is left as it was."""
+        cdef Py_ssize_t j, k, count = seqs.shape[0], name_len = len(name_field)
+        cdef Py_ssize_t b = 0, pos = 0
+        cdef int r = 0
         cdef const uint8_t* name = <const uint8_t*>(<char*>name_field)
+        cdef const uint8_t* p
         cdef uint8_t* out
+        cdef Entry* e
+        cdef Entry** found
         if dues.shape[0] != count or epochs.shape[0] != count:
             raise ValueError("plan_ack_block: arrays of different lengths")
         slots = np.empty(count, dtype=np.uint32)
         versions = np.empty(count, dtype=np.uint32)
         cdef uint32_t[::1] sl = slots
         cdef uint32_t[::1] vs = versions
+        self.sf._alive()  # the rows are read from the mapped file
+        self.live._enter()
+        found = <Entry**>malloc_array(count + 1, sizeof(Entry*))
+        # Each row found is marked (its index deadline d becomes -d - 1, never negative
+        # otherwise) so that a lease given twice is seen; every mark is undone (the same
+        # map again) before returning.
         for j in range(count):
-            r = self._leased(dues[j], seqs[j], epochs[j], &slot)
+            e = self.live._find(dues[j], seqs[j], &b, &pos)
+            if e == NULL:
+                r = _ABSENT
+            elif e.deadline < 0:
+                r = _DUPLICATE
+            else:
+                p = self._row(e.slot)
+                if p[AT_STATE] != LEASED or <uint32_t>load_le(p + AT_EPOCH, 4) != epochs[j]:
+                    r = _RELEASED
             if r:
+                for k in range(j):
+                    found[k].deadline = -found[k].deadline - 1
+                free(found)
                 return None, None, j, r
-            sl[j] = <uint32_t>slot
-            vs[j] = ring_step(self.sf.versions[slot])
+            found[j] = e
+            e.deadline = -e.deadline - 1
+            sl[j] = e.slot
+            vs[j] = ring_step(self.sf.versions[e.slot])
+        for j in range(count):
+            found[j].deadline = -found[j].deadline - 1
+        free(found)
         out = _grow_log(log_out, count * _frow_size(name_len, 0))
         for j in range(count):
             out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_DELETED, NULL, 0)
@@ -620,10 +675,31 @@ cdef class QueueShard:
 
     def apply_ack_block(self, const uint64_t[::1] dues, const uint64_t[::1] seqs, const uint32_t[::1] slots,
                         const uint32_t[::1] versions):
-        """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`)."""
-        cdef Py_ssize_t j
-        for j in range(slots.shape[0]):
-            self._free_row(dues[j], seqs[j], slots[j], versions[j])
+        """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`): the
+        slots first, then their keys leave the index in one pass (``KeyIndex._remove_keys``),
+        also when a write fails midway (for the rows written)."""
+        cdef Py_ssize_t j, done = 0, count = slots.shape[0]
+        cdef int64_t one
+        cdef int64_t* gone
+        if dues.shape[0] != count or seqs.shape[0] != count or versions.shape[0] != count:
+            raise ValueError("apply_ack_block: arrays of different lengths")
+        if count == 0:
+            return
+        self._check()
+        gone = <int64_t*>malloc_array(count, sizeof(int64_t))
+        self.batching = True
+        try:
+            for j in range(count):
+                self._write(slots[j], SLOT_DELETED, NULL, 0, versions[j])
+                self.sf._push_free(slots[j])
+                done += 1
+        finally:
+            self.batching = False
+            if done:
+                self.live._remove_keys(&dues[0], &seqs[0], done, gone)
+                self.acks += done
+            free(gone)
+        self._end_batch()
         self.hook_ran = False
 
     def claim_block(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts,
