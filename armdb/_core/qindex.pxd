@@ -44,6 +44,7 @@ cdef class KeyIndex:
     cdef Py_ssize_t nleased        # total entries with deadline > 0
     cdef int32_t B
     cdef bint busy                 # a GIL-free walk is running (see "Concurrency")
+    cdef Py_ssize_t fb, fp         # block and position of the entry _find found last (a hint)
 
     cdef int _enter(self) except -1
     cdef void _free_all(self) noexcept nogil
