@@ -35,6 +35,8 @@ from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcpy
 
@@ -300,6 +302,10 @@ cdef class QueueShard:
     def push(self, uint64_t due, uint64_t seq, int64_t now, uint64_t payload_id, bytes payload):
         """Write a new ready row into a free slot (growing the file if none is left)
         and index it; returns the slot."""
+        return self._push_row(due, seq, now, payload_id, payload)
+
+    cdef Py_ssize_t _push_row(self, uint64_t due, uint64_t seq, int64_t now, uint64_t payload_id,
+                              bytes payload) except -1:
         cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
         cdef Py_ssize_t n = len(payload), slot
         if n != self.psize:
@@ -724,3 +730,209 @@ cdef class QueueShard:
         sink.at = at
         got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
         return got, dead
+
+
+@cython.final
+cdef class FixedFast:
+    """A fixed queue's ``push``, ``lease`` and ``ack`` in one compiled call each
+    (armdb.queue.Queue hands them here): the same steps as the Python bodies of those
+    methods (``Queue._push``, ``Queue._lease``, ``Queue._ack``), for the common
+    arguments, with no Python frame of their own and no object made per call but the
+    results.  Anything else (a closed queue, a custom clock's refusals, ``max_depth``, a
+    payload the plain struct cannot pack, a lease of several shards, a stale token) goes
+    to those Python bodies, which judge it and raise what they raise, so each rule keeps
+    one place: the queue rules are in qrow.pxd (through QueueShard), the checks in
+    armdb.queue.
+
+    ``plain`` is the codec's struct when ``struct.pack(*value)`` of a plain tuple of
+    ``nfields`` is exactly its encoding (``FixedCodec.plain_struct``), else None.
+    """
+
+    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, lease_timeouts
+    cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
+    cdef list acquire, release       # each shard lock's bound acquire and release
+    cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
+    cdef list shards
+    cdef Py_ssize_t nsh, nfields, max_lease
+    cdef bint sysclock
+    cdef int64_t lease_ms, dl_ms
+    cdef uint64_t max_due
+    cdef uint32_t max_attempts
+
+    def __init__(self, queue, db, list shards, bint sysclock, clock, to_datetime, seqmap, seq_name, encode, plain,
+                 Py_ssize_t nfields, int64_t lease_ms, uint32_t max_attempts, Py_ssize_t max_lease, uint64_t max_due,
+                 bint push_ok, dict lease_timeouts, gens, lease_cls, token_cls, handle):
+        for sh in shards:
+            if not isinstance(sh, QueueShard):
+                raise TypeError("FixedFast needs QueueShard shards")
+        self.queue = queue
+        self.db = db
+        # The attributes read and written on every call (Queue._closed, _next_retention,
+        # _gen, _nwaiters; Db._closed, _waker) are plain instance attributes: read from
+        # the instance dicts, without the attribute protocol's type walk.
+        self.qd = queue.__dict__
+        self.dbd = db.__dict__
+        for name in ("_closed", "_next_retention", "_gen", "_nwaiters"):
+            if name not in self.qd:
+                raise TypeError(f"FixedFast: the queue has no instance attribute {name}")
+        for name in ("_closed", "_waker"):
+            if name not in self.dbd:
+                raise TypeError(f"FixedFast: the Db has no instance attribute {name}")
+        self.acquire = [sh.lock.acquire for sh in shards]
+        self.release = [sh.lock.release for sh in shards]
+        self.shards = shards
+        self.nsh = len(shards)
+        self.sysclock = sysclock
+        self.clock = clock
+        self.to_datetime = to_datetime
+        self.rest = seqmap._rest    # the rest of each name's reserved block (armdb.seqmap.SeqMap.next)
+        self.next_id = seqmap.next
+        self.seq_name = seq_name
+        self.encode = encode
+        self.plain = plain
+        self.nfields = nfields
+        self.lease_ms = lease_ms
+        self.max_attempts = max_attempts
+        self.max_lease = max_lease
+        self.max_due = max_due if push_ok else 0  # max_depth set: every push takes the Python body
+        self.lease_timeouts = lease_timeouts
+        self.gens = gens
+        self.lease_cls = lease_cls
+        self.token_cls = token_cls
+        self.handle = handle
+        self.dl_ms = -1
+        self.sweep = queue._sweep
+        self.note_dead = queue._note_dead
+        self.push_py = queue._push
+        self.lease_py = queue._lease
+        self.ack_py = queue._ack
+
+    cdef int64_t _now(self) except? -1:
+        """``Queue._check`` for an open queue: the clock, and the retention pass when due;
+        -1 when the queue or its Db is closed (the Python body raises DbClosed)."""
+        cdef int64_t now, due
+        cdef PyObject* a = PyDict_GetItem(self.qd, "_closed")
+        cdef PyObject* b = PyDict_GetItem(self.dbd, "_closed")
+        if a == NULL or b == NULL or <object>a or <object>b:
+            return -1
+        now = _wall_ms() if self.sysclock else self.clock()
+        a = PyDict_GetItem(self.qd, "_next_retention")
+        if a == NULL:
+            return -1
+        due = <object>a
+        if now >= due:
+            self.sweep(raise_errors=False, now=now)
+        return now
+
+    cdef int _notify(self) except -1:
+        """``Queue._notify``: a new generation first, then the waiters, if any (the
+        Python method, which bumps the generation again: harmless, any change wakes)."""
+        cdef PyObject* p
+        PyDict_SetItem(self.qd, "_gen", next(self.gens))
+        p = PyDict_GetItem(self.qd, "_nwaiters")
+        if p == NULL or <object>p:
+            self.queue._notify()
+            return 0
+        p = PyDict_GetItem(self.dbd, "_waker")
+        if p != NULL and <object>p is not None and (<object>p)._waiters:
+            self.queue._notify()
+        return 0
+
+    def push(self, payload):
+        """``Queue.push(payload)`` (no delay); returns the row id."""
+        cdef int64_t now = self._now()
+        cdef QueueShard sh
+        cdef bytes body
+        cdef object seq, it
+        if now < 0 or <uint64_t>now >= self.max_due:
+            return self.push_py(payload, None)
+        if self.plain is not None and type(payload) is tuple and len(<tuple>payload) == self.nfields:
+            try:
+                body = self.plain.pack(*payload)
+            except Exception:  # out of range, or a field of another type: the codec says why
+                body = self.encode(payload)
+        else:
+            body = self.encode(payload)
+        cdef PyObject* p = PyDict_GetItem(self.rest, self.seq_name)
+        seq = next(<object>p, None) if p != NULL else None
+        if seq is None:
+            seq = self.next_id(self.seq_name)
+        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
+        sh = <QueueShard>self.shards[k]
+        self.acquire[k]()
+        try:
+            sh._push_row(now, seq, now, 0, body)
+        finally:
+            self.release[k]()
+        self._notify()
+        return seq
+
+    def lease(self, n=1):
+        """``Queue.lease(n)`` (the queue's lease timeout); a list of ``Lease``."""
+        cdef int64_t now, deadline
+        cdef Py_ssize_t k, dead = 0
+        cdef QueueShard sh
+        cdef list out
+        if self.nsh != 1 or type(n) is not int:
+            return self.lease_py(n, None)
+        k = n
+        if k < 1 or k > self.max_lease:
+            return self.lease_py(n, None)
+        now = self._now()
+        if now < 0:
+            return self.lease_py(n, None)
+        deadline = now + self.lease_ms
+        if deadline != self.dl_ms:  # one datetime per millisecond of deadlines
+            self.dl = self.to_datetime(deadline)
+            self.dl_ms = deadline
+        out = []
+        sh = <QueueShard>self.shards[0]
+        self.acquire[0]()
+        try:
+            sh._walk(now, deadline, k, self.max_attempts, 0, out, self.dl, NULL, &dead)
+        finally:
+            self.release[0]()
+        if dead:
+            self.note_dead(now)
+        return out
+
+    def ack(self, token):
+        """``Queue.ack(token)``: a ``Lease`` or a ``LeaseToken`` of this handle."""
+        cdef object t
+        cdef int64_t now
+        cdef int r
+        cdef QueueShard sh
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
+        cdef Py_ssize_t k
+        if type(token) is self.token_cls:
+            t = token
+        elif type(token) is self.lease_cls:
+            t = token[4]
+            if type(t) is not self.token_cls:
+                return self.ack_py(token)
+        else:
+            return self.ack_py(token)
+        if self.lease_timeouts:
+            (<dict>self.lease_timeouts).pop((t[3], t[4]), None)
+        if type(t[1]) is not int or t[0] != self.handle:
+            return self.ack_py(token)
+        k = t[1]
+        if k < 0 or k >= self.nsh:
+            return self.ack_py(token)
+        try:
+            due, seq, epoch = t[2], t[3], t[4]
+        except (OverflowError, TypeError):
+            return self.ack_py(token)
+        now = self._now()
+        if now < 0:
+            return self.ack_py(token)
+        sh = <QueueShard>self.shards[k]
+        self.acquire[k]()
+        try:
+            r = sh._ack(due, seq, epoch)
+        finally:
+            self.release[k]()
+        if r != _ACKED:
+            return self.ack_py(token)  # stale: the Python body says why (nothing changed)
+        return None
