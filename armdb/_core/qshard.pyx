@@ -873,11 +873,9 @@ cdef class FixedFast:
         cdef Py_ssize_t k, dead = 0
         cdef QueueShard sh
         cdef list out
-        if self.nsh != 1 or type(n) is not int:
+        if self.nsh != 1 or type(n) is not int or not 1 <= n <= self.max_lease:  # Python ints: no overflow
             return self.lease_py(n, None)
         k = n
-        if k < 1 or k > self.max_lease:
-            return self.lease_py(n, None)
         now = self._now()
         if now < 0:
             return self.lease_py(n, None)
