@@ -21,7 +21,8 @@ from typing import Any, Generic, Literal, TypeVar
 import msgpack
 import numpy as np
 
-from ._pack import check_round_trip, packb
+from ._core.plain import reads_back
+from ._pack import check_round_trip, decodes_all, packb, packer, unpackb
 from .errors import ConfigError, PayloadTypeError, SchemaMismatch
 from .layout import PAYLOAD_SUFFIX, validate_name
 from .qrows import MAX_FIXED_PAYLOAD
@@ -353,6 +354,40 @@ class VarCodec:
             check_round_trip(value, raw, "payload")
         return raw
 
+    def encode_many(self, values: list[Any]) -> list[bytes] | None:
+        """:meth:`encode` of each of ``values``, read-back checked together: by a compiled
+        walk of plain values (:func:`armdb._core.plain.reads_back`), else by one decode of
+        them all; None if any is refused (then :meth:`encode` of each says which and why).
+        A class whose values push rebuilds to check them, or whose layout changed, is
+        encoded one by one."""
+        if self.rebuild_at_push or "encode" in self.__dict__:  # (use_layouts replaced encode)
+            try:
+                return [self.encode(v) for v in values]
+            except PayloadTypeError:
+                return None
+        if self.is_dataclass:
+            cls, fields = self.payload, self.fields
+            if any(type(v) is not cls for v in values):
+                return None
+            objs = [[getattr(v, f) for f in fields] for v in values]
+        elif self.any:
+            objs = values
+        else:
+            tp = self.payload
+            if tp is bytes or tp is int or tp is float:  # (their own conversions and exclusions)
+                try:
+                    return [self.encode(v) for v in values]
+                except PayloadTypeError:
+                    return None
+            if set(map(type, values)) != {tp} and not all(isinstance(v, tp) for v in values):
+                return None
+            objs = values
+        try:
+            raws = list(map(packer().pack, objs))
+        except (TypeError, ValueError, OverflowError):
+            return None
+        return raws if reads_back(objs) or decodes_all(raws) else None
+
     def plain(self, value: Any) -> Any:
         """``value`` checked as :meth:`encode` checks it, as the msgpack value ``encode``
         would pack (a dataclass: its field list), without packing it: the client sends a
@@ -431,6 +466,23 @@ class VarCodec:
 
     def _fields_packed(self, value: Any) -> bytes:
         return packb([getattr(value, f) for f in self.fields])
+
+    def decode_many(self, raws: list[bytes]) -> list[Any] | None:
+        """:meth:`decode` of each of ``raws`` (bodies the write path stored: each one
+        msgpack value) by one decode of them all; None if that fails (then :meth:`decode`
+        of each finds which).  A class whose layout changed is decoded one by one."""
+        if "decode" in self.__dict__:  # use_layouts replaced it
+            return None
+        try:
+            objs = unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws))
+            if self.is_dataclass:
+                cls = self.payload
+                return [cls(*o) for o in objs]
+            if self.payload is tuple:
+                return [tuple(o) for o in objs]
+        except Exception:  # noqa: BLE001 - whatever msgpack or the class raises: one by one
+            return None
+        return objs  # type: ignore[no-any-return]
 
     def decode(self, raw: bytes) -> Any:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)

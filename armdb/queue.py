@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
-from ._core.fixed import ring_next
+from ._core.fixed import body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FOREIGN, FixedFast, QueueShard
 from ._pack import packb
@@ -344,6 +344,8 @@ class Queue(Generic[T]):
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
+        # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
+        self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -662,13 +664,22 @@ class Queue(Generic[T]):
                 f"push_many takes a sequence of payloads (e.g. a list), not {type(payloads).__name__}; "
                 f"push one payload with push()"
             )
-        encode = self._encode
-        bodies: list[bytes] = []
-        for i, p in enumerate(payloads):
-            try:
-                bodies.append(encode(p))
-            except PayloadTypeError as e:
-                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+        if self._payload is not None:
+            if not isinstance(payloads, list):
+                payloads = list(payloads)
+            got = typing.cast(VarCodec, self._codec).encode_many(payloads)
+        else:
+            got = None
+        if got is not None:
+            bodies = got
+        else:  # one by one: which payload is refused, and why
+            encode = self._encode
+            bodies = []
+            for i, p in enumerate(payloads):
+                try:
+                    bodies.append(encode(p))
+                except PayloadTypeError as e:
+                    raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
         n = len(bodies)
         if n == 0:
             return []
@@ -775,34 +786,52 @@ class Queue(Generic[T]):
         or the mask of the leases to hand out."""
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
                                            strict=True)))
-        keep = np.fromiter((p is not _GONE for p in got), bool, len(got))
-        if keep.all():
+        if _GONE not in got:
             return got, None
-        return [p for p in got if p is not _GONE], keep
+        return [p for p in got if p is not _GONE], np.array([p is not _GONE for p in got], dtype=bool)
 
     def _read_payloads(self, rows: list[tuple[int, int, int, int]]) -> list[Any]:
         """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
         ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
-        cache's lock.  A row whose body is gone (its lease expired and it was settled
-        elsewhere) is dropped; one whose body fails its checks or does not decode (msgpack,
-        the payload class) is this row's problem alone: dropped and dead-lettered
-        (:meth:`_dead_letter_poisoned`).  I/O errors and DbClosed propagate."""
-        decode = typing.cast(VarCodec, self._codec).decode  # (a fixed queue's leases come from QueueShard)
-        cached: dict[int, bytes] = {}
+        cache's lock, and decoded together (one msgpack decode for the batch).  A row whose
+        body is gone (its lease expired and it was settled elsewhere) is dropped; one whose
+        body fails its checks or does not decode (msgpack, the payload class) is this row's
+        problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
+        errors and DbClosed propagate."""
+        codec = typing.cast(VarCodec, self._codec)  # (a fixed queue's leases come from QueueShard)
+        if len(rows) == 1 and self._cache:  # lease(1): the cached body, decoded alone
+            seq = rows[0][2]
+            with self._cache_lock:
+                body = self._cache.get(seq)
+                if body is not None:
+                    self._cache.move_to_end(seq)
+            if body is not None:
+                try:
+                    return [codec.decode(body)]
+                except Exception:  # noqa: BLE001 - the general path below dead-letters it
+                    pass
+        bodies: list[bytes | None] = [None] * len(rows)
+        missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                cache = self._cache
-                for row in rows:
-                    body = cache.get(row[2])
+                get, touch = self._cache.get, self._cache.move_to_end
+                for i, row in enumerate(rows):
+                    body = get(row[2])
                     if body is not None:
-                        cache.move_to_end(row[2])
-                        cached[row[2]] = body
-        out: list[Any] = []
+                        touch(row[2])
+                        bodies[i] = body
+                        missing -= 1
+        if not missing and len(rows) > 1:
+            out = codec.decode_many(typing.cast(list[bytes], bodies))
+            if out is not None:
+                return out
+        out = []
         poisoned: list[tuple[LeaseToken, Exception]] = []
-        for shard_no, due, seq, epoch in rows:
+        for (shard_no, due, seq, epoch), body in zip(rows, bodies, strict=True):
             err: Exception
             try:
-                body = cached.get(seq) or self._body_for_lease(shard_no, due, seq, epoch)
+                if body is None:
+                    body = self._body_for_lease(shard_no, due, seq, epoch)
                 if body is None:
                     out.append(_GONE)
                     continue
@@ -810,7 +839,7 @@ class Queue(Generic[T]):
                 err = e
             else:
                 try:
-                    out.append(decode(body))
+                    out.append(codec.decode(body))
                     continue
                 except Exception as e:  # noqa: BLE001 - whatever the decoder raises
                     err = e
@@ -1840,11 +1869,11 @@ class Queue(Generic[T]):
         payload = self._payload
         if payload is not None:
             # The bodies first: logged before the headers, applied before them (Q15).
+            # Their log rows ["B", payload name, key (qrows.body_key), body, gsn] come
+            # packed by a compiled loop, as the headers' do.
             g0 = plan.gsns(n)
-            pname = self.spec.payload_name
-            items: list[tuple[bytes, bytes | None, int]] = [
-                ((first + i).to_bytes(8, "big"), body, g0 + i) for i, body in enumerate(payloads)]  # qrows.body_key
-            plan.rows += [["B", pname, key, body, gsn] for key, body, gsn in items]
+            packed, items = body_rows(self._body_row_head, np.arange(first, first + n, dtype=np.uint64), payloads, g0)
+            plan.packed.append((n, packed))
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
@@ -1878,6 +1907,14 @@ class Queue(Generic[T]):
     def _tx_ack_many(self, plan: Plan, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                      epochs: np.ndarray) -> int:
         """Plan the acks of a batch (ids distinct); ``StaleToken`` if any lease is no longer held."""
+        payload = self._payload
+        if payload is not None:
+            # The bodies' deletes, logged first (ahead of the headers' rows), applied last.
+            ids = seqs.tolist()
+            packed, items = body_rows(self._body_row_head, np.ascontiguousarray(seqs, dtype=np.uint64), None,
+                                      plan.gsns(len(ids)))
+            plan.packed.append((len(ids), packed))
+            plan.add_bitcask(payload)
         buf = bytearray()
         rows = 0
         shards = self._shards
@@ -1900,15 +1937,7 @@ class Queue(Generic[T]):
             plan.apply.append(functools.partial(sh.apply_ack_block, d, q, slots, versions))
             rows += len(slots)
         plan.packed.append((rows, bytes(buf)))
-        payload = self._payload
         if payload is not None:
-            ids = seqs.tolist()
-            g0 = plan.gsns(len(ids))
-            pname = self.spec.payload_name
-            items: list[tuple[bytes, bytes | None, int]] = [
-                (seq.to_bytes(8, "big"), None, g0 + i) for i, seq in enumerate(ids)]  # qrows.body_key
-            plan.rows += [["B", pname, key, None, gsn] for key, _, gsn in items]
-            plan.add_bitcask(payload)
 
             def apply_deletes() -> None:
                 payload.write_many_locked(items)

@@ -1056,3 +1056,80 @@ def test_s6_compiled_record_and_hint_entry_match_the_format(gsn, kf, vf, offset,
     assert buf == b"head" + entry
     with pytest.raises(TypeError):
         bitcask_record(gsn, None, vf, RECORD_MAGIC)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.binary(max_size=40), st.one_of(st.none(), st.binary(max_size=500)),
+                            st.integers(1, 5)), max_size=30),
+    present=st.sets(st.binary(max_size=40), max_size=10),
+    flag=st.sampled_from([0, 1 << 62]),
+    off=st.integers(0, 2**40),
+)
+def test_s6_group_encoder_writes_what_record_by_record_writes(rows, present, flag, off):
+    # SPEC S6: a batch's records, hint entries and index entries are those of its records
+    # written one by one; a delete of a key the index lacks writes nothing
+    from armdb._core.fixed import bitcask_group
+    from armdb.bitcask import TOMBSTONE
+
+    index = {k: None for k in present}
+    gsn = 0
+    items = []
+    for key, value, step in rows:
+        gsn += step
+        items.append((key, value, gsn))
+    got = bitcask_group(items, index, 0, flag, RECORD_MAGIC, 7, off, 0xFFFF - 28, 2**32)
+    assert got is not None
+    data, hints, keys, entries, deletes = got
+    want_data, want_hints, want_keys, want_entries = b"", b"", [], []
+    at = off
+    for key, value, g in items:
+        if value is None and key not in index:
+            continue
+        word = g | (TOMBSTONE if value is None else 0) | (flag if not want_keys else 0)
+        rec = _reference_record(word, key, value or b"")
+        want_data += rec
+        want_hints += HINT_ENTRY.pack(word, at, len(value or b""), len(key)) + key
+        want_keys.append(key)
+        want_entries.append((7, at, len(rec), word, None))
+        at += len(rec)
+    assert (data, hints, keys, entries) == (want_data, want_hints, want_keys, want_entries)
+    assert deletes == sum(1 for e in want_entries if e[3] & TOMBSTONE)
+
+
+@pytest.mark.parametrize("items", [
+    [("k", b"v", 1)],                      # a key that is not bytes
+    [(b"k", "v", 1)],                      # a value that is not bytes
+    [(b"k", b"v", 2), (b"j", b"v", 2)],    # gsns not increasing
+    [(b"k", b"v", 0)],                     # gsn 0
+    [(b"k", b"v", 1 << 60)],               # above the gsn mask
+    [[b"k", b"v", 1]],                     # not a tuple
+    [(b"k" * 70000, b"v", 1)],             # a key above the limit
+    [(b"k", b"v", 5)],                     # not above the shard's highest gsn (5)
+])
+def test_s6_group_encoder_leaves_anything_not_plain_to_the_checked_path(items):
+    # SPEC S6: the compiled pass never writes what the per-record path would refuse
+    from armdb._core.fixed import bitcask_group
+
+    assert bitcask_group(items, {}, 5 if items[0][2] == 5 else 0, 0, RECORD_MAGIC, 1, 0, 0xFFFF - 28, 2**32) is None
+
+
+def test_s6_store_group_write_refuses_bad_items_and_writes_nothing(tmp_path: Path):
+    # SPEC S6: a batch with one bad item is refused whole by write_many_locked
+    gsn = Gsn()
+    store = open_store(tmp_path / "s", gsn)
+    try:
+        with pytest.raises(PayloadTypeError):
+            store.write_many_locked([(b"a", b"1", 1), ("b", b"2", 2)])
+        assert store.get(b"a") is None
+        store.write_many_locked([(b"a", b"1", 1), (b"b", b"2", 2), (b"zz", None, 3)])
+        assert store.get(b"a") == b"1" and store.get(b"b") == b"2"
+        store.write_many_locked([(b"a", None, 4)])
+        assert store.get(b"a") is None
+    finally:
+        store.close()
+    store = open_store(tmp_path / "s", gsn)
+    try:
+        assert store.get(b"a") is None and store.get(b"b") == b"2"
+    finally:
+        store.close()

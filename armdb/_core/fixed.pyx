@@ -309,6 +309,224 @@ def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_
     return _crc_update(crc ^ _ONES, p, 22 + klen) ^ _ONES
 
 
+cdef uint64_t _TOMBSTONE = 1ULL << 63
+cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
+
+
+def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint16_t magic, object fid,
+                  Py_ssize_t off, Py_ssize_t max_key, Py_ssize_t max_value):
+    """The records of a batch for one unencrypted Bitcask shard, to append in one write
+    (``armdb.bitcask``'s group write): one pass over ``items`` (``(key, value, gsn)``
+    tuples, ``value`` None for a delete) instead of a Python loop per record.
+
+    Same records as :func:`bitcask_record` and hint entries as :func:`hint_append` would
+    give, record by record: the gsn word of a delete carries the tombstone bit, and the
+    first record written carries ``flag`` (everything before it was synced).  A delete of
+    a key ``index`` does not hold writes nothing.
+
+    Returns ``(data, hints, keys, entries, deletes)``: the records end to end (the first
+    at file offset ``off``), their hint entries end to end, the keys written and, for each,
+    the index entry ``(fid, offset, size, gsn_word, None)``, and how many are deletes; or None when an item is not
+    plain: not a 3-tuple, a key that is not ``bytes`` or longer than ``max_key``, a value
+    neither None nor ``bytes`` or longer than ``max_value``, a gsn that is not an int
+    above the one before it, above ``highest`` (the first written) and at most the gsn
+    mask.  The caller's Python path then checks the batch and raises the right error.
+    """
+    cdef Py_ssize_t n = len(items), i, k = 0, klen, vlen, total = 0, htotal = 0, rsize, deletes = 0
+    cdef uint64_t gsn, prev = 0, word
+    cdef object item, key, value, g
+    cdef list keys = []
+    cdef list entries = []
+    cdef bint first = True
+    cdef bytearray kept = bytearray(n)  # 1 for the items written
+    cdef uint8_t* kp = <uint8_t*>PyByteArray_AS_STRING(kept)
+    for i in range(n):
+        item = items[i]
+        if type(item) is not tuple or len(<tuple>item) != 3:
+            return None
+        key = (<tuple>item)[0]
+        value = (<tuple>item)[1]
+        g = (<tuple>item)[2]
+        if type(key) is not bytes or type(g) is not int or g <= 0 or g > _SEQ_MASK:
+            return None
+        gsn = g
+        if gsn <= prev:
+            return None
+        prev = gsn
+        klen = len(<bytes>key)
+        if klen > max_key:
+            return None
+        if value is None:
+            if key not in index:
+                continue  # deleting a missing key writes nothing
+            vlen = 0
+            deletes += 1
+        elif type(value) is not bytes:
+            return None
+        else:
+            vlen = len(<bytes>value)
+            if vlen > max_value:
+                return None
+        if first:
+            if gsn <= highest:
+                return None
+            first = False
+        rsize = 20 + klen + vlen
+        total += rsize + ((-rsize) & 7)
+        htotal += 22 + klen
+        keys.append(key)
+        kp[i] = 1
+    if not keys:
+        return (b"", b"", keys, entries, 0)
+    data = PyBytes_FromStringAndSize(NULL, total)
+    hints = PyBytes_FromStringAndSize(NULL, htotal)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
+    cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
+    cdef uint32_t crc
+    cdef Py_ssize_t at = off
+    for i in range(n):
+        if not kp[i]:
+            continue  # a delete of a missing key
+        item = items[i]
+        key = (<tuple>item)[0]
+        value = (<tuple>item)[1]
+        k += 1
+        word = <uint64_t>(<tuple>item)[2]
+        klen = len(<bytes>key)
+        if value is None:
+            word |= _TOMBSTONE
+            vlen = 0
+        else:
+            vlen = len(<bytes>value)
+        if k == 1:
+            word |= flag
+        rsize = 20 + klen + vlen
+        store_u64(p, word)
+        store_u32(p + 12, <uint32_t>vlen)
+        p[16] = <uint8_t>magic
+        p[17] = <uint8_t>(magic >> 8)
+        p[18] = <uint8_t>klen
+        p[19] = <uint8_t>(klen >> 8)
+        memcpy(p + 20, PyBytes_AS_STRING(key), klen)
+        if vlen:
+            memcpy(p + 20 + klen, PyBytes_AS_STRING(value), vlen)
+        memset(p + rsize, 0, (-rsize) & 7)
+        crc = _crc_update(_ONES, p, 8)
+        store_u32(p + 8, _crc_update(crc, p + 12, rsize - 12) ^ _ONES)
+        store_u64(h, word)
+        store_u64(h + 8, <uint64_t>at)
+        store_u32(h + 16, <uint32_t>vlen)
+        h[20] = <uint8_t>klen
+        h[21] = <uint8_t>(klen >> 8)
+        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
+        h += 22 + klen
+        rsize += (-rsize) & 7
+        entries.append((fid, at, rsize, word, None))
+        p += rsize
+        at += rsize
+    return (data, hints, keys, entries, deletes)
+
+
+cdef inline uint8_t* _pack_uint(uint8_t* p, uint64_t v) noexcept:
+    """``v`` as msgpack packs a non-negative int: the shortest form."""
+    cdef int i, w
+    if v < 0x80:
+        p[0] = <uint8_t>v
+        return p + 1
+    if v < 0x100:
+        p[0] = 0xcc
+        w = 1
+    elif v < 0x10000:
+        p[0] = 0xcd
+        w = 2
+    elif v < 0x100000000:
+        p[0] = 0xce
+        w = 4
+    else:
+        p[0] = 0xcf
+        w = 8
+    for i in range(w):
+        p[1 + i] = <uint8_t>(v >> (8 * (w - 1 - i)))
+    return p + 1 + w
+
+
+def body_rows(bytes head not None, const uint64_t[::1] seqs, list bodies, uint64_t g0):
+    """The log rows and Bitcask items of a var batch's bodies, without a Python loop.
+
+    Row ``i`` is ``head`` (the packed start of ``["B", payload_name, ...``: a fixarray of
+    5, "B" and the name) then the key (row ``seqs[i]`` as 8 big-endian bytes, msgpack
+    ``bin 8``), the body (``bodies[i]`` as msgpack ``bin``; nil for a delete: ``bodies``
+    None) and the gsn ``g0 + i``: the bytes ``msgpack.packb`` gives for the row, end to
+    end, for ``TxLog.append``'s packed rows.  Also returns the items
+    ``(key, body or None, gsn)`` for the store's group write.  The caller checked the
+    bodies (``bytes``, within the value limit).
+    """
+    cdef Py_ssize_t n = seqs.shape[0], i, hlen = len(head), total = 0, blen
+    cdef uint64_t q
+    cdef object body
+    if bodies is not None and len(bodies) != n:
+        raise ValueError("body_rows needs one body per row")
+    for i in range(n):
+        total += hlen + 10 + 9 + 1
+        if bodies is not None:
+            body = bodies[i]
+            if type(body) is not bytes:
+                raise TypeError("body_rows takes bytes bodies")
+            total += 5 + len(<bytes>body)
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(out)
+    cdef uint8_t* start = p
+    cdef list items = []
+    for i in range(n):
+        q = seqs[i]
+        key = PyBytes_FromStringAndSize(NULL, 8)
+        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(q))
+        memcpy(p, PyBytes_AS_STRING(head), hlen)
+        p += hlen
+        p[0] = 0xc4
+        p[1] = 8
+        memcpy(p + 2, PyBytes_AS_STRING(key), 8)
+        p += 10
+        if bodies is None:
+            body = None
+            p[0] = 0xc0
+            p += 1
+        else:
+            body = bodies[i]
+            blen = len(<bytes>body)
+            if blen < 0x100:
+                p[0] = 0xc4
+                p[1] = <uint8_t>blen
+                p += 2
+            elif blen < 0x10000:
+                p[0] = 0xc5
+                p[1] = <uint8_t>(blen >> 8)
+                p[2] = <uint8_t>blen
+                p += 3
+            else:
+                p[0] = 0xc6
+                p[1] = <uint8_t>(blen >> 24)
+                p[2] = <uint8_t>(blen >> 16)
+                p[3] = <uint8_t>(blen >> 8)
+                p[4] = <uint8_t>blen
+                p += 5
+            memcpy(p, PyBytes_AS_STRING(body), blen)
+            p += blen
+        p = _pack_uint(p, g0 + <uint64_t>i)
+        items.append((key, body, g0 + i))
+    return out[:p - start], items
+
+
+cdef inline uint64_t _bswap64(uint64_t v) noexcept nogil:
+    """``v`` with its bytes reversed: stored little-endian, it reads as big-endian."""
+    cdef uint64_t r = 0
+    cdef int i
+    for i in range(8):
+        r = (r << 8) | (v & 0xFF)
+        v >>= 8
+    return r
+
+
 def slot_crc(uint32_t meta, const uint8_t[::1] body):
     """The CRC a slot with this meta and body must carry."""
     return _slot_crc(meta, &body[0] if body.shape[0] else NULL, body.shape[0])

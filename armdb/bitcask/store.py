@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_record
+from .._core.fixed import bitcask_group, bitcask_record
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
@@ -384,32 +384,37 @@ class BitcaskStore:
                 self._poisoned = f"could not undo a failed append to {act.path}"
             raise _storage_error(e, f"append to {act.path} failed; nothing was written") from e
 
-    def _write_group(self, sh: _Shard, items: list[tuple[bytes, bytes | None, int]]) -> bool:
-        """:meth:`_write` of several records (gsns increasing) in one append; True if the
-        shard rotated (then each record went on its own, as a rotation may fall between)."""
+    @staticmethod
+    def _group_flag(sh: _Shard) -> int:
+        """The first record of an append says everything before it was synced, when so."""
         act = sh.active
-        recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
-        flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
-        if self._sealer is None:  # what _encode does without a key, one call less per record
-            recs = [(bitcask_record(w, key, v, RECORD_MAGIC), key, len(v), w)
-                    for key, v, w in [(key, b"" if value is None else value, seq | (TOMBSTONE if value is None else 0))
-                                      for key, value, seq in items]]
-            if flag:  # only the first record can say that everything before it was synced
-                _, key, vlen, w = recs[0]
-                value = items[0][1]
-                recs[0] = (bitcask_record(w | flag, key, b"" if value is None else value, RECORD_MAGIC), key, vlen,
-                           w | flag)
+        return SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
+
+    def _write_group(self, sh: _Shard, items: list[tuple[bytes, bytes | None, int]], got: Any = None) -> bool:
+        """:meth:`_write` of several records (gsns increasing) in one append; True if the
+        shard rotated (then each record went on its own, as a rotation may fall between).
+        ``got``: what :func:`bitcask_group` made of ``items`` already, if it ran."""
+        act = sh.active
+        flag = self._group_flag(sh)
+        if self._sealer is None:
+            if got is None:
+                got = bitcask_group(items, sh.index, 0, flag, RECORD_MAGIC, act.fid, act.size, MAX_KEY_LEN,
+                                    MAX_VALUE_LEN)
+                assert got is not None, "write_many_locked passes checked items"
+            data, hints, keys, entries, deletes = got
         else:
+            recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
             for key, value, seq in items:
                 gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
                 flag = 0  # only the first record can say that everything before it was synced
-                rec, kf, vlen = self._encode(key, value, gsn_word)
-                recs.append((rec, kf, vlen, gsn_word))
-        data = b"".join([r[0] for r in recs])
+                recs.append((*self._encode(key, value, gsn_word), gsn_word))
+            data = b"".join([r[0] for r in recs])
+            keys, entries, deletes = [], [], sum(1 for _, value, _ in items if value is None)
         if act.total and act.size + len(data) > self.config.max_file_size:
             rotated = False
             for key, value, seq in items:
-                rotated = self._write(sh, key, value, seq) or rotated
+                if value is not None or key in sh.index:  # a delete of a missing key writes nothing
+                    rotated = self._write(sh, key, value, seq) or rotated
             return rotated
         off = act.size
         self._pwrite(act, data, off)
@@ -417,25 +422,34 @@ class BitcaskStore:
         act.total += len(data)
         sh.dirty = True
         _fail.point("bitcask.after_append")
-        index, tombs, fid, hint_add = sh.index, sh.tombs, act.fid, sh.hint.add
-        for (key, value, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
-            size = len(rec)
-            hint_add(gsn_word, off, vlen, kf)
-            if value is None:
-                old = index.get(key)
-                if old is not None and old[0] == fid and old[4] is None:
-                    # The common delete (a var ack's body): a put in this same file that no
-                    # older file's record can outlive, so both it and the tombstone are
-                    # garbage at once (what _index_update concludes, without the call).
-                    del index[key]
-                    act.dead += old[2] + size
-                else:
-                    self._index_update(sh, key, fid, off, size, gsn_word)
-            elif key in index or key in tombs:
-                self._index_update(sh, key, fid, off, size, gsn_word)
-            else:
-                index[key] = (fid, off, size, gsn_word, None)  # a new key: nothing older to mask
-            off += size
+        index, tombs, fid = sh.index, sh.tombs, act.fid
+        if self._sealer is not None:
+            hint_add = sh.hint.add
+            for (key, _, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
+                hint_add(gsn_word, off, vlen, kf)
+                keys.append(key)
+                entries.append((fid, off, len(rec), gsn_word, None))
+                off += len(rec)
+        else:
+            sh.hint.add_raw(hints, len(keys))
+        if not deletes and not tombs and index.keys().isdisjoint(keys):
+            index.update(zip(keys, entries))  # new keys only (a push's bodies): nothing older to mask
+        else:
+            for key, entry in zip(keys, entries, strict=True):
+                gsn_word = entry[3]
+                if gsn_word & TOMBSTONE:
+                    old = index.get(key)
+                    if old is not None and old[0] == fid and old[4] is None:
+                        # The common delete (a var ack's body): a put in this same file that
+                        # no older file's record can outlive, so both it and the tombstone
+                        # are garbage at once (what _index_update concludes, without the call).
+                        del index[key]
+                        act.dead += old[2] + entry[2]
+                        continue
+                elif key not in index and key not in tombs:
+                    index[key] = entry  # a new key: nothing older to mask
+                    continue
+                self._index_update(sh, key, fid, entry[1], entry[2], gsn_word)
         sh.highest = items[-1][2]
         return False
 
@@ -993,8 +1007,25 @@ class BitcaskStore:
         """:meth:`write_locked` of a batch's committed rows (the caller holds the lock of
         every key's shard; gsns increase in item order): the records of each shard are
         appended to its data file in one write.  A delete of a missing key writes nothing."""
-        groups: dict[int, list[tuple[bytes, bytes | None, int]]] = {}
         shards = self._shards
+        if len(shards) == 1 and self._sealer is None:
+            # One shard, no key: the compiled group encoder checks the items and skips
+            # deletes of missing keys in the same pass; anything it finds not plain goes
+            # the general way below, which raises the matching error.
+            sh = shards[0]
+            if sh.closed or self._poisoned is not None:
+                self.check_writable()
+            act = sh.active
+            got = bitcask_group(items, sh.index, sh.highest, self._group_flag(sh), RECORD_MAGIC, act.fid, act.size,
+                                MAX_KEY_LEN, MAX_VALUE_LEN)
+            if got is not None:
+                if got[2]:
+                    if self._write_group(sh, items, got):
+                        sh.compact_due = True
+                        self._compact_deferred = True
+                    self._maybe_sync(sh)
+                return
+        groups: dict[int, list[tuple[bytes, bytes | None, int]]] = {}
         nsh = len(shards)
         prev = 0
         for item in items:

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Instructions per job of a batched cycle (push_many → lease_batch → ack_many), counted
-# by callgrind: (Ir(N batches) - Ir(0)) / (N * size), so the interpreter's start-up and
+# by callgrind in the main thread: (Ir(N batches) - Ir(0)) / (N * size), so the interpreter's start-up and
 # the Db's open cancel out.  Queues at the defaults a user gets (Db.open, no config), as
 # `python -m armdb bench --only batch` runs them.
 #
@@ -31,8 +31,16 @@ with tempfile.TemporaryDirectory() as d:
     db.shutdown()
 '
 ir() {
-    PYTHONPATH=$tree valgrind --tool=callgrind --callgrind-out-file=/dev/null "$py" -c "$prog" "$kind" "$size" "$1" 2>&1 |
-        awk '/Collected/ {print $4}'
+    # The main thread's count only: the Db's flusher thread wakes on a wall-clock timer,
+    # so its share grows with how slowly valgrind runs (the host's load), by several
+    # thousand instructions per job (docs/performance.md).
+    out=$(mktemp -d)
+    # From the temporary folder: \`python -c\` puts the working folder first on sys.path,
+    # which would shadow TREE's armdb with the one of the folder the script runs from.
+    (cd "$out" && PYTHONPATH=$tree valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out/cg" \
+        "$py" -c "$prog" "$kind" "$size" "$1" >/dev/null 2>&1)
+    awk '/^(summary|totals):/ {print $2; exit}' "$out/cg-01"
+    rm -rf "$out"
 }
 a=$(ir 0)
 b=$(ir "$n")

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Instructions per queue cycle, counted by callgrind: (Ir(N) - Ir(0)) / N, so that the
+# Instructions per queue cycle, counted by callgrind in the main thread: (Ir(N) - Ir(0)) / N, so that the
 # interpreter's start-up cancels out.  Wall-clock A/B runs on a shared 2-core host move
 # by 30% or more within minutes; this count moves by 1-2k (docs/performance.md).
 #
@@ -35,8 +35,16 @@ with tempfile.TemporaryDirectory() as d:
     db.shutdown()
 '
 ir() {
-    PYTHONPATH=$tree valgrind --tool=callgrind --callgrind-out-file=/dev/null "$py" -c "$prog" "$kind" "$1" 2>&1 |
-        awk '/Collected/ {print $4}'
+    # The main thread's count only: the Db's flusher thread wakes on a wall-clock timer,
+    # so its share grows with how slowly valgrind runs (the host's load), by several
+    # thousand instructions per job (docs/performance.md).
+    out=$(mktemp -d)
+    # From the temporary folder: \`python -c\` puts the working folder first on sys.path,
+    # which would shadow TREE's armdb with the one of the folder the script runs from.
+    (cd "$out" && PYTHONPATH=$tree valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$out/cg" \
+        "$py" -c "$prog" "$kind" "$1" >/dev/null 2>&1)
+    awk '/^(summary|totals):/ {print $2; exit}' "$out/cg-01"
+    rm -rf "$out"
 }
 a=$(ir 0)
 b=$(ir "$n")

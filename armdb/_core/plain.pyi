@@ -1,0 +1,6 @@
+"""Stubs for the compiled ``armdb._core.plain`` (see plain.pyx)."""
+
+from typing import Any
+
+def reads_back(values: list[Any]) -> bool: ...
+def reads_back_one(value: Any) -> bool: ...
