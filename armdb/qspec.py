@@ -174,6 +174,9 @@ class FixedCodec:
         floats = _float_fields(dtype) if self._struct is not None else ()
         self._float_at = floats[0] if len(floats) == 1 else -1  # the common case: one float field
         self._floats = floats if len(floats) > 1 else ()
+        # The struct whose pack(*value) is encode(value) for any tuple of _nfields that it
+        # packs (no float field to type-check first); None otherwise (armdb._core.qshard).
+        self.plain_struct = self._struct if not floats else None
 
     def encode(self, value: Any) -> bytes:
         st = self._struct

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 import numpy as np
 
 from . import _fail, _fs, transitions
-from ._clock import ms_to_datetime, to_ms, to_seconds
+from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.fixed import body_rows, ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, FOREIGN, QueueShard
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FOREIGN, FixedFast, QueueShard
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -357,6 +357,9 @@ class Queue(Generic[T]):
         self._payload: BitcaskStore | None = None
         self._headers: FixedStore | None = None
         self._shards: list[_Shard] = []
+        # A fixed queue's push, lease and ack in one compiled call each (FixedFast), which
+        # hands anything but the common arguments back to _push, _lease and _ack.
+        self._fast: FixedFast | None = None
         self._counter_lock = threading.Lock()  # guards the counters below (per-shard ones live on _Shard)
         # A new value at every push and nack (next() on a count is atomic under the GIL,
         # and never repeats one): waiters compare it to detect missed wakeups.
@@ -446,6 +449,13 @@ class Queue(Generic[T]):
                 self._drop_headers_without_body()
                 self._orphan_pass()
             self._schedule_retention()
+            if not self.spec.var:
+                codec = typing.cast(FixedCodec, self._codec)
+                self._fast = FixedFast(
+                    self, db, self._shards, db.clock is system_clock, db.clock, ms_to_datetime, db.seqmap,
+                    self._seq_name, self._encode, codec.plain_struct, len(self.spec.dtype.names or ()),
+                    self._lease_ms, self._max_attempts, MAX_LEASE, MAX_DUE_MS, self._max_depth is None,
+                    self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
         except BaseException:
             self._headers.close()
             if self._payload is not None:
@@ -582,6 +592,12 @@ class Queue(Generic[T]):
         DbClosed
             The database is closed.
         """
+        fast = self._fast
+        if fast is not None and delay is None:
+            return fast.push(payload)  # type: ignore[no-any-return]
+        return self._push(payload, delay)
+
+    def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
         delay_ms = self._delay_ms(delay, now)
         body = self._encode(payload)
@@ -942,11 +958,6 @@ class Queue(Generic[T]):
         n = len(seqs)
         if n == 0:
             return 0
-        if n > 1:
-            ordered = np.sort(seqs)
-            twice = ordered[1:] == ordered[:-1]
-            if twice.any():  # (np.unique hashes: several times slower on a batch this small)
-                raise StaleToken(f"row {int(ordered[1:][twice][0])} appears twice in this batch; nothing was acked")
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
@@ -1043,6 +1054,12 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
+        fast = self._fast
+        if fast is not None and lease_timeout is None:
+            return fast.lease(n)  # type: ignore[no-any-return]
+        return self._lease(n, lease_timeout)
+
+    def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")
         now = self._check()
         deadline = now + lease_ms
@@ -1382,6 +1399,13 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
+        fast = self._fast
+        if fast is not None:
+            fast.ack(token)
+            return
+        self._ack(token)
+
+    def _ack(self, token: Lease[T] | LeaseToken) -> None:
         if type(token) is not LeaseToken:
             token = as_token(token)
         if self._lease_timeouts:
@@ -2018,6 +2042,8 @@ class Queue(Generic[T]):
             d, q, e = (np.ascontiguousarray(a) for a in (d, q, e))
             slots, versions, bad, code = sh.plan_ack_block(self._name_field, d, q, e, buf)
             if slots is None:
+                if code == DUPLICATE:  # each row lives in one shard: a repeat is seen there
+                    raise StaleToken(f"row {int(q[bad])} appears twice in this batch; nothing was acked")
                 tok = LeaseToken(self._handle, k, int(d[bad]), int(q[bad]), int(e[bad]))
                 raise StaleToken(f"{self._stale(tok, code == ABSENT)} (nothing of this batch was acked)")
             plan.add_fixed(sh.fixed)

@@ -102,7 +102,8 @@ class SeqMap:
         # lock: next() on a range iterator is one atomic step under the GIL.  Ids in it
         # are below ``_next`` (where that range stops: a quarter of a block on), and
         # a new iterator is installed, under the lock, only once the old one is empty, so
-        # ids still come out increasing.
+        # ids still come out increasing.  The dict is never replaced: a fixed queue's
+        # compiled push (armdb._core.qshard.FixedFast) holds it and does what next() does.
         self._rest: dict[str, collections.abc.Iterator[int]] = {}
         self._span: dict[str, int] = {}  # block size of a name drawn in batches (else ID_BLOCK)
         self.flushes = 0

@@ -59,6 +59,10 @@ cdef uint32_t _ONES = 0xFFFFFFFF
 
 cdef uint32_t _table[8][256]
 
+# Slot statuses as C constants for the kernels (the Python names above are module globals).
+cdef enum:
+    _ST_OCCUPIED = 1
+
 
 cdef void _init_table() noexcept:
     cdef uint32_t c, i, k
@@ -80,9 +84,34 @@ cdef void _init_table() noexcept:
 _init_table()
 
 
+cdef extern from "crc_clmul.h":
+    int armdb_clmul_ok() noexcept nogil
+    uint32_t armdb_crc_clmul(uint32_t crc, const uint8_t* buf, size_t length) noexcept nogil
+
+# Carry-less multiplication folds 16 bytes in a few instructions where slice-by-8 takes
+# about 30 for 8 (crc_clmul.h); used when the CPU has it (x86-64 with PCLMULQDQ).
+cdef bint _clmul = armdb_clmul_ok() != 0
+
+
+def use_clmul(flag=None):
+    """Whether CRCs use carry-less multiplication (tests turn it off to check the tables);
+    ``flag`` switches it, on only where the CPU has the instruction.  Returns the setting."""
+    global _clmul
+    if flag is not None:
+        _clmul = bool(flag) and armdb_clmul_ok() != 0
+    return _clmul
+
+
 cdef inline uint32_t _crc_update(uint32_t crc, const uint8_t* p, Py_ssize_t n) noexcept nogil:
-    """Raw CRC update (no pre/post inversion); slice-by-8 over the aligned middle."""
+    """Raw CRC update (no pre/post inversion): by carry-less multiplication over whole
+    16-byte blocks where the CPU has it, slice-by-8 tables for the rest."""
     cdef uint32_t lo, hi
+    cdef Py_ssize_t head
+    if n >= 16 and _clmul:
+        head = n & ~(<Py_ssize_t>15)
+        crc = armdb_crc_clmul(crc, p, <size_t>head)
+        p += head
+        n -= head
     while n >= 8:
         lo = crc ^ (<uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24))
         hi = <uint32_t>p[4] | (<uint32_t>p[5] << 8) | (<uint32_t>p[6] << 16) | (<uint32_t>p[7] << 24)
@@ -97,6 +126,86 @@ cdef inline uint32_t _crc_update(uint32_t crc, const uint8_t* p, Py_ssize_t n) n
         p += 1
         n -= 1
     return crc
+
+
+# -- appending zero bytes to a CRC in four table lookups ----------------------------------------
+# A slot's body is its row (n bytes) then zeros up to the slot's width, and a freed slot's
+# body is all zeros; the raw CRC update over k zero bytes is a linear map of the 32-bit
+# state (GF(2)), so it is four lookups in tables built once per k (zlib's crc32_combine
+# computes the same map by repeated squaring).  A small cache holds the maps of the few k
+# a process uses (a queue's slot width minus its row length, and the whole width).
+cdef enum:
+    _ZCACHE = 8
+cdef uint32_t _zext[_ZCACHE][4][256]
+cdef Py_ssize_t _zext_k[_ZCACHE]
+cdef int _zext_used = 0
+cdef int _zext_next = 0
+cdef uint8_t _zeros[512]
+
+
+cdef uint32_t _crc_zeros_slow(uint32_t crc, Py_ssize_t k) noexcept nogil:
+    """The raw CRC update over ``k`` zero bytes, byte table by byte table."""
+    cdef Py_ssize_t step
+    while k > 0:
+        step = k if k < 512 else 512
+        crc = _crc_update(crc, _zeros, step)
+        k -= step
+    return crc
+
+
+cdef int _zext_build(Py_ssize_t k) noexcept nogil:
+    """The cache entry of the zero-extension map over ``k`` bytes (built if missing)."""
+    global _zext_used, _zext_next
+    cdef int c, j, b
+    cdef uint32_t col[32]
+    cdef uint32_t v
+    for c in range(_zext_used):
+        if _zext_k[c] == k:
+            return c
+    if _zext_used < _ZCACHE:
+        c = _zext_used
+        _zext_used += 1
+    else:
+        c = _zext_next
+        _zext_next = (_zext_next + 1) % _ZCACHE
+    for b in range(32):
+        col[b] = _crc_zeros_slow(<uint32_t>1 << b, k)
+    for j in range(4):
+        _zext[c][j][0] = 0
+        for v in range(1, 256):
+            # v's lowest set bit, and v without it (already in the table)
+            b = 0
+            while not (v >> b) & 1:
+                b += 1
+            _zext[c][j][v] = _zext[c][j][v & (v - 1)] ^ col[8 * j + b]
+    _zext_k[c] = k
+    return c
+
+
+cdef inline uint32_t _crc_zeros(uint32_t crc, Py_ssize_t k) noexcept nogil:
+    """``_crc_update(crc, k zero bytes)`` in four lookups once the map of ``k`` is cached.
+    Callers hold the GIL (the cache is shared); GIL-free code uses ``_crc_update``."""
+    cdef int c
+    if k <= 0:
+        return crc
+    if _zext_used and _zext_k[0] == k:
+        c = 0
+    elif _zext_used > 1 and _zext_k[1] == k:
+        c = 1
+    else:
+        c = _zext_build(k)
+    return (_zext[c][0][crc & 0xFF] ^ _zext[c][1][(crc >> 8) & 0xFF] ^
+            _zext[c][2][(crc >> 16) & 0xFF] ^ _zext[c][3][crc >> 24])
+
+
+def crc32_padded(const uint8_t[::1] data, Py_ssize_t width, uint32_t crc=0):
+    """``zlib.crc32(data + bytes(width - len(data)), crc)`` through the zero-extension map
+    the slot writes use (a test of the map against zlib)."""
+    cdef Py_ssize_t n = data.shape[0]
+    if width < n:
+        raise ValueError("width is below the data's length")
+    crc = _crc_update(crc ^ _ONES, &data[0] if n else NULL, n)
+    return _crc_zeros(crc, width - n) ^ _ONES
 
 
 cdef inline uint32_t _slot_crc(uint32_t meta, const uint8_t* body, Py_ssize_t n) noexcept nogil:
@@ -631,9 +740,9 @@ cdef class SlotFile:
 
     cdef void _set_status(self, Py_ssize_t i, uint8_t st) noexcept:
         cdef uint8_t old = self.status[i]
-        if old == OCCUPIED and st != OCCUPIED:
+        if old == _ST_OCCUPIED and st != _ST_OCCUPIED:
             self.occupied -= 1
-        elif old != OCCUPIED and st == OCCUPIED:
+        elif old != _ST_OCCUPIED and st == _ST_OCCUPIED:
             self.occupied += 1
         self.status[i] = st
 
@@ -662,11 +771,23 @@ cdef class SlotFile:
         cdef uint32_t meta = (v << 2) | <uint32_t>st
         cdef uint8_t* rec = &self.redo[_REDO_OFFSET]
         cdef uint8_t* img = rec + _REDO_HEAD
+        cdef uint8_t m[4]
+        cdef uint32_t crc
         if n:
             memcpy(img + 8, src, n)
         if n < width:
             memset(img + 8 + n, 0, width - n)
-        store_u32(img + 4, _slot_crc(meta, img + 8, width))
+        # The slot CRC (_slot_crc) over the meta, the n body bytes, then the zero tail.
+        # With carry-less multiplication, whole 16-byte blocks (the zeros after the row
+        # included) are cheaper than a table tail.
+        cdef Py_ssize_t head = n
+        if _clmul and n & 15:
+            head = (n + 15) & ~(<Py_ssize_t>15)
+            if head > width:
+                head = width
+        store_u32(m, meta)
+        crc = _crc_update(_crc_update(_ONES, m, 4), img + 8, head)
+        store_u32(img + 4, _crc_zeros(crc, width - head) ^ _ONES)
         store_u32(img, meta)
         store_u32(rec, _REDO_MAGIC)
         store_u32(rec + 4, <uint32_t>i)

@@ -44,6 +44,7 @@ cdef class KeyIndex:
     cdef Py_ssize_t nleased        # total entries with deadline > 0
     cdef int32_t B
     cdef bint busy                 # a GIL-free walk is running (see "Concurrency")
+    cdef Py_ssize_t fb, fp         # block and position of the entry _find found last (a hint)
 
     cdef int _enter(self) except -1
     cdef void _free_all(self) noexcept nogil
@@ -56,6 +57,8 @@ cdef class KeyIndex:
     cdef Entry* _find(self, uint64_t due, uint64_t seq, Py_ssize_t* bout, Py_ssize_t* pout) noexcept nogil
     cdef int _insert(self, uint64_t due, uint64_t seq, uint32_t slot, int64_t deadline) noexcept nogil
     cdef int64_t _remove(self, uint64_t due, uint64_t seq) noexcept nogil
+    cdef Py_ssize_t _remove_keys(self, const uint64_t* dues, const uint64_t* seqs, Py_ssize_t count,
+                                 int64_t* slots_out) noexcept nogil
     cdef bint _set_deadline(self, uint64_t due, uint64_t seq, int64_t deadline) noexcept nogil
     cdef Py_ssize_t _scan(self, int64_t now, uint64_t* out_due, uint64_t* out_seq,
                           uint32_t* out_slot, int64_t* out_deadline, Py_ssize_t cap) noexcept nogil

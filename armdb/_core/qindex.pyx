@@ -75,7 +75,7 @@ with ``due`` as an unsigned value.
 
 cimport cython
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memmove
 from armdb._core.checked cimport malloc_array
 
@@ -113,6 +113,11 @@ cdef int raise_status(int rc, uint64_t due, uint64_t seq) except -1:
             "callers must hold the shard lock around every call"
         )
     raise InternalError(f"KeyIndex: unknown status {rc}")
+
+
+cdef int _cmp_ssize(const void* a, const void* b) noexcept nogil:
+    cdef Py_ssize_t x = (<const Py_ssize_t*>a)[0], y = (<const Py_ssize_t*>b)[0]
+    return (x > y) - (x < y)
 
 
 cdef inline bint key_lt(uint64_t ad, uint64_t aseq, uint64_t bd, uint64_t bseq) noexcept nogil:
@@ -283,8 +288,36 @@ cdef class KeyIndex:
         """The entry with key (due, seq), or NULL; its block and position go to bout/pout."""
         cdef Py_ssize_t b, pos
         cdef BlockMeta* m
+        cdef Entry* e
         if self.n == 0:
             return NULL
+        # The finger: the entry found last, then its successor in key order (a batch's
+        # keys in order, a plan then its apply, a lease walk): two comparisons instead of
+        # two binary searches.  Bounds are checked, and keys are unique, so a stale
+        # finger only misses.
+        b = self.fb
+        if b < self.nblocks_:
+            m = &self.meta[b]
+            pos = self.fp
+            if pos < m.n:
+                e = &m.e[pos]
+                if e.seq == seq and e.due == due:
+                    bout[0] = b
+                    pout[0] = pos
+                    return e
+                pos += 1
+                if pos == m.n and b + 1 < self.nblocks_:
+                    b += 1
+                    m = &self.meta[b]
+                    pos = 0
+                if pos < m.n:
+                    e = &m.e[pos]
+                    if e.seq == seq and e.due == due:
+                        self.fb = b
+                        self.fp = pos
+                        bout[0] = b
+                        pout[0] = pos
+                        return e
         b = self._find_block(due, seq)
         if b == self.nblocks_:
             return NULL
@@ -292,6 +325,8 @@ cdef class KeyIndex:
         pos = lower_bound(m.e, m.n, due, seq)
         if pos == m.n or m.e[pos].due != due or m.e[pos].seq != seq:
             return NULL
+        self.fb = b
+        self.fp = pos
         bout[0] = b
         pout[0] = pos
         return &m.e[pos]
@@ -375,6 +410,68 @@ cdef class KeyIndex:
                 self._set_last(m)
             self._maybe_merge(b)
         return slot
+
+    cdef Py_ssize_t _remove_keys(self, const uint64_t* dues, const uint64_t* seqs, Py_ssize_t count,
+                                 int64_t* slots_out) noexcept nogil:
+        """Remove the keys ``(dues[j], seqs[j])`` (a batch of acks) with one compaction per
+        block they fall in, instead of one ``memmove`` of the block's tail per key;
+        ``slots_out[j]`` gets the key's slot, or -1 when it is absent (or given twice).
+        Returns how many were removed, or NOMEM (nothing removed)."""
+        cdef Py_ssize_t j, b = 0, pos = 0, nt = 0, removed = 0, t, i, k
+        cdef Py_ssize_t* touched
+        cdef bint ordered = True
+        cdef Entry* e
+        cdef BlockMeta* m
+        if count <= 0 or self.n == 0:
+            for j in range(count):
+                slots_out[j] = -1
+            return 0
+        touched = <Py_ssize_t*>malloc(count * sizeof(Py_ssize_t))
+        if touched == NULL:
+            return NOMEM
+        # Mark: a removed entry's deadline becomes -1 (a real one is never negative).
+        for j in range(count):
+            e = self._find(dues[j], seqs[j], &b, &pos)
+            if e == NULL or e.deadline < 0:
+                slots_out[j] = -1
+                continue
+            slots_out[j] = e.slot
+            if e.deadline > 0:
+                self.meta[b].nleased -= 1
+                self.nleased -= 1
+            e.deadline = -1
+            removed += 1
+            if nt == 0 or touched[nt - 1] != b:
+                if nt and touched[nt - 1] > b:
+                    ordered = False
+                touched[nt] = b
+                nt += 1
+        if not ordered:
+            qsort(touched, nt, sizeof(Py_ssize_t), _cmp_ssize)
+        # Sweep the marked blocks from the last: dropping or merging block b moves only
+        # blocks after it, which are done.
+        t = nt - 1
+        while t >= 0:
+            b = touched[t]
+            t -= 1
+            while t >= 0 and touched[t] == b:
+                t -= 1
+            m = &self.meta[b]
+            k = 0
+            for i in range(m.n):
+                if m.e[i].deadline >= 0:
+                    if k != i:
+                        m.e[k] = m.e[i]
+                    k += 1
+            self.n -= m.n - k
+            m.n = <int32_t>k
+            if k == 0:
+                self._drop_block(b)
+            else:
+                self._set_last(m)
+                self._maybe_merge(b)
+        free(touched)
+        return removed
 
     cdef Py_ssize_t _scan(self, int64_t now, uint64_t* out_due, uint64_t* out_seq,
                           uint32_t* out_slot, int64_t* out_deadline, Py_ssize_t cap) noexcept nogil:
@@ -571,6 +668,21 @@ cdef class KeyIndex:
         """
         self._enter()
         return self._remove(due, seq)
+
+    def remove_many(self, const uint64_t[::1] dues, const uint64_t[::1] seqs):
+        """Remove the rows ``(dues[j], seqs[j])`` in one pass (a batch of acks); returns an
+        ``int64`` array of their slots, -1 where a key is absent or repeated."""
+        cdef Py_ssize_t n = seqs.shape[0], r
+        if dues.shape[0] != n:
+            raise ValueError("remove_many: dues and seqs differ in length")
+        self._enter()
+        out = np.empty(n, dtype=np.int64)
+        cdef int64_t[::1] o = out
+        if n:
+            r = self._remove_keys(&dues[0], &seqs[0], n, &o[0])
+            if r < 0:
+                raise_status(<int>r, 0, 0)
+        return out
 
     def get(self, uint64_t due, uint64_t seq):
         """``(slot, deadline)`` of the row ``(due, seq)``, or None when absent."""

@@ -1,4 +1,4 @@
-from typing import Any
+from typing import Any, final
 
 from armdb._core.qindex import KeyIndex
 
@@ -6,6 +6,7 @@ ACKED: int
 ABSENT: int
 RELEASED: int
 FOREIGN: int
+DUPLICATE: int
 
 def wall_ms() -> int: ...
 
@@ -47,3 +48,13 @@ class QueueShard:
         self, now: int, deadline: int, n: int, max_attempts: int, dues: Any, seqs: Any, attempts: Any, epochs: Any,
         payloads: Any, at: int,
     ) -> tuple[int, int]: ...
+
+@final
+class FixedFast:
+    def __init__(self, queue: Any, db: Any, shards: list[QueueShard], sysclock: bool, clock: Any, to_datetime: Any,
+                 seqmap: Any, seq_name: str, encode: Any, plain: Any, nfields: int, lease_ms: int,
+                 max_attempts: int, max_lease: int, max_due: int, push_ok: bool, lease_timeouts: dict[Any, int],
+                 gens: Any, lease_cls: type, token_cls: type, handle: int) -> None: ...
+    def push(self, payload: Any) -> int: ...
+    def lease(self, n: Any = 1) -> list[Any]: ...
+    def ack(self, token: Any) -> None: ...

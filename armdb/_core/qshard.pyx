@@ -35,6 +35,8 @@ from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcpy
 
@@ -74,11 +76,13 @@ cdef enum:
     _ABSENT = 1      # no live row with this key: acked, nacked or dead-lettered already
     _RELEASED = 2    # the row is there but no longer holds this lease (epoch or state differs)
     _FOREIGN = 3     # ack_token: not a token of this handle and shard (the caller says why)
+    _DUPLICATE = 4   # plan_ack_block: the same lease twice in one batch
 
 ACKED = _ACKED
 ABSENT = _ABSENT
 RELEASED = _RELEASED
 FOREIGN = _FOREIGN
+DUPLICATE = _DUPLICATE
 
 
 cdef struct _Sink:
@@ -185,6 +189,8 @@ cdef class QueueShard:
     cdef Py_ssize_t psize
     cdef bint ordered, hooked
     cdef bint hook_ran       # after_write ran during this call: it may have stashed a sync error
+    cdef bint batching       # a loop of writes: the timed-sync check runs once, at its end
+    cdef Py_ssize_t pending  # the last slot written while batching (-1: none)
     cdef double sync_every
     # Lease building (set_lease_types): fixed queues get their Lease objects from here.
     cdef object lease_cls, token_cls, handle, dtype
@@ -205,6 +211,7 @@ cdef class QueueShard:
         self.ordered = fixed.ordered
         self.hooked = hooked
         self.sync_every = -1.0 if fixed.sync_every is None else fixed.sync_every
+        self.pending = -1
 
     def set_lease_types(self, lease_cls, token_cls, handle, dtype):
         """Make the lease calls return ``lease_cls(id, payload, attempt, deadline,
@@ -259,7 +266,23 @@ cdef class QueueShard:
             sf.commit()
         else:
             sf._put(slot, st, row, n, version, True)
-        if self.hooked or (self.sync_every >= 0 and monotonic_s() - sf.last_sync >= self.sync_every):
+        if self.hooked:
+            self.hook_ran = True
+            (<object>self.fixed).after_write(slot)
+        elif self.sync_every >= 0:
+            if self.batching:
+                self.pending = slot  # one clock read for the whole loop (_end_batch)
+            elif monotonic_s() - sf.last_sync >= self.sync_every:
+                self.hook_ran = True
+                (<object>self.fixed).after_write(slot)
+        return 0
+
+    cdef int _end_batch(self) except -1:
+        """The end of a loop of writes: the timed-sync check they deferred, once."""
+        cdef Py_ssize_t slot = self.pending
+        self.batching = False
+        self.pending = -1
+        if slot >= 0 and monotonic_s() - self.sf.last_sync >= self.sync_every:
             self.hook_ran = True
             (<object>self.fixed).after_write(slot)
         return 0
@@ -279,6 +302,10 @@ cdef class QueueShard:
     def push(self, uint64_t due, uint64_t seq, int64_t now, uint64_t payload_id, bytes payload):
         """Write a new ready row into a free slot (growing the file if none is left)
         and index it; returns the slot."""
+        return self._push_row(due, seq, now, payload_id, payload)
+
+    cdef Py_ssize_t _push_row(self, uint64_t due, uint64_t seq, int64_t now, uint64_t payload_id,
+                              bytes payload) except -1:
         cdef uint8_t row[ROW_HEAD + MAX_PAYLOAD]
         cdef Py_ssize_t n = len(payload), slot
         if n != self.psize:
@@ -378,6 +405,7 @@ cdef class QueueShard:
             n = live.n
         if n > SCAN_STACK:
             buf = <uint64_t*>malloc_array(n, SCAN_WORDS * sizeof(uint64_t))
+        self.batching = True
         try:
             while got < n and live.n:
                 live._enter()
@@ -407,8 +435,10 @@ cdef class QueueShard:
                         memcpy(sink.payloads + w * self.psize, row + ROW_HEAD, self.psize)
                     got += 1
         finally:
+            self.batching = False
             if buf != stack:
                 free(buf)
+        self._end_batch()
         self._raise_stashed()
         return got
 
@@ -581,38 +611,69 @@ cdef class QueueShard:
         cdef const uint8_t* img
         cdef uint64_t due, seq
         self._check()
-        for j in range(count):
-            img = &images[j, 0]
-            self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
-            due = load_be64(img + AT_DUE)
-            seq = load_be64(img + AT_SEQ)
-            raise_status(self.live._insert(due, seq, slots[j], 0), due, seq)
-            self.pushes += 1
+        self.batching = True
+        try:
+            for j in range(count):
+                img = &images[j, 0]
+                self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
+                due = load_be64(img + AT_DUE)
+                seq = load_be64(img + AT_SEQ)
+                raise_status(self.live._insert(due, seq, slots[j], 0), due, seq)
+                self.pushes += 1
+        finally:
+            self.batching = False
+        self._end_batch()
         self.hook_ran = False
 
     def plan_ack_block(self, bytes name_field not None, const uint64_t[::1] dues, const uint64_t[::1] seqs,
                        const uint32_t[::1] epochs, bytearray log_out not None):
-        """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard (ids
-        distinct): ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended
-        to ``log_out``, or ``(None, None, j, code)`` for the first lease ``j`` that is no
-        longer held (code ABSENT or RELEASED), and then ``log_out`` is left as it was."""
-        cdef Py_ssize_t j, count = seqs.shape[0], name_len = len(name_field)
-        cdef Py_ssize_t slot = -1
-        cdef int r
+        """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard:
+        ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended to ``log_out``,
+        or ``(None, None, j, code)`` for the first lease ``j`` that is no longer held (code
+        ABSENT or RELEASED) or that an earlier ``j`` already named (DUPLICATE), and then
+        nothing changed and ``log_out`` is left as it was."""
+        cdef Py_ssize_t j, k, count = seqs.shape[0], name_len = len(name_field)
+        cdef Py_ssize_t b = 0, pos = 0
+        cdef int r = 0
         cdef const uint8_t* name = <const uint8_t*>(<char*>name_field)
+        cdef const uint8_t* p
         cdef uint8_t* out
+        cdef Entry* e
+        cdef Entry** found
         if dues.shape[0] != count or epochs.shape[0] != count:
             raise ValueError("plan_ack_block: arrays of different lengths")
         slots = np.empty(count, dtype=np.uint32)
         versions = np.empty(count, dtype=np.uint32)
         cdef uint32_t[::1] sl = slots
         cdef uint32_t[::1] vs = versions
+        self.sf._alive()  # the rows are read from the mapped file
+        self.live._enter()
+        found = <Entry**>malloc_array(count + 1, sizeof(Entry*))
+        # Each row found is marked (its index deadline d becomes -d - 1, never negative
+        # otherwise) so that a lease given twice is seen; every mark is undone (the same
+        # map again) before returning.
         for j in range(count):
-            r = self._leased(dues[j], seqs[j], epochs[j], &slot)
+            e = self.live._find(dues[j], seqs[j], &b, &pos)
+            if e == NULL:
+                r = _ABSENT
+            elif e.deadline < 0:
+                r = _DUPLICATE
+            else:
+                p = self._row(e.slot)
+                if p[AT_STATE] != LEASED or <uint32_t>load_le(p + AT_EPOCH, 4) != epochs[j]:
+                    r = _RELEASED
             if r:
+                for k in range(j):
+                    found[k].deadline = -found[k].deadline - 1
+                free(found)
                 return None, None, j, r
-            sl[j] = <uint32_t>slot
-            vs[j] = ring_step(self.sf.versions[slot])
+            found[j] = e
+            e.deadline = -e.deadline - 1
+            sl[j] = e.slot
+            vs[j] = ring_step(self.sf.versions[e.slot])
+        for j in range(count):
+            found[j].deadline = -found[j].deadline - 1
+        free(found)
         out = _grow_log(log_out, count * _frow_size(name_len, 0))
         for j in range(count):
             out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_DELETED, NULL, 0)
@@ -620,10 +681,31 @@ cdef class QueueShard:
 
     def apply_ack_block(self, const uint64_t[::1] dues, const uint64_t[::1] seqs, const uint32_t[::1] slots,
                         const uint32_t[::1] versions):
-        """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`)."""
-        cdef Py_ssize_t j
-        for j in range(slots.shape[0]):
-            self._free_row(dues[j], seqs[j], slots[j], versions[j])
+        """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`): the
+        slots first, then their keys leave the index in one pass (``KeyIndex._remove_keys``),
+        also when a write fails midway (for the rows written)."""
+        cdef Py_ssize_t j, done = 0, count = slots.shape[0]
+        cdef int64_t one
+        cdef int64_t* gone
+        if dues.shape[0] != count or seqs.shape[0] != count or versions.shape[0] != count:
+            raise ValueError("apply_ack_block: arrays of different lengths")
+        if count == 0:
+            return
+        self._check()
+        gone = <int64_t*>malloc_array(count, sizeof(int64_t))
+        self.batching = True
+        try:
+            for j in range(count):
+                self._write(slots[j], SLOT_DELETED, NULL, 0, versions[j])
+                self.sf._push_free(slots[j])
+                done += 1
+        finally:
+            self.batching = False
+            if done:
+                self.live._remove_keys(&dues[0], &seqs[0], done, gone)
+                self.acks += done
+            free(gone)
+        self._end_batch()
         self.hook_ran = False
 
     def claim_block(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts,
@@ -648,3 +730,207 @@ cdef class QueueShard:
         sink.at = at
         got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
         return got, dead
+
+
+@cython.final
+cdef class FixedFast:
+    """A fixed queue's ``push``, ``lease`` and ``ack`` in one compiled call each
+    (armdb.queue.Queue hands them here): the same steps as the Python bodies of those
+    methods (``Queue._push``, ``Queue._lease``, ``Queue._ack``), for the common
+    arguments, with no Python frame of their own and no object made per call but the
+    results.  Anything else (a closed queue, a custom clock's refusals, ``max_depth``, a
+    payload the plain struct cannot pack, a lease of several shards, a stale token) goes
+    to those Python bodies, which judge it and raise what they raise, so each rule keeps
+    one place: the queue rules are in qrow.pxd (through QueueShard), the checks in
+    armdb.queue.
+
+    ``plain`` is the codec's struct when ``struct.pack(*value)`` of a plain tuple of
+    ``nfields`` is exactly its encoding (``FixedCodec.plain_struct``), else None.
+    """
+
+    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, lease_timeouts
+    cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
+    cdef list acquire, release       # each shard lock's bound acquire and release
+    cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
+    cdef list shards
+    cdef Py_ssize_t nsh, nfields, max_lease
+    cdef bint sysclock
+    cdef int64_t lease_ms, dl_ms
+    cdef uint64_t max_due
+    cdef uint32_t max_attempts
+
+    def __init__(self, queue, db, list shards, bint sysclock, clock, to_datetime, seqmap, seq_name, encode, plain,
+                 Py_ssize_t nfields, int64_t lease_ms, uint32_t max_attempts, Py_ssize_t max_lease, uint64_t max_due,
+                 bint push_ok, dict lease_timeouts, gens, lease_cls, token_cls, handle):
+        for sh in shards:
+            if not isinstance(sh, QueueShard):
+                raise TypeError("FixedFast needs QueueShard shards")
+        self.queue = queue
+        self.db = db
+        # The attributes read and written on every call (Queue._closed, _next_retention,
+        # _gen, _nwaiters; Db._closed, _waker) are plain instance attributes: read from
+        # the instance dicts, without the attribute protocol's type walk.
+        self.qd = queue.__dict__
+        self.dbd = db.__dict__
+        for name in ("_closed", "_next_retention", "_gen", "_nwaiters"):
+            if name not in self.qd:
+                raise TypeError(f"FixedFast: the queue has no instance attribute {name}")
+        for name in ("_closed", "_waker"):
+            if name not in self.dbd:
+                raise TypeError(f"FixedFast: the Db has no instance attribute {name}")
+        self.acquire = [sh.lock.acquire for sh in shards]
+        self.release = [sh.lock.release for sh in shards]
+        self.shards = shards
+        self.nsh = len(shards)
+        self.sysclock = sysclock
+        self.clock = clock
+        self.to_datetime = to_datetime
+        self.rest = seqmap._rest    # the rest of each name's reserved block (armdb.seqmap.SeqMap.next)
+        self.next_id = seqmap.next
+        self.seq_name = seq_name
+        self.encode = encode
+        self.plain = plain
+        self.nfields = nfields
+        self.lease_ms = lease_ms
+        self.max_attempts = max_attempts
+        self.max_lease = max_lease
+        self.max_due = max_due if push_ok else 0  # max_depth set: every push takes the Python body
+        self.lease_timeouts = lease_timeouts
+        self.gens = gens
+        self.lease_cls = lease_cls
+        self.token_cls = token_cls
+        self.handle = handle
+        self.dl_ms = -1
+        self.sweep = queue._sweep
+        self.note_dead = queue._note_dead
+        self.push_py = queue._push
+        self.lease_py = queue._lease
+        self.ack_py = queue._ack
+
+    cdef int64_t _now(self) except? -1:
+        """``Queue._check`` for an open queue: the clock, and the retention pass when due;
+        -1 when the queue or its Db is closed (the Python body raises DbClosed)."""
+        cdef int64_t now, due
+        cdef PyObject* a = PyDict_GetItem(self.qd, "_closed")
+        cdef PyObject* b = PyDict_GetItem(self.dbd, "_closed")
+        if a == NULL or b == NULL or <object>a or <object>b:
+            return -1
+        now = _wall_ms() if self.sysclock else self.clock()
+        a = PyDict_GetItem(self.qd, "_next_retention")
+        if a == NULL:
+            return -1
+        due = <object>a
+        if now >= due:
+            self.sweep(raise_errors=False, now=now)
+        return now
+
+    cdef int _notify(self) except -1:
+        """``Queue._notify``: a new generation first, then the waiters, if any (the
+        Python method, which bumps the generation again: harmless, any change wakes)."""
+        cdef PyObject* p
+        PyDict_SetItem(self.qd, "_gen", next(self.gens))
+        p = PyDict_GetItem(self.qd, "_nwaiters")
+        if p == NULL or <object>p:
+            self.queue._notify()
+            return 0
+        p = PyDict_GetItem(self.dbd, "_waker")
+        if p != NULL and <object>p is not None and (<object>p)._waiters:
+            self.queue._notify()
+        return 0
+
+    def push(self, payload):
+        """``Queue.push(payload)`` (no delay); returns the row id."""
+        cdef int64_t now = self._now()
+        cdef QueueShard sh
+        cdef bytes body
+        cdef object seq, it
+        if now < 0 or <uint64_t>now >= self.max_due:
+            return self.push_py(payload, None)
+        if self.plain is not None and type(payload) is tuple and len(<tuple>payload) == self.nfields:
+            try:
+                body = self.plain.pack(*payload)
+            except Exception:  # out of range, or a field of another type: the codec says why
+                body = self.encode(payload)
+        else:
+            body = self.encode(payload)
+        cdef PyObject* p = PyDict_GetItem(self.rest, self.seq_name)
+        seq = next(<object>p, None) if p != NULL else None
+        if seq is None:
+            seq = self.next_id(self.seq_name)
+        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
+        sh = <QueueShard>self.shards[k]
+        self.acquire[k]()
+        try:
+            sh._push_row(now, seq, now, 0, body)
+        finally:
+            self.release[k]()
+        self._notify()
+        return seq
+
+    def lease(self, n=1):
+        """``Queue.lease(n)`` (the queue's lease timeout); a list of ``Lease``."""
+        cdef int64_t now, deadline
+        cdef Py_ssize_t k, dead = 0
+        cdef QueueShard sh
+        cdef list out
+        if self.nsh != 1 or type(n) is not int or not 1 <= n <= self.max_lease:  # Python ints: no overflow
+            return self.lease_py(n, None)
+        k = n
+        now = self._now()
+        if now < 0:
+            return self.lease_py(n, None)
+        deadline = now + self.lease_ms
+        if deadline != self.dl_ms:  # one datetime per millisecond of deadlines
+            self.dl = self.to_datetime(deadline)
+            self.dl_ms = deadline
+        out = []
+        sh = <QueueShard>self.shards[0]
+        self.acquire[0]()
+        try:
+            sh._walk(now, deadline, k, self.max_attempts, 0, out, self.dl, NULL, &dead)
+        finally:
+            self.release[0]()
+        if dead:
+            self.note_dead(now)
+        return out
+
+    def ack(self, token):
+        """``Queue.ack(token)``: a ``Lease`` or a ``LeaseToken`` of this handle."""
+        cdef object t
+        cdef int64_t now
+        cdef int r
+        cdef QueueShard sh
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
+        cdef Py_ssize_t k
+        if type(token) is self.token_cls:
+            t = token
+        elif type(token) is self.lease_cls:
+            t = token[4]
+            if type(t) is not self.token_cls:
+                return self.ack_py(token)
+        else:
+            return self.ack_py(token)
+        if self.lease_timeouts:
+            (<dict>self.lease_timeouts).pop((t[3], t[4]), None)
+        if type(t[1]) is not int or t[0] != self.handle:
+            return self.ack_py(token)
+        k = t[1]
+        if k < 0 or k >= self.nsh:
+            return self.ack_py(token)
+        try:
+            due, seq, epoch = t[2], t[3], t[4]
+        except (OverflowError, TypeError):
+            return self.ack_py(token)
+        now = self._now()
+        if now < 0:
+            return self.ack_py(token)
+        sh = <QueueShard>self.shards[k]
+        self.acquire[k]()
+        try:
+            r = sh._ack(due, seq, epoch)
+        finally:
+            self.release[k]()
+        if r != _ACKED:
+            return self.ack_py(token)  # stale: the Python body says why (nothing changed)
+        return None
