@@ -919,6 +919,18 @@ class Queue(Generic[T]):
         return [LeaseToken(h, k, d, q, e)
                 for k, d, q, e in zip(shards.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(), strict=True)]
 
+    def _token_list(self, leases: object, call: str, hint: str) -> list[LeaseToken]:
+        """The tokens of a list of leases (or tokens) given to ``call``: ``NotALease`` for
+        one lease or anything else, ``StaleToken`` for a token of another handle."""
+        if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
+            raise NotALease(
+                f"{call} takes a LeaseBatch or a list of Lease objects (or tokens), got {type(leases).__name__}{hint}"
+            )
+        toks = [as_token(x) for x in leases]
+        for t in toks:
+            self._token_shard(t)  # StaleToken for a token of another handle
+        return toks
+
     def ack_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
         """Ack every lease of a :class:`LeaseBatch` (or of a sequence of ``Lease`` objects
         or tokens) in one commit, all or nothing; return how many were acked.
@@ -941,14 +953,7 @@ class Queue(Generic[T]):
                 )
             shard_nos, dues, seqs, epochs = leases._shards, leases._dues, leases.ids, leases._epochs
         else:
-            if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
-                raise NotALease(
-                    f"ack_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
-                    f"{type(leases).__name__}; ack one lease with ack()"
-                )
-            toks = [as_token(x) for x in leases]
-            for t in toks:
-                self._token_shard(t)  # StaleToken for a token of another handle
+            toks = self._token_list(leases, "ack_many", "; ack one lease with ack()")
             k = len(toks)
             shard_nos = np.fromiter((t.shard for t in toks), np.uint32, k)
             dues = np.fromiter((t.due for t in toks), np.uint64, k)
@@ -1198,14 +1203,7 @@ class Queue(Generic[T]):
         NotALease
             An item is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        if isinstance(leases, (Lease, LeaseToken)) or not isinstance(leases, Iterable):
-            raise NotALease(
-                f"release_many takes a LeaseBatch or a list of Lease objects (or tokens), got "
-                f"{type(leases).__name__}"
-            )
-        toks = [as_token(x) for x in leases]
-        for t in toks:
-            self._token_shard(t)  # StaleToken for a token of another handle
+        toks = self._token_list(leases, "release_many", "")
         self._check()
         released = 0
         for t in toks:

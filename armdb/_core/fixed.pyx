@@ -251,23 +251,29 @@ def bitcask_record(uint64_t gsn_word, bytes key_field not None, bytes value_fiel
     if klen > 0xFFFF or vlen > 0xFFFFFFFF:
         raise OverflowError("Bitcask key field above 64 KiB or value field above 4 GiB")
     cdef Py_ssize_t n = 20 + klen + vlen
-    cdef Py_ssize_t total = n + ((-n) & 7)
-    rec = PyBytes_FromStringAndSize(NULL, total)
-    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
-    cdef uint32_t crc
-    store_u64(p, gsn_word)
+    rec = PyBytes_FromStringAndSize(NULL, n + ((-n) & 7))
+    _put_record(<uint8_t*>PyBytes_AS_STRING(rec), gsn_word, PyBytes_AS_STRING(key_field), klen,
+                PyBytes_AS_STRING(value_field), vlen, magic)
+    return rec
+
+
+cdef Py_ssize_t _put_record(uint8_t* p, uint64_t word, const char* key, Py_ssize_t klen, const char* value,
+                            Py_ssize_t vlen, uint16_t magic) noexcept:
+    """Write one Bitcask record (:func:`bitcask_record`'s layout) at ``p``; returns its
+    size with the padding."""
+    cdef Py_ssize_t n = 20 + klen + vlen
+    store_u64(p, word)
     store_u32(p + 12, <uint32_t>vlen)
     p[16] = <uint8_t>magic
     p[17] = <uint8_t>(magic >> 8)
     p[18] = <uint8_t>klen
     p[19] = <uint8_t>(klen >> 8)
-    memcpy(p + 20, PyBytes_AS_STRING(key_field), klen)
-    memcpy(p + 20 + klen, PyBytes_AS_STRING(value_field), vlen)
-    memset(p + n, 0, total - n)
-    crc = _crc_update(_ONES, p, 8)
-    crc = _crc_update(crc, p + 12, n - 12) ^ _ONES
-    store_u32(p + 8, crc)
-    return rec
+    memcpy(p + 20, key, klen)
+    if vlen:
+        memcpy(p + 20 + klen, value, vlen)
+    memset(p + n, 0, (-n) & 7)
+    store_u32(p + 8, _crc_update(_crc_update(_ONES, p, 8), p + 12, n - 12) ^ _ONES)
+    return n + ((-n) & 7)
 
 
 def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not None):
@@ -382,7 +388,6 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
     hints = PyBytes_FromStringAndSize(NULL, htotal)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
     cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
-    cdef uint32_t crc
     cdef Py_ssize_t at = off
     for i in range(n):
         if not kp[i]:
@@ -400,19 +405,8 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
             vlen = len(<bytes>value)
         if k == 1:
             word |= flag
-        rsize = 20 + klen + vlen
-        store_u64(p, word)
-        store_u32(p + 12, <uint32_t>vlen)
-        p[16] = <uint8_t>magic
-        p[17] = <uint8_t>(magic >> 8)
-        p[18] = <uint8_t>klen
-        p[19] = <uint8_t>(klen >> 8)
-        memcpy(p + 20, PyBytes_AS_STRING(key), klen)
-        if vlen:
-            memcpy(p + 20 + klen, PyBytes_AS_STRING(value), vlen)
-        memset(p + rsize, 0, (-rsize) & 7)
-        crc = _crc_update(_ONES, p, 8)
-        store_u32(p + 8, _crc_update(crc, p + 12, rsize - 12) ^ _ONES)
+        rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen,
+                            PyBytes_AS_STRING(value) if vlen else NULL, vlen, magic)
         store_u64(h, word)
         store_u64(h + 8, <uint64_t>at)
         store_u32(h + 16, <uint32_t>vlen)
@@ -420,7 +414,6 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
         h[21] = <uint8_t>(klen >> 8)
         memcpy(h + 22, PyBytes_AS_STRING(key), klen)
         h += 22 + klen
-        rsize += (-rsize) & 7
         entries.append((fid, at, rsize, word, None))
         p += rsize
         at += rsize
