@@ -173,18 +173,22 @@ def armdb_cycle(path: str, n: int, spec: QueueSpec, *, tuned: bool = False, dura
                 warmup: int = 200) -> float:
     """push → lease(1) → ack, ``n`` times; cycles per second (config: :func:`open_armdb`)."""
     db, q = open_armdb(path, spec, tuned=tuned, durable=durable)
-    make: Callable[[int], Any] = body if spec.var else _fixed_payload
     try:
-        def cycle(i: int) -> None:
-            q.push(make(i))
-            (lease,) = q.lease(1)
-            q.ack(lease.token)
-
-        for i in range(warmup):
-            cycle(i)
-        return _timed_rate(n, cycle)
+        return queue_cycle_rate(q, n, body if spec.var else _fixed_payload, warmup)
     finally:
         db.shutdown()
+
+
+def queue_cycle_rate(q: Queue[Any], n: int, make: Callable[[int], Any], warmup: int) -> float:
+    """push → lease(1) → ack of ``make(i)`` on ``q``, ``n`` times after ``warmup``; cycles per second."""
+    def cycle(i: int) -> None:
+        q.push(make(i))
+        (lease,) = q.lease(1)
+        q.ack(lease.token)
+
+    for i in range(warmup):
+        cycle(i)
+    return _timed_rate(n, cycle)
 
 
 def armdb_durable_push(path: str, n: int, *, threads: int = 1, warmup: int = 200) -> float:
@@ -1161,24 +1165,23 @@ PG_CASES: list[Case] = [
 ]
 
 
+def _lag_row(spec: QueueSpec, make: Callable[[int], Any], pct: int) -> Callable[[str, Sizes], float]:
+    """``run`` of a replication lag row: the ``pct`` percentile under the cycle workload."""
+    return lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, spec, make, pct, warmup=s.warmup)
+
+
 # Replication (issue 20): a follower in a child process on loopback (armdb._bench_repl).
 REPL_FOLLOWER = "a follower on loopback, in another process"
 REPL_DURABILITY = f"{NO_SYNC} (fsync every 50 ms); the follower fsyncs each batch it applies"
 CASES += [
-    Case("replication/lag-fixed-p50", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
-         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchFixed, _fixed_payload, 50, warmup=s.warmup),
-         higher_is_better=False),
-    Case("replication/lag-fixed-p99", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
-         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchFixed, _fixed_payload, 99, warmup=s.warmup),
-         higher_is_better=False),
-    Case("replication/lag-var-100B-p50", f"{ARMDB_VAR}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
-         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchVar, body, 50, warmup=s.warmup),
-         higher_is_better=False),
-    Case("replication/lag-var-100B-p99", f"{ARMDB_VAR}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
-         lambda d, s: _bench_repl.lag_ms(d, s.cycle_ops, BenchVar, body, 99, warmup=s.warmup),
-         higher_is_better=False),
+    *[Case(f"replication/lag-{kind}-p{pct}", f"{system}, {REPL_FOLLOWER}", REPL_DURABILITY, "ms",
+           _lag_row(spec, make, pct), higher_is_better=False)
+      for kind, system, spec, make in (("fixed", ARMDB_FIXED, BenchFixed, _fixed_payload),
+                                       ("var-100B", ARMDB_VAR, BenchVar, body))
+      for pct in (50, 99)],
     Case("replication/cycle-fixed", f"{ARMDB_FIXED}, {REPL_FOLLOWER}", TIMED, "cycles/s",
-         lambda d, s: _bench_repl.cycle_rate(d, s.cycle_ops, BenchFixed, _fixed_payload, warmup=s.warmup)),
+         lambda d, s: _bench_repl.cycle_rate(
+             d, BenchFixed, lambda q: queue_cycle_rate(q, s.cycle_ops, _fixed_payload, s.warmup))),
     Case("replication/cycle-fixed", f"{ARMDB_FIXED}, no replica", TIMED, "cycles/s",
          lambda d, s: armdb_cycle(d, s.cycle_ops, BenchFixed, warmup=s.warmup), reference=True),
     Case("replication/durable-commit", "armdb map tx, sync_replicas(1), " + REPL_FOLLOWER,

@@ -119,24 +119,12 @@ def lag_ms(path: str, n: int, spec: QueueSpec, make: Callable[[int], Any], pct: 
         follower.stop()
 
 
-def cycle_rate(path: str, n: int, spec: QueueSpec, make: Callable[[int], Any], *, warmup: int = 200) -> float:
-    """push→lease→ack cycles per second of a queue at its defaults, with a follower."""
+def cycle_rate(path: str, spec: QueueSpec, run: Callable[[Any], float]) -> float:
+    """``run(queue)`` (armdb._bench's push→lease→ack rate) on a queue at its defaults,
+    with a follower attached."""
     db, follower = _primary(path)
     try:
-        q = db.open_queue(spec)
-
-        def cycle(i: int) -> None:
-            q.push(make(i))
-            (lease,) = q.lease(1)
-            q.ack(lease.token)
-
-        for i in range(warmup):
-            cycle(i)
-        gc.collect()
-        t0 = time.perf_counter()
-        for i in range(n):
-            cycle(i)
-        return n / (time.perf_counter() - t0)
+        return run(db.open_queue(spec))
     finally:
         db.shutdown()
         follower.stop()

@@ -319,6 +319,18 @@ def _bytes(n: int) -> str:
 _Shard = QueueShard
 
 
+def _each_payload(fn: Callable[[Any], bytes], payloads: Iterable[Any]) -> list[bytes]:
+    """``fn`` (an encoder, or the check of an encoded body) of each payload of a batch;
+    a refusal names the payload and says nothing was pushed."""
+    out: list[bytes] = []
+    for i, p in enumerate(payloads):
+        try:
+            out.append(fn(p))
+        except PayloadTypeError as e:
+            raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+    return out
+
+
 class Queue(Generic[T]):
     """A handle on an open queue.  Get one with ``db.open_queue(spec, config)``.
 
@@ -678,13 +690,7 @@ class Queue(Generic[T]):
         if got is not None:
             bodies = got
         else:  # one by one: which payload is refused, and why
-            encode = self._encode
-            bodies = []
-            for i, p in enumerate(payloads):
-                try:
-                    bodies.append(encode(p))
-                except PayloadTypeError as e:
-                    raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
+            bodies = _each_payload(self._encode, payloads)
         return self._push_encoded(bodies, delay_ms)
 
     def _push_many_encoded(self, bodies: list[bytes], *, delay: timedelta | float | None = None) -> list[int]:
@@ -696,14 +702,7 @@ class Queue(Generic[T]):
         delay_ms = self._delay_ms(delay, now)
         if self._payload is None:
             raise PayloadTypeError(f"queue {self.name!r} is a fixed queue: push its records, not encoded bodies")
-        accept = typing.cast(VarCodec, self._codec).accept_encoded
-        stored: list[bytes] = []
-        for i, raw in enumerate(bodies):
-            try:
-                stored.append(accept(raw))
-            except PayloadTypeError as e:
-                raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
-        return self._push_encoded(stored, delay_ms)
+        return self._push_encoded(_each_payload(typing.cast(VarCodec, self._codec).accept_encoded, bodies), delay_ms)
 
     def _push_encoded(self, bodies: list[bytes], delay_ms: int) -> list[int]:
         """The commit of :meth:`push_many` once its payloads are encoded bodies."""

@@ -395,15 +395,15 @@ class BitcaskStore:
         shard rotated (then each record went on its own, as a rotation may fall between).
         ``got``: what :func:`bitcask_group` made of ``items`` already, if it ran."""
         act = sh.active
-        flag = self._group_flag(sh)
         if self._sealer is None:
             if got is None:
-                got = bitcask_group(items, sh.index, 0, flag, RECORD_MAGIC, act.fid, act.size, MAX_KEY_LEN,
-                                    MAX_VALUE_LEN)
+                got = bitcask_group(items, sh.index, 0, self._group_flag(sh), RECORD_MAGIC, act.fid, act.size,
+                                    MAX_KEY_LEN, MAX_VALUE_LEN)
                 assert got is not None, "write_many_locked passes checked items"
             data, hints, keys, entries, deletes = got
         else:
             recs: list[tuple[bytes, bytes, int, int]] = []  # record, key field, value length, gsn word
+            flag = self._group_flag(sh)
             for key, value, seq in items:
                 gsn_word = seq | (TOMBSTONE if value is None else 0) | flag
                 flag = 0  # only the first record can say that everything before it was synced
