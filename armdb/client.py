@@ -566,6 +566,10 @@ class RemoteQueue(Generic[T]):
                 stale = e
         return stale, self._batch_leases(c._result(calls[-1]))
 
+    def _calls_done(self, calls: list[Any]) -> bool:
+        """Whether every reply of ``calls`` is in (a worker's heartbeat: no wait)."""
+        return all(c.done for c in calls)
+
     def _batch_leases(self, got: Any) -> list[Lease[T]]:
         """A ``lease_batch`` reply as a list of ``Lease`` objects (what ``lease`` returns),
         made from its arrays in one pass (armdb.Worker)."""

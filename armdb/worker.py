@@ -15,8 +15,12 @@ each connected to the owner as a :class:`armdb.client.Client` and running this l
 ``threads`` threads.  A source ``Db`` is served for them (``db.serve()``) if it is not
 served already.  The handler must be importable by name (a module-level function).
 
-Lock policy: ``Worker._lock`` guards the set of held leases and the counters; it is never
-held while calling the queue.
+Through a client a thread asks for its next batch as a batch starts.  The leases of that
+batch are held (extended by the heartbeat) as soon as their reply is in, whether the
+heartbeat or the thread that asked reads it first: a long batch does not let them expire.
+
+Lock policy: ``Worker._lock`` guards the held leases, the batches asked for ahead and the
+counters; it is never held while calling the queue.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ log = logging.getLogger("armdb")
 
 IDLE_WAIT = 0.25  # seconds a thread waits for a due row before it looks at the stop flag again
 ACK_WITHIN = 0.02  # seconds a returned handler's ack may wait to go out with the next lease
+
+
+class _Ahead:
+    """A lease batch asked for ahead through a client (the calls in flight) and the acks
+    its request carries; ``held`` once the heartbeat has taken its leases in."""
+
+    __slots__ = ("calls", "acks", "held")
+
+    def __init__(self, calls: list[Any], acks: list[Lease[Any]]) -> None:
+        self.calls = calls
+        self.acks = acks
+        self.held = False
 
 
 def _takes_lease(handler: Callable[..., Any]) -> bool:
@@ -109,6 +125,7 @@ class Worker:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._held: dict[LeaseToken, Lease[Any]] = {}
+        self._aheads: list[_Ahead] = []
         self.done = 0  # handlers that returned (acked)
         self.failed = 0  # handlers that raised (nacked)
         self._thread: threading.Thread | None = None
@@ -199,7 +216,7 @@ class Worker:
         acks: list[Lease[Any]] = []
         since = 0.0
         send_ahead = getattr(q, "_ack_many_and_lease_send", None)
-        ahead: tuple[list[Any], list[Lease[Any]]] | None = None  # (calls in flight, the acks they carry)
+        ahead: _Ahead | None = None
         try:
             while not self._stop.is_set():
                 if ahead is not None:
@@ -225,7 +242,9 @@ class Worker:
                         self._ack(q, acks)
                         acks = []
                     if i == 0 and send_ahead is not None:
-                        ahead = (send_ahead(acks, self.batch), acks)
+                        ahead = _Ahead(send_ahead(acks, self.batch), acks)
+                        with self._lock:
+                            self._aheads.append(ahead)
                         acks = []
                     if self._handle(q, lz):
                         if not acks:
@@ -242,12 +261,34 @@ class Worker:
             log.exception("armdb worker: the loop over queue %s failed; stopping", self.spec.name)
             self._stop.set()
 
-    def _lease_ahead(self, q: Any, ahead: tuple[list[Any], list[Lease[Any]]]) -> list[Lease[Any]]:
-        calls, acks = ahead
-        stale, leases = q._ack_many_and_lease_wait(calls)
-        if acks:
-            self._acked(q, acks, stale)
+    def _lease_ahead(self, q: Any, ahead: _Ahead) -> list[Lease[Any]]:
+        try:
+            stale, leases = q._ack_many_and_lease_wait(ahead.calls)
+        finally:
+            with self._lock:
+                self._aheads.remove(ahead)
+        if ahead.acks:
+            self._acked(q, ahead.acks, stale)
         return leases  # type: ignore[no-any-return]
+
+    def _hold_ahead(self, q: Any) -> list[Lease[Any]]:
+        """Hold the leases of the batches asked for ahead whose replies are in (the
+        heartbeat; the reply is read by whoever waits on the connection first)."""
+        with self._lock:
+            ready = [a for a in self._aheads if not a.held and q._calls_done(a.calls)]
+        new: list[Lease[Any]] = []
+        for a in ready:
+            try:
+                _, leases = q._ack_many_and_lease_wait(a.calls)  # replies in: no wait
+            except ArmdbError:
+                continue  # the thread that asked meets the error
+            with self._lock:
+                if a in self._aheads:  # else that thread holds them already
+                    a.held = True
+                    for lz in leases:
+                        self._held[lz.token] = lz
+                    new += leases
+        return new
 
     def _ack_and_lease(self, q: Any, acks: list[Lease[Any]]) -> list[Lease[Any]]:
         """Ack ``acks`` and lease the next batch: through a client, both requests in one
@@ -344,23 +385,36 @@ class Worker:
             pass  # the owner went: its leases are released with the connection
 
     def _heartbeat_loop(self, q: Any, beat: float) -> None:
-        many = getattr(q, "_extend_many", None)
         while not self._stop.wait(beat):
+            if self._aheads:
+                self._hold_ahead(q)
             with self._lock:
                 held = list(self._held.values())
-            if many is not None and held:  # through a client: every extend in one write
-                try:
-                    many(held, None)
-                except ArmdbError:
-                    return
-                continue
-            for lz in held:
-                try:
-                    q.extend(lz)
-                except StaleToken:
-                    pass  # settled meanwhile (or lost: its ack will say so)
-                except ArmdbError:
-                    return
+            if not self._extend(q, held):
+                return
+            # The extends read the replies of batches asked for ahead meanwhile: hold and
+            # extend those now rather than a beat later.
+            if self._aheads and not self._extend(q, self._hold_ahead(q)):
+                return
+
+    def _extend(self, q: Any, leases: list[Lease[Any]]) -> bool:
+        """Extend ``leases`` (a lease settled or lost meanwhile is skipped); False when the
+        queue can no longer be used."""
+        many = getattr(q, "_extend_many", None)
+        if many is not None and leases:  # through a client: every extend in one write
+            try:
+                many(leases, None)
+            except ArmdbError:
+                return False
+            return True
+        for lz in leases:
+            try:
+                q.extend(lz)
+            except StaleToken:
+                pass  # settled meanwhile (or lost: its ack will say so)
+            except ArmdbError:
+                return False
+        return True
 
     # -- child processes ------------------------------------------------------------------
     def _socket_path(self) -> tuple[str, Any]:
