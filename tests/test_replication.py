@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 import armdb
 from armdb import QueueConfig
 
-from .conftest import FakeClock
+from .conftest import FakeClock, child_env, kill_and_read, spawn_child
 
 Fixed = armdb.queue("fixedq", payload=np.dtype("<u8"))
 Var = armdb.queue("varq", payload=dict, var=True)
@@ -267,6 +268,28 @@ def _diff(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
 
 
 # SPEC R2
+def returned_then_killed(script: str, tag: str, want: int, follow: Path) -> tuple[Any, list[int]]:
+    """Run ``script`` (a primary that prints ``PORT n`` and then ``<tag> i`` each time a
+    durable write returned) in a child, follow it into ``follow``, SIGKILL it once it
+    reported ``want`` writes; returns the follower and every ``i`` the child reported."""
+    proc = spawn_child(script, env=child_env())
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("PORT"), line + (proc.stderr.read() if proc.stderr else "")
+    follower = armdb.Db.follow(follow, primary=("127.0.0.1", int(line.split()[1])))
+    returned: list[int] = []
+    try:
+        while len(returned) < want:
+            got = proc.stdout.readline()
+            assert got.startswith(tag), got
+            returned.append(int(got.split()[1]))
+    finally:
+        out, _ = kill_and_read(proc)
+    returned += [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith(tag + " ")]
+    time.sleep(0.05)
+    return follower, returned
+
+
 def test_r2_reader_reads_and_refuses_every_write(primary: Primary, tmp_path: Path, clock: FakeClock) -> None:
     follower = armdb.Db.follow(tmp_path / "f", primary=primary.address)
     try:

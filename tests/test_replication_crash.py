@@ -19,7 +19,7 @@ import pytest
 import armdb
 
 from .conftest import FakeClock, child_env, kill_and_read, spawn_child
-from .test_replication import Primary, _diff, files, settle
+from .test_replication import Primary, _diff, files, returned_then_killed, settle
 
 Fixed = armdb.queue("fixedq", payload=np.dtype("<u8"))
 Var = armdb.queue("varq", payload=dict, var=True)
@@ -201,22 +201,8 @@ while True:
 def _sync_replica_round(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     ppath, fpath = tmp_path / f"sp{seed}", tmp_path / f"sf{seed}"
-    proc = spawn_child(DURABLE_PRIMARY.format(path=str(ppath)), env=child_env())
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("PORT"), line + (proc.stderr.read() if proc.stderr else "")
-    follower = armdb.Db.follow(fpath, primary=("127.0.0.1", int(line.split()[1])))
-    returned: list[int] = []
-    try:
-        want = rng.randint(5, 60)
-        while len(returned) < want:
-            got = proc.stdout.readline()
-            assert got.startswith("C"), got
-            returned.append(int(got.split()[1]))
-    finally:
-        out, _ = kill_and_read(proc)
-    returned += [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("C ")]
-    time.sleep(0.05)
+    follower, returned = returned_then_killed(DURABLE_PRIMARY.format(path=str(ppath)), "C", rng.randint(5, 60),
+                                              fpath)
     db = follower.promote()
     try:
         m = db.open_map("m")

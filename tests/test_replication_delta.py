@@ -23,7 +23,7 @@ from armdb import FixedConfig, QueueConfig
 from armdb._core import fixed as _k
 
 from .conftest import FakeClock, child_env, kill_and_read, spawn_child
-from .test_replication import LOCAL, Primary, _diff, files, settle
+from .test_replication import LOCAL, Primary, _diff, files, returned_then_killed, settle
 
 RING = 1 << 30
 HALF = 1 << 29
@@ -299,22 +299,8 @@ while True:
 def _durable_push_round(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     ppath, fpath = tmp_path / f"dp{seed}", tmp_path / f"df{seed}"
-    proc = spawn_child(DURABLE_PUSHER.format(path=str(ppath)), env=child_env())
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("PORT"), line + (proc.stderr.read() if proc.stderr else "")
-    follower = armdb.Db.follow(fpath, primary=("127.0.0.1", int(line.split()[1])))
-    returned: list[int] = []
-    try:
-        want = rng.randint(5, 80)
-        while len(returned) < want:
-            got = proc.stdout.readline()
-            assert got.startswith("P"), got
-            returned.append(int(got.split()[1]))
-    finally:
-        out, _ = kill_and_read(proc)
-    returned += [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("P ")]
-    time.sleep(0.05)
+    follower, returned = returned_then_killed(DURABLE_PUSHER.format(path=str(ppath)), "P", rng.randint(5, 80),
+                                              fpath)
     db = follower.promote()
     try:
         q = db.open_queue(Durable, durable_cfg())
