@@ -30,8 +30,11 @@ encrypted collection wait until that collection is opened with its key.
 
 Checkpoint: once no commit is between its append and the end of its apply,
 appends move to a fresh log file, the stores are synced, and the old file is
-removed; this runs when the file passes ``TxConfig.checkpoint_bytes`` (by the
-commit that crossed it, after it released its locks) and at close.
+removed.  While a checkpoint waits for that moment, new appends wait for it (else
+steady commits from several threads could keep one in flight at every instant and
+starve the checkpoint, and the log would grow without bound).  A checkpoint runs
+when the file passes ``TxConfig.checkpoint_bytes`` (by the commit that crossed it,
+after it released its locks) and at close.
 
 Lock policy: ``TxLog._lock`` guards the file, the end offset and the in-flight
 count; it is held for the append only, never across a sync or an apply.
@@ -140,7 +143,7 @@ class TxLog:
         self._number = 0
         self._end = 0
         self._inflight = 0
-        self._idle_waiting = 0  # checkpoints waiting for _inflight to reach 0
+        self._idle_waiting = 0  # checkpoints waiting for _inflight to reach 0; appends wait meanwhile
         self._next_txid = 1
         self.poisoned: BaseException | None = None
         self.pending: dict[str, list[tuple[bytes, bytes | None, int]]] = {}
@@ -379,6 +382,8 @@ class TxLog:
                     f"split the batch into smaller ones"
                 )
         with self._lock:
+            while self._idle_waiting:  # a checkpoint is about to start a new file
+                self._idle.wait()
             if self._fd < 0:  # Db.close closed the log once every store was closed
                 raise DbClosed(f"the database of {self._path!r}")
             if self.poisoned is not None or self._group.err:
@@ -487,17 +492,18 @@ class TxLog:
                 try:
                     while self._inflight:
                         self._idle.wait()
+                    if self.pending or self.poisoned is not None or self._fd < 0:  # (_fd: closed)
+                        return
+                    if self._end == RECORDS_START and not self._retained:
+                        return
+                    if self._end > RECORDS_START:
+                        current = self._path
+                        self._start_file(self._number + 1)
+                        self._retained.append(current)
+                    old = list(self._retained)
                 finally:
                     self._idle_waiting -= 1
-                if self.pending or self.poisoned is not None or self._fd < 0:  # (_fd: closed)
-                    return
-                if self._end == RECORDS_START and not self._retained:
-                    return
-                if self._end > RECORDS_START:
-                    current = self._path
-                    self._start_file(self._number + 1)
-                    self._retained.append(current)
-                old = list(self._retained)
+                    self._idle.notify_all()  # the appends that waited for this moment
             _fail.point("txlog.after_rotate")
             self.db.sync_all_stores()
             with self._lock:

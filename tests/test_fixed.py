@@ -472,6 +472,12 @@ def test_s12_failed_msync_refuses_later_writes_until_reopen(db_path: Path) -> No
     with _fs.use(fs):
         db = Db.open(db_path, clock=clock)
         try:
+            # No background sync: the push below must be the one whose sync fails (on a
+            # loaded host the flusher's tick met the failing msync first, and the push was
+            # refused before it was applied).
+            flusher = db._workers[0]
+            flusher.stop()
+            flusher.join()
             q = db.open_queue(Pings, qconfig(sync_interval=0))
             returned = [q.push((i, 0)) for i in range(5)]
             (lease,) = q.lease(1)
