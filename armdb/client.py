@@ -526,8 +526,18 @@ class RemoteQueue(Generic[T]):
                 raise ConfigError(f"lease_batch(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}")
             if secs is not None and secs < 0.001:
                 raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
-            self.ack_many(ack)
-        got = self._call("lease_batch", n=n, lease_timeout=secs)
+            # The acks travel in the lease request: one round trip; the owner acks first
+            # and leases only if the acks went through.
+            if isinstance(ack, LeaseBatch):
+                acks: dict[str, Any] = {"ack_tb": _token_batch(ack)}
+            elif isinstance(ack, (Lease, LeaseToken)) or not hasattr(ack, "__iter__"):
+                raise NotALease(f"ack takes a LeaseBatch or a sequence of Leases or tokens, "
+                                f"not {type(ack).__name__}")
+            else:
+                acks = {"ack_ts": [wire.token_to_wire(as_token(t)) for t in ack]}
+            got = self._call("lease_batch", n=n, lease_timeout=secs, **acks)
+        else:
+            got = self._call("lease_batch", n=n, lease_timeout=secs)
         if got is None:
             e = np.empty(0, dtype=np.uint64)
             payloads: Any = [] if self.spec.var else np.empty(0, dtype=self.spec.dtype)

@@ -720,12 +720,20 @@ def _ack(conn: _Conn, q: str, t: list[Any]) -> None:
         conn.drop([tok])
 
 
-@op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float))
-def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> list[Any] | None:
+@op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float), ack_tb=_opt(list), ack_ts=_opt(list))
+def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None, ack_tb: list[Any] | None = None,
+                 ack_ts: list[Any] | None = None) -> list[Any] | None:
     """A LeaseBatch as arrays: [handle, shards u4, dues u8, ids u8, attempts u2, epochs u4,
     deadline ms, payloads (a fixed queue: one blob of records; a var queue: one msgpack
-    array of the stored bodies, joined behind an array header, never decoded here)]."""
+    array of the stored bodies, joined behind an array header, never decoded here)].
+
+    ``ack_tb`` / ``ack_ts``: tokens to ack first, as ``ack_many``'s ``tb`` / ``ts``
+    (``Queue.lease_batch(ack=)``: one request, one round trip); if the acks raise, nothing
+    is acked nor leased."""
     ref = conn.queue(q)
+    if ack_tb is not None or ack_ts is not None:
+        ref.q._lease_arg(n, lease_timeout, "lease_batch")  # a bad argument raises before anything is acked
+        _ack_many(conn, q, ts=ack_ts, tb=ack_tb)
     b: LeaseBatch[Any]
     if ref.var:
         b = ref.q._lease_batch_encoded(n, lease_timeout=lease_timeout)

@@ -31,7 +31,7 @@ from .config import Config, FixedConfig, QueueConfig
 from .errors import ArmdbError, ConfigError
 
 MAGIC = "armdb-wire"
-VERSION = 3
+VERSION = 4
 MAX_FRAME = 64 << 20  # bytes of msgpack in one frame (the length prefix excluded)
 _LEN = struct.Struct(">I")
 SOCKET_NAME = "armdb.sock"
