@@ -307,25 +307,43 @@ class Client:
         return ""
 
     def _call(self, op: str, **args: Any) -> Any:
-        """One request and its reply: :meth:`_send_many` and :meth:`_result` for one."""
+        """One request and its reply: :meth:`_send_many` and :meth:`_result` for one.
+
+        A request alone in flight takes the reader role before it is sent, so its reply
+        is read right after the send (a thread that sends while another reads waits as
+        :meth:`_wait` says).  Holding the role across the send holds back no one: with
+        nothing else in flight the server has nothing else to send."""
         call = _Call()
         with self._lock:
             if self._closed:
                 raise self._gone()
             rid = next(self._ids)
+            early = not self._pending and not self._reading
+            if early:
+                self._reading = True
             self._pending[rid] = call
         try:
-            data = wire.frame([rid, op, args])
-        except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
-            with self._lock:
-                self._pending.pop(rid, None)
-            raise
-        try:
-            with self._wlock:
-                self._sock.sendall(data)
-        except OSError as e:
-            self._shut(f"the connection to the server broke ({e})")
-            raise self._gone() from None
+            try:
+                data = wire.frame([rid, op, args])
+            except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
+                with self._lock:
+                    self._pending.pop(rid, None)
+                raise
+            try:
+                with self._wlock:
+                    self._sock.sendall(data)
+            except OSError as e:
+                self._shut(f"the connection to the server broke ({e})")
+                raise self._gone() from None
+            why = self._read_until(call, time.monotonic() + self.timeout) if early else ""
+        finally:
+            if early:
+                with self._cv:
+                    self._reading = False
+                    if self._waiting:
+                        self._cv.notify_all()  # a waiting thread takes the role over
+        if why:
+            self._shut(why)
         if not call.done:
             self._wait(call, time.monotonic() + self.timeout)
         if call.error is not None:
