@@ -689,9 +689,8 @@ def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, blob: bytes | N
     if ps is None:
         raise BadFrame("push_many needs ps or blob")
     if ref.var:
-        for p in ps:
-            if type(p) is not bytes:
-                raise BadFrame("a payload must be bytes")
+        if not set(map(type, ps)) <= {bytes}:
+            raise BadFrame("a payload must be bytes")
         return ref.q._push_many_encoded(ps, delay=delay)
     return list(ref.q.push_many([ref.payload_in(p) for p in ps], delay=delay))
 
