@@ -39,7 +39,7 @@ import numpy as np
 
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
-from ._pack import packb
+from ._pack import packb, packer
 from .config import QueueConfig
 from .errors import ConfigError, CorruptionError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
@@ -131,6 +131,7 @@ class Client:
         self._closed = False
         self._why = ""
         self._reading = False  # a caller thread holds the reader role
+        self._waiting = 0  # threads asleep on ``_cv`` (notified only when there are some)
         self._queues: dict[str, RemoteQueue[Any]] = {}
         self._maps: dict[str, RemoteMap] = {}
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -253,7 +254,11 @@ class Client:
                 if left <= 0:
                     late = True
                     break
-                self._cv.wait(left)
+                self._waiting += 1
+                try:
+                    self._cv.wait(left)
+                finally:
+                    self._waiting -= 1
             else:
                 return
         if late:
@@ -264,7 +269,8 @@ class Client:
         finally:
             with self._cv:
                 self._reading = False
-                self._cv.notify_all()  # a waiting thread takes the role over
+                if self._waiting:
+                    self._cv.notify_all()  # a waiting thread takes the role over
         if why:
             self._shut(why)
 
@@ -296,11 +302,53 @@ class Client:
                     else:
                         c.error = wire.error_from_wire(reply[2])
                     c.done = True
-                self._cv.notify_all()  # another thread's reply may be among them
+                if self._waiting:
+                    self._cv.notify_all()  # another thread's reply may be among them
         return ""
 
     def _call(self, op: str, **args: Any) -> Any:
-        return self._result(self._submit(op, **args))
+        """One request and its reply: :meth:`_send_many` and :meth:`_result` for one.
+
+        A request alone in flight takes the reader role before it is sent, so its reply
+        is read right after the send (a thread that sends while another reads waits as
+        :meth:`_wait` says).  Holding the role across the send holds back no one: with
+        nothing else in flight the server has nothing else to send."""
+        call = _Call()
+        with self._lock:
+            if self._closed:
+                raise self._gone()
+            rid = next(self._ids)
+            early = not self._pending and not self._reading
+            if early:
+                self._reading = True
+            self._pending[rid] = call
+        try:
+            try:
+                data = wire.frame([rid, op, args])
+            except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
+                with self._lock:
+                    self._pending.pop(rid, None)
+                raise
+            try:
+                with self._wlock:
+                    self._sock.sendall(data)
+            except OSError as e:
+                self._shut(f"the connection to the server broke ({e})")
+                raise self._gone() from None
+            why = self._read_until(call, time.monotonic() + self.timeout) if early else ""
+        finally:
+            if early:
+                with self._cv:
+                    self._reading = False
+                    if self._waiting:
+                        self._cv.notify_all()  # a waiting thread takes the role over
+        if why:
+            self._shut(why)
+        if not call.done:
+            self._wait(call, time.monotonic() + self.timeout)
+        if call.error is not None:
+            raise call.error
+        return call.value
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -311,7 +359,11 @@ class Client:
         """Close the connection; the server releases every lease it still holds."""
         self._shut("close() was called")
         with self._cv:  # a thread reading the socket sees it shut; let it leave first
-            self._cv.wait_for(lambda: not self._reading, 5.0)
+            self._waiting += 1
+            try:
+                self._cv.wait_for(lambda: not self._reading, 5.0)
+            finally:
+                self._waiting -= 1
         self._sock.close()
 
     def __enter__(self) -> Client:
@@ -430,6 +482,13 @@ class RemoteQueue(Generic[T]):
         stores the bodies as they are; a payload class that rebuilds itself is encoded
         here as ``encode`` does, with every check."""
         codec = self._codec
+        if not codec.rebuild_at_push and "encode" not in codec.__dict__:
+            objs = self._plain_fast(payloads)
+            if objs is not None:
+                try:
+                    return list(map(packer().pack, objs))
+                except (TypeError, ValueError, OverflowError):
+                    pass  # one by one below: the payload's index and what cannot be packed
         plain = codec.plain
         enc: Callable[[Any], bytes] = self._encode if codec.rebuild_at_push else lambda p: packb(plain(p))
         out = []
@@ -443,6 +502,24 @@ class RemoteQueue(Generic[T]):
             except PayloadTypeError as e:
                 raise type(e)(f"payload {i} of the batch: {e}; nothing was pushed") from None
         return out
+
+    def _plain_fast(self, payloads: list[Any]) -> list[Any] | None:
+        """The plain values of a batch whose payloads are all exactly of the declared type
+        (a dataclass: its field lists; dicts, lists, ...: themselves), checked in one
+        pass; None for anything else (each payload then goes through ``plain``, which
+        says which one is refused, and converts what it converts)."""
+        codec = self._codec
+        tp = codec.payload
+        if codec.is_dataclass:
+            if not all(type(p) is tp for p in payloads):
+                return None
+            fields = codec.fields
+            return [[getattr(p, f) for f in fields] for p in payloads]
+        if codec.any:
+            return payloads
+        if tp in (dict, list, str) and set(map(type, payloads)) <= {tp}:
+            return payloads
+        return None
 
     def _name_unreadable(self, payloads: list[Any]) -> None:
         """Encode each payload alone; raise the first one's ``PayloadTypeError`` (by its
@@ -467,8 +544,18 @@ class RemoteQueue(Generic[T]):
                 raise ConfigError(f"lease_batch(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}")
             if secs is not None and secs < 0.001:
                 raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
-            self.ack_many(ack)
-        got = self._call("lease_batch", n=n, lease_timeout=secs)
+            # The acks travel in the lease request: one round trip; the owner acks first
+            # and leases only if the acks went through.
+            if isinstance(ack, LeaseBatch):
+                acks: dict[str, Any] = {"ack_tb": _token_batch(ack)}
+            elif isinstance(ack, (Lease, LeaseToken)) or not hasattr(ack, "__iter__"):
+                raise NotALease(f"ack takes a LeaseBatch or a sequence of Leases or tokens, "
+                                f"not {type(ack).__name__}")
+            else:
+                acks = {"ack_ts": [wire.token_to_wire(as_token(t)) for t in ack]}
+            got = self._call("lease_batch", n=n, lease_timeout=secs, **acks)
+        else:
+            got = self._call("lease_batch", n=n, lease_timeout=secs)
         if got is None:
             e = np.empty(0, dtype=np.uint64)
             payloads: Any = [] if self.spec.var else np.empty(0, dtype=self.spec.dtype)

@@ -34,11 +34,12 @@ token set.  None is held while calling into the database.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
+import operator
 import os
 import socket
 import struct
+import sys
 import threading
 import typing
 import weakref
@@ -232,9 +233,12 @@ class _Conn:
         self.pid = pid
         self.wlock = threading.Lock()
         self.lock = threading.Lock()
-        # This connection's leases: LeaseTokens, or plain tuples of their fields (a batch's).
-        self.held: dict[tuple[int, int, int, int, int], Queue[Any]] = {}
-        self.prune_at = PRUNE_MIN  # prune ``held`` when it grows past this
+        # This connection's leases, by queue handle: the queue, and by row id the lease's
+        # (shard, due, epoch).  A row is leased by one holder at a time and its epoch is
+        # bumped by every lease, so (handle, id, epoch) names one lease; shard and due are
+        # kept to compare a token whole and to release the lease at close.
+        self.held: dict[int, tuple[Queue[Any], dict[int, tuple[int, int, int]]]] = {}
+        self.prune_at = PRUNE_MIN  # prune ``held`` when it grows past this many leases
         self.queues: dict[str, _QueueRef] = {}
         self.maps: dict[str, Map] = {}
         self.waits = 0
@@ -383,8 +387,7 @@ class _Conn:
         with self.lock:
             held, self.held = self.held, {}
         touched: set[int] = set()
-        for key, q in held.items():
-            token = _as_token(key)
+        for token, q in _held_tokens(held):
             try:
                 q.extend(token, by=timedelta(milliseconds=RELEASE_MS))
                 touched.add(id(q))
@@ -410,47 +413,101 @@ class _Conn:
         return ref
 
     def token(self, raw: Any, ref: _QueueRef) -> LeaseToken:
-        tok = LeaseToken(*wire.token_fields(raw))
+        """A token of a request, checked to be held by this connection for ``ref``'s queue."""
+        tok = tuple.__new__(LeaseToken, wire.token_fields(raw))
         with self.lock:
-            q = self.held.get(tok)
-        if q is not ref.q:
+            ent = self.held.get(tok[0])
+            ok = ent is not None and ent[0] is ref.q and ent[1].get(tok[3]) == (tok[1], tok[2], tok[4])
+        if not ok:
             raise StaleToken(
                 f"row {tok.seq}: this token is not held by this connection (issued to another client, or "
                 f"already acked or nacked); lease the row again through this client"
             )
         return tok
 
-    def remember(self, tokens: Iterable[tuple[int, int, int, int, int]], q: Queue[Any]) -> None:
-        """Add a lease's tokens (``LeaseToken`` objects, or plain tuples of their fields:
-        equal, and hashed alike) to this connection's set, pruning it when it has grown."""
+    def _leases_of(self, handle: int, q: Queue[Any]) -> dict[int, tuple[int, int, int]]:
+        """The leases of ``handle`` (``self.lock`` held)."""
+        ent = self.held.get(handle)
+        if ent is None:
+            ent = self.held[handle] = (q, {})
+        return ent[1]
+
+    def remember(self, tokens: Iterable[LeaseToken], q: Queue[Any]) -> None:
+        """Add leases' tokens to this connection's set, pruning it when it has grown."""
         with self.lock:
-            self.held.update(zip(tokens, itertools.repeat(q)))
-            grown = len(self.held) > self.prune_at
+            for t in tokens:
+                self._leases_of(t[0], q)[t[3]] = (t[1], t[2], t[4])
+            grown = self._count() > self.prune_at
         if grown:
             self.prune()
+
+    def remember_batch(self, handle: int, q: Queue[Any], shards: list[int], dues: list[int], ids: list[int],
+                       epochs: list[int]) -> None:
+        """:meth:`remember` for a batch's leases, given as lists of their fields."""
+        with self.lock:
+            m = self._leases_of(handle, q)
+            m.update(zip(ids, zip(shards, dues, epochs)))
+            grown = len(m) > self.prune_at and self._count() > self.prune_at
+        if grown:
+            self.prune()
+
+    def check_batch(self, handle: int, q: Queue[Any], shards: list[int], dues: list[int], ids: list[int],
+                    epochs: list[int], done: str) -> None:
+        """Raise ``StaleToken`` unless this connection holds every lease of a token batch."""
+        with self.lock:
+            ent = self.held.get(handle)
+            if ent is not None and ent[0] is q:
+                m = ent[1]
+                if all(map(operator.eq, map(m.get, ids), zip(shards, dues, epochs))):
+                    return
+                bad = next(i for i, s, d, e in zip(ids, shards, dues, epochs) if m.get(i) != (s, d, e))
+            elif not ids:
+                return
+            else:
+                bad = ids[0]
+        raise StaleToken(
+            f"row {bad}: this token is not held by this connection (issued to another client, or "
+            f"already acked or nacked); lease the row again through this client; nothing was {done}"
+        )
+
+    def _count(self) -> int:
+        """How many leases the set holds (``self.lock`` held)."""
+        return sum(len(m) for _q, m in self.held.values())
 
     def prune(self) -> int:
         """Drop the tokens whose lease is gone (checked against the queue, no lock of this
         connection held meanwhile); return how many were dropped."""
         with self.lock:
-            items = list(self.held.items())
+            items = list(_held_tokens(self.held))
         stale = []
         for t, q in items:
             try:
-                if not q._holds(_as_token(t)):
+                if not q._holds(t):
                     stale.append(t)
             except DbClosed:
                 stale.append(t)
+        self.drop(stale)
         with self.lock:
-            for t in stale:
-                self.held.pop(t, None)
-            self.prune_at = max(PRUNE_MIN, 2 * len(self.held))
+            self.prune_at = max(PRUNE_MIN, 2 * self._count())
         return len(stale)
 
-    def drop(self, tokens: list[Any]) -> None:
+    def drop(self, tokens: Iterable[LeaseToken]) -> None:
+        """Forget settled leases (each only if it is the lease this connection holds for its row)."""
         with self.lock:
             for t in tokens:
-                self.held.pop(t, None)
+                ent = self.held.get(t[0])
+                if ent is not None and ent[1].get(t[3]) == (t[1], t[2], t[4]):
+                    del ent[1][t[3]]
+
+    def drop_batch(self, handle: int, ids: list[int]) -> None:
+        """Forget the leases of a token batch that :meth:`check_batch` passed: a
+        connection's requests run one after another, so none was leased again between."""
+        with self.lock:
+            ent = self.held.get(handle)
+            if ent is not None:
+                pop = ent[1].pop
+                for i in ids:
+                    pop(i, None)
 
     def map(self, name: str) -> Map:
         m = self.maps.get(name)
@@ -632,9 +689,8 @@ def _push_many(conn: _Conn, q: str, ps: list[Any] | None = None, blob: bytes | N
     if ps is None:
         raise BadFrame("push_many needs ps or blob")
     if ref.var:
-        for p in ps:
-            if type(p) is not bytes:
-                raise BadFrame("a payload must be bytes")
+        if not set(map(type, ps)) <= {bytes}:
+            raise BadFrame("a payload must be bytes")
         return ref.q._push_many_encoded(ps, delay=delay)
     return list(ref.q.push_many([ref.payload_in(p) for p in ps], delay=delay))
 
@@ -663,12 +719,20 @@ def _ack(conn: _Conn, q: str, t: list[Any]) -> None:
         conn.drop([tok])
 
 
-@op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float))
-def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None) -> list[Any] | None:
+@op("lease_batch", q=str, n=int, lease_timeout=_opt(int, float), ack_tb=_opt(list), ack_ts=_opt(list))
+def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None, ack_tb: list[Any] | None = None,
+                 ack_ts: list[Any] | None = None) -> list[Any] | None:
     """A LeaseBatch as arrays: [handle, shards u4, dues u8, ids u8, attempts u2, epochs u4,
     deadline ms, payloads (a fixed queue: one blob of records; a var queue: one msgpack
-    array of the stored bodies, joined behind an array header, never decoded here)]."""
+    array of the stored bodies, joined behind an array header, never decoded here)].
+
+    ``ack_tb`` / ``ack_ts``: tokens to ack first, as ``ack_many``'s ``tb`` / ``ts``
+    (``Queue.lease_batch(ack=)``: one request, one round trip); if the acks raise, nothing
+    is acked nor leased."""
     ref = conn.queue(q)
+    if ack_tb is not None or ack_ts is not None:
+        ref.q._lease_arg(n, lease_timeout, "lease_batch")  # a bad argument raises before anything is acked
+        _ack_many(conn, q, ts=ack_ts, tb=ack_tb)
     b: LeaseBatch[Any]
     if ref.var:
         b = ref.q._lease_batch_encoded(n, lease_timeout=lease_timeout)
@@ -677,16 +741,23 @@ def _lease_batch(conn: _Conn, q: str, n: int, lease_timeout: float | None = None
     if not len(b):
         return None
     handle = b._handle
-    shards, dues, ids, epochs = b._shards.tolist(), b._dues.tolist(), b.ids.tolist(), b._epochs.tolist()
-    conn.remember(zip(itertools.repeat(handle), shards, dues, ids, epochs), ref.q)
+    ids = b.ids.tolist()
+    conn.remember_batch(handle, ref.q, b._shards.tolist(), b._dues.tolist(), ids, b._epochs.tolist())
     payloads: Any
     if not ref.var:
         payloads = np.ascontiguousarray(b.payloads).tobytes()
     else:
         payloads = _ARRAY32 + len(ids).to_bytes(4, "big") + b"".join(b.payloads)
-    return [handle.to_bytes(16, "big"), b._shards.astype("<u4").tobytes(), b._dues.astype("<u8").tobytes(),
-            b.ids.astype("<u8").tobytes(), b.attempts.astype("<u2").tobytes(), b._epochs.astype("<u4").tobytes(),
-            wire.dt_to_ms(b._deadline), payloads]
+    return [handle.to_bytes(16, "big"), _le(b._shards, _U4), _le(b._dues, _U8), _le(b.ids, _U8),
+            _le(b.attempts, _U2), _le(b._epochs, _U4), wire.dt_to_ms(b._deadline), payloads]
+
+
+_U2, _U4, _U8 = np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")
+
+
+def _le(a: np.ndarray, dt: np.dtype) -> bytes:
+    """``a``'s values as ``dt`` (little-endian) bytes: no conversion when it already is."""
+    return a.tobytes() if a.dtype == dt else a.astype(dt).tobytes()
 
 
 @op("ack_many", q=str, ts=_opt(list), tb=_opt(list))
@@ -695,9 +766,9 @@ def _ack_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any] | 
     epochs u4]: all or nothing, as ``Queue.ack_many``."""
     ref = conn.queue(q)
     if tb is not None:
-        batch, keys = _token_batch(tb, conn, ref)
+        batch, ids = _token_batch(tb, conn, ref)
         n = int(ref.q.ack_many(batch))
-        conn.drop(keys)
+        conn.drop_batch(batch._handle, ids)
         return n
     if ts is None:
         raise BadFrame("ack_many needs ts or tb")
@@ -714,9 +785,9 @@ def _release_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any
     released (a lease that ended meanwhile is not)."""
     ref = conn.queue(q)
     if tb is not None:
-        batch, keys = _token_batch(tb, conn, ref, "released")
+        batch, ids = _token_batch(tb, conn, ref, "released")
         n = ref.q.release_many(batch)
-        conn.drop(keys)
+        conn.drop_batch(batch._handle, ids)
         return n
     if ts is None:
         raise BadFrame("release_many needs ts or tb")
@@ -729,41 +800,44 @@ def _release_many(conn: _Conn, q: str, ts: list[Any] | None = None, tb: list[Any
 _ARRAY32 = b"\xdd"  # msgpack's array 32 marker: a var lease batch's bodies are its elements
 
 
-def _as_token(key: tuple[int, int, int, int, int]) -> LeaseToken:
-    """A key of a connection's token set as the ``LeaseToken`` the queue takes."""
-    return key if isinstance(key, LeaseToken) else tuple.__new__(LeaseToken, key)
+def _held_tokens(held: dict[int, tuple[Queue[Any], dict[int, tuple[int, int, int]]]]
+                 ) -> Iterable[tuple[LeaseToken, Queue[Any]]]:
+    """Each lease of a connection's set as its ``LeaseToken`` and queue."""
+    new = tuple.__new__
+    for handle, (q, m) in list(held.items()):
+        for seq, (shard, due, epoch) in list(m.items()):
+            yield new(LeaseToken, (handle, shard, due, seq, epoch)), q
 
 
 def _token_batch(tb: list[Any], conn: _Conn, ref: _QueueRef,
-                 done: str = "acked") -> tuple[LeaseBatch[Any], list[Any]]:
-    """A token batch as a ``LeaseBatch`` (no payloads) and its tokens as the keys of the
-    connection's set, once every token is checked to be held by this connection."""
+                 done: str = "acked") -> tuple[LeaseBatch[Any], list[int]]:
+    """A token batch as a ``LeaseBatch`` (no payloads) and its row ids, once every token
+    is checked to be held by this connection."""
     if not (len(tb) == 5 and all(isinstance(x, bytes) for x in tb) and len(tb[0]) == 16):
         raise BadFrame("a token batch is [16 bytes, shards, dues, ids, epochs]")
     try:
-        arrays = [np.frombuffer(tb[i], dtype=d) for i, d in ((1, "<u4"), (2, "<u8"), (3, "<u8"), (4, "<u4"))]
+        shards, dues, ids, epochs = (_native(tb[i], d) for i, d in ((1, _U4), (2, _U8), (3, _U8), (4, _U4)))
     except ValueError:
         raise BadFrame("a token batch's arrays have a wrong length") from None
-    if len({len(a) for a in arrays}) != 1:
+    n = len(ids)
+    if not len(shards) == len(dues) == len(epochs) == n:
         raise BadFrame("a token batch's arrays differ in length")
     handle = int.from_bytes(tb[0], "big")
-    shards, dues, ids, epochs = (a.astype(a.dtype.newbyteorder("=")) for a in arrays)
-    # Plain tuples: equal to the LeaseTokens the set holds, and hashed alike.
-    keys = list(zip(itertools.repeat(handle), shards.tolist(), dues.tolist(), ids.tolist(), epochs.tolist()))
+    id_list = ids.tolist()
     q = ref.q
-    held = conn.held
-    with conn.lock:
-        # A token's handle names its queue handle: held and of this handle is held for q.
-        ok = handle == q._handle and all(map(held.__contains__, keys))
-        foreign = [] if ok else [k for k in keys if held.get(k) is not q]
-    if foreign:
-        raise StaleToken(
-            f"row {foreign[0][3]}: this token is not held by this connection (issued to another client, or "
-            f"already acked or nacked); lease the row again through this client; nothing was {done}"
-        )
-    n = len(keys)
+    conn.check_batch(handle, q, shards.tolist(), dues.tolist(), id_list, epochs.tolist(), done)
     none = np.zeros(n, dtype=np.uint16)
-    return LeaseBatch(q.name, handle, shards, dues, ids, none, epochs, (0, _EPOCH_DT), [None] * n), keys
+    return LeaseBatch(q.name, handle, shards, dues, ids, none, epochs, (0, _EPOCH_DT), [None] * n), id_list
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _native(raw: bytes, dt: np.dtype) -> np.ndarray:
+    """Little-endian ``dt`` values as a native array (a view of ``raw`` on a
+    little-endian host); ``ValueError`` if ``raw`` is not whole values."""
+    a = np.frombuffer(raw, dtype=dt)
+    return a if _LITTLE else a.astype(dt.newbyteorder("="))
 
 
 @op("nack", q=str, t=list, delay=_opt(int, float), dead=bool)

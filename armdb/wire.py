@@ -31,7 +31,7 @@ from .config import Config, FixedConfig, QueueConfig
 from .errors import ArmdbError, ConfigError
 
 MAGIC = "armdb-wire"
-VERSION = 3
+VERSION = 4
 MAX_FRAME = 64 << 20  # bytes of msgpack in one frame (the length prefix excluded)
 _LEN = struct.Struct(">I")
 SOCKET_NAME = "armdb.sock"
@@ -84,7 +84,7 @@ def length_of(prefix: bytes) -> int:
     return n
 
 
-def unpack(body: bytes) -> Any:
+def unpack(body: bytes | memoryview) -> Any:
     """One frame's msgpack body; ``BadFrame`` for anything malformed or trailing."""
     try:
         return _unpackb(body, raw=False, strict_map_key=False, use_list=True)
@@ -124,8 +124,24 @@ class FrameReader:
                     raise BadFrame(f"the connection closed inside a frame ({len(buf)} of 4 prefix bytes)")
                 raise BadFrame(f"the connection closed inside a frame ({n} of {length_of(bytes(buf[:4]))} bytes)")
             return None
-        buf += self._view[:k]
         out: list[Any] = []
+        if not buf:
+            # Nothing was pending (the usual case): the frames are decoded where they were
+            # received, and only an incomplete tail is kept.
+            chunk, view = self._chunk, self._view
+            off = 0
+            while k - off >= 4:
+                (n,) = _LEN.unpack_from(chunk, off)
+                if n > MAX_FRAME:
+                    length_of(bytes(chunk[off:off + 4]))  # raises BadFrame
+                if k - off - 4 < n:
+                    break
+                out.append(unpack(view[off + 4:off + 4 + n]))
+                off += 4 + n
+            if off < k:
+                buf += view[off:k]
+            return out
+        buf += self._view[:k]
         off, end = 0, len(buf)
         while end - off >= 4:
             (n,) = _LEN.unpack_from(buf, off)

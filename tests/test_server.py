@@ -576,7 +576,7 @@ def test_p3_a_long_lived_connection_keeps_a_bounded_token_set(owner: tuple[armdb
                     assert len(qa.lease(1, lease_timeout=0.002)) == 1
                     time.sleep(0.004)
                 with conn_a.lock:
-                    peak = max(peak, len(conn_a.held))
+                    peak = max(peak, conn_a._count())
             # 60 x 12 = 720 tokens handed out; without pruning all of them would be kept
             assert peak <= 2 * 32 + 12, f"the token set reached {peak}"
             # the live lease's token was kept and still settles
@@ -584,7 +584,7 @@ def test_p3_a_long_lived_connection_keeps_a_bounded_token_set(owner: tuple[armdb
             qa.ack(kept)
             assert conn_a.prune() >= 0
             with conn_a.lock:
-                assert len(conn_a.held) <= 1  # at most the last re-leased row, expired but not taken
+                assert conn_a._count() <= 1  # at most the last re-leased row, expired but not taken
 
 
 # -- P5: pipelining under the buffered framing ----------------------------------------------------
