@@ -35,7 +35,7 @@ from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_SetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_SET_ITEM
 from cpython.datetime cimport import_datetime, timedelta_new
@@ -99,6 +99,9 @@ cdef struct _Sink:
 
 cdef extern from "Python.h":
     object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n)
+    # PyDict_GetItem without its save and restore of the error state (the keys here are
+    # str, whose hash and comparison cannot fail).
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Scalar(void* data, cnp.PyArray_Descr* descr, object base)
@@ -750,7 +753,7 @@ cdef class FixedFast:
     ``nfields`` is exactly its encoding (``FixedCodec.plain_struct``), else None.
     """
 
-    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, lease_timeouts
+    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, pack, lease_timeouts
     cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
     cdef list acquire, release       # each shard lock's bound acquire and release
     cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
@@ -792,6 +795,7 @@ cdef class FixedFast:
         self.seq_name = seq_name
         self.encode = encode
         self.plain = plain
+        self.pack = plain.pack if plain is not None else None
         self.nfields = nfields
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
@@ -813,12 +817,12 @@ cdef class FixedFast:
         """``Queue._check`` for an open queue: the clock, and the retention pass when due;
         -1 when the queue or its Db is closed (the Python body raises DbClosed)."""
         cdef int64_t now, due
-        cdef PyObject* a = PyDict_GetItem(self.qd, "_closed")
-        cdef PyObject* b = PyDict_GetItem(self.dbd, "_closed")
+        cdef PyObject* a = PyDict_GetItemWithError(self.qd, "_closed")
+        cdef PyObject* b = PyDict_GetItemWithError(self.dbd, "_closed")
         if a == NULL or b == NULL or <object>a or <object>b:
             return -1
         now = _wall_ms() if self.sysclock else self.clock()
-        a = PyDict_GetItem(self.qd, "_next_retention")
+        a = PyDict_GetItemWithError(self.qd, "_next_retention")
         if a == NULL:
             return -1
         due = <object>a
@@ -831,11 +835,11 @@ cdef class FixedFast:
         Python method, which bumps the generation again: harmless, any change wakes)."""
         cdef PyObject* p
         PyDict_SetItem(self.qd, "_gen", next(self.gens))
-        p = PyDict_GetItem(self.qd, "_nwaiters")
+        p = PyDict_GetItemWithError(self.qd, "_nwaiters")
         if p == NULL or <object>p:
             self.queue._notify()
             return 0
-        p = PyDict_GetItem(self.dbd, "_waker")
+        p = PyDict_GetItemWithError(self.dbd, "_waker")
         if p != NULL and <object>p is not None and (<object>p)._waiters:
             self.queue._notify()
         return 0
@@ -855,12 +859,12 @@ cdef class FixedFast:
             return self.push_py(payload, None)
         if self.plain is not None and type(payload) is tuple and len(<tuple>payload) == self.nfields:
             try:
-                body = self.plain.pack(*payload)
+                body = self.pack(*payload)
             except Exception:  # out of range, or a field of another type: the codec says why
                 body = self.encode(payload)
         else:
             body = self.encode(payload)
-        cdef PyObject* p = PyDict_GetItem(self.rest, self.seq_name)
+        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
         seq = next(<object>p, None) if p != NULL else None
         if seq is None:
             seq = self.next_id(self.seq_name)
