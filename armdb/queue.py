@@ -468,6 +468,12 @@ class Queue(Generic[T]):
                     self._seq_name, self._encode, codec.plain_struct, len(self.spec.dtype.names or ()),
                     self._lease_ms, self._max_attempts, MAX_LEASE, MAX_DUE_MS, self._max_depth is None,
                     self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
+                # The public push, lease and ack of a fixed queue are the compiled ones
+                # themselves, bound as instance attributes (which shadow the methods
+                # below): one call, no Python frame between the user and FixedFast.
+                # They take the same arguments and hand all but the common case to
+                # _push, _lease and _ack, which raise what the methods document.
+                vars(self).update(push=self._fast.push, lease=self._fast.lease, ack=self._fast.ack)
         except BaseException:
             self._headers.close()
             if self._payload is not None:

@@ -221,3 +221,71 @@ def test_q32_a_lease_twice_in_a_batch_of_several_shards(db_path: Path, clock: Fa
         assert q.ack_many(got) == 6
     finally:
         db.shutdown()
+
+
+# -- round 4: the public methods are the compiled calls --------------------------------------
+
+
+def _refusal(call, *args, **kw) -> tuple[type, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(armdb.ArmdbError) as e:
+        call(*args, **kw)
+    return type(e.value), str(e.value)
+
+
+def test_q9_public_calls_are_compiled_and_refuse_as_the_python_bodies(db: armdb.Db, clock: FakeClock) -> None:
+    # SPEC Q9, Q13, Q30: a fixed queue's push, lease and ack are FixedFast's methods; each
+    # refusal is the Python body's, same class and same message
+    from armdb._core.qshard import FixedFast
+    from armdb.queue import MAX_LEASE, LeaseToken
+
+    q = db.open_queue(Ping)
+    assert isinstance(q.push.__self__, FixedFast)  # type: ignore[attr-defined]
+    assert isinstance(q.lease.__self__, FixedFast)  # type: ignore[attr-defined]
+    assert isinstance(q.ack.__self__, FixedFast)  # type: ignore[attr-defined]
+    # the keyword arguments of the documented signatures
+    a = q.push(payload=(1, 1))
+    b = q.push((2, 2), delay=1.5)
+    (lz,) = q.lease(n=1, lease_timeout=timedelta(seconds=3))
+    assert lz.id == a and lz.deadline == armdb._clock.ms_to_datetime(clock.ms + 3000)
+    q.ack(token=lz)
+    clock.advance(2)
+    (lb,) = q.lease()
+    assert lb.id == b
+    # refusals: the compiled call against the Python body, same arguments
+    assert _refusal(q.push, (1, -1)) == _refusal(q._push, (1, -1), None)
+    assert _refusal(q.push, "x") == _refusal(q._push, "x", None)
+    assert _refusal(q.push, (1, 1), delay=-1) == _refusal(q._push, (1, 1), -1)
+    for n in (0, -1, True, 1.0, "1", MAX_LEASE + 1):
+        assert _refusal(q.lease, n) == _refusal(q._lease, n, None)
+    assert _refusal(q.lease, 1, lease_timeout=0) == _refusal(q._lease, 1, 0)
+    q.ack(lb)
+    tok = lb.token
+    bad_tokens: list[object] = [
+        lb, tok, "x", None, (tok.handle, 0, tok.due, tok.seq, tok.epoch),  # acked; not leases
+        tok._replace(handle=tok.handle + 1),  # another handle
+        tok._replace(shard=5), tok._replace(shard=-1), tok._replace(shard=2 ** 80),
+        tok._replace(due=-1), tok._replace(seq=2 ** 70), tok._replace(epoch=2 ** 40), tok._replace(epoch=None),
+        lb._replace(token=tuple(tok)),  # a Lease whose token is a plain tuple
+    ]
+    for t in bad_tokens:
+        assert _refusal(q.ack, t) == _refusal(q._ack, t), t
+    assert isinstance(tok, LeaseToken)
+    db.close()
+    assert _refusal(q.push, (1, 1)) == _refusal(q._push, (1, 1), None)
+    assert _refusal(q.lease, 1) == _refusal(q._lease, 1, None)
+    assert _refusal(q.ack, lb) == _refusal(q._ack, lb)
+
+
+def test_q10_lease_deadlines_equal_the_clock_conversion(db: armdb.Db, clock: FakeClock) -> None:
+    # SPEC Q10: the deadline the compiled lease hands out (stepped from the last one) is
+    # the datetime of now + lease timeout, whatever the clock did in between
+    q = db.open_queue(Ping, QueueConfig.balanced().lease_timeout(timedelta(seconds=7)).build())
+    rnd = random.Random(11)
+    steps = [0, 1, 1, 999, 1000, 1001, -1, -999, 86_399_999, 86_400_000, -86_400_001, 3, 123_456_789]
+    steps += [rnd.randrange(-5_000_000, 5_000_000) for _ in range(200)]
+    for step in steps:
+        clock.ms += step
+        q.push((1, 1))
+        (lz,) = q.lease(1)
+        assert lz.deadline == armdb._clock.ms_to_datetime(clock.ms + 7000), step
+        q.ack(lz)

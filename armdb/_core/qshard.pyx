@@ -35,14 +35,16 @@ from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_SetItem
 from cpython.object cimport PyObject
-from cpython.tuple cimport PyTuple_SET_ITEM
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_SET_ITEM
+from cpython.datetime cimport import_datetime, timedelta_new
 from libc.string cimport memcpy
 
 import numpy as np
 
 cnp.import_array()
+import_datetime()
 
 from armdb._core._util cimport load_be64, load_le, monotonic_s
 from armdb._core._util cimport wall_ms as _wall_ms
@@ -97,6 +99,9 @@ cdef struct _Sink:
 
 cdef extern from "Python.h":
     object PyType_GenericAlloc(PyTypeObject* t, Py_ssize_t n)
+    # PyDict_GetItem without its save and restore of the error state (the keys here are
+    # str, whose hash and comparison cannot fail).
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Scalar(void* data, cnp.PyArray_Descr* descr, object base)
@@ -748,7 +753,7 @@ cdef class FixedFast:
     ``nfields`` is exactly its encoding (``FixedCodec.plain_struct``), else None.
     """
 
-    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, lease_timeouts
+    cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, pack, lease_timeouts
     cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
     cdef list acquire, release       # each shard lock's bound acquire and release
     cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
@@ -790,6 +795,7 @@ cdef class FixedFast:
         self.seq_name = seq_name
         self.encode = encode
         self.plain = plain
+        self.pack = plain.pack if plain is not None else None
         self.nfields = nfields
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
@@ -811,12 +817,12 @@ cdef class FixedFast:
         """``Queue._check`` for an open queue: the clock, and the retention pass when due;
         -1 when the queue or its Db is closed (the Python body raises DbClosed)."""
         cdef int64_t now, due
-        cdef PyObject* a = PyDict_GetItem(self.qd, "_closed")
-        cdef PyObject* b = PyDict_GetItem(self.dbd, "_closed")
+        cdef PyObject* a = PyDict_GetItemWithError(self.qd, "_closed")
+        cdef PyObject* b = PyDict_GetItemWithError(self.dbd, "_closed")
         if a == NULL or b == NULL or <object>a or <object>b:
             return -1
         now = _wall_ms() if self.sysclock else self.clock()
-        a = PyDict_GetItem(self.qd, "_next_retention")
+        a = PyDict_GetItemWithError(self.qd, "_next_retention")
         if a == NULL:
             return -1
         due = <object>a
@@ -829,31 +835,36 @@ cdef class FixedFast:
         Python method, which bumps the generation again: harmless, any change wakes)."""
         cdef PyObject* p
         PyDict_SetItem(self.qd, "_gen", next(self.gens))
-        p = PyDict_GetItem(self.qd, "_nwaiters")
+        p = PyDict_GetItemWithError(self.qd, "_nwaiters")
         if p == NULL or <object>p:
             self.queue._notify()
             return 0
-        p = PyDict_GetItem(self.dbd, "_waker")
+        p = PyDict_GetItemWithError(self.dbd, "_waker")
         if p != NULL and <object>p is not None and (<object>p)._waiters:
             self.queue._notify()
         return 0
 
-    def push(self, payload):
-        """``Queue.push(payload)`` (no delay); returns the row id."""
-        cdef int64_t now = self._now()
+    def push(self, payload, *, delay=None):
+        """Insert a ready row due at ``now + delay``; return its id (``Queue.push``, whose
+        documentation says what it raises: a delay, or anything but the common case,
+        goes to its Python body ``Queue._push``)."""
+        cdef int64_t now
         cdef QueueShard sh
         cdef bytes body
         cdef object seq, it
+        if delay is not None:
+            return self.push_py(payload, delay)
+        now = self._now()
         if now < 0 or <uint64_t>now >= self.max_due:
             return self.push_py(payload, None)
         if self.plain is not None and type(payload) is tuple and len(<tuple>payload) == self.nfields:
             try:
-                body = self.plain.pack(*payload)
+                body = self.pack(*payload)
             except Exception:  # out of range, or a field of another type: the codec says why
                 body = self.encode(payload)
         else:
             body = self.encode(payload)
-        cdef PyObject* p = PyDict_GetItem(self.rest, self.seq_name)
+        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
         seq = next(<object>p, None) if p != NULL else None
         if seq is None:
             seq = self.next_id(self.seq_name)
@@ -867,12 +878,16 @@ cdef class FixedFast:
         self._notify()
         return seq
 
-    def lease(self, n=1):
-        """``Queue.lease(n)`` (the queue's lease timeout); a list of ``Lease``."""
-        cdef int64_t now, deadline
+    def lease(self, n=1, *, lease_timeout=None):
+        """Lease up to ``n`` due rows in key order; a list of ``Lease`` (``Queue.lease``,
+        whose documentation says what it raises: a lease timeout, or anything but the
+        common case, goes to its Python body ``Queue._lease``)."""
+        cdef int64_t now, deadline, step
         cdef Py_ssize_t k, dead = 0
         cdef QueueShard sh
         cdef list out
+        if lease_timeout is not None:
+            return self.lease_py(n, lease_timeout)
         if self.nsh != 1 or type(n) is not int or not 1 <= n <= self.max_lease:  # Python ints: no overflow
             return self.lease_py(n, None)
         k = n
@@ -881,7 +896,15 @@ cdef class FixedFast:
             return self.lease_py(n, None)
         deadline = now + self.lease_ms
         if deadline != self.dl_ms:  # one datetime per millisecond of deadlines
-            self.dl = self.to_datetime(deadline)
+            step = deadline - self.dl_ms
+            if self.dl_ms >= 0 and -86_400_000 < step < 86_400_000:
+                # The last deadline plus the step: integer microseconds, so the same
+                # datetime as to_datetime (armdb._clock.ms_to_datetime, exact to the
+                # microsecond for any deadline before the year 2200), at a fraction of
+                # its cost.
+                self.dl = self.dl + timedelta_new(0, <int>(step // 1000), <int>(step % 1000) * 1000)
+            else:
+                self.dl = self.to_datetime(deadline)
             self.dl_ms = deadline
         out = []
         sh = <QueueShard>self.shards[0]
@@ -895,32 +918,41 @@ cdef class FixedFast:
         return out
 
     def ack(self, token):
-        """``Queue.ack(token)``: a ``Lease`` or a ``LeaseToken`` of this handle."""
-        cdef object t
+        """Remove a leased row: ``token`` is a ``Lease`` or a ``LeaseToken`` of this
+        handle (``Queue.ack``, whose documentation says what it raises: a stale or foreign
+        token, or anything but the common case, goes to its Python body ``Queue._ack``)."""
+        cdef object t, f
         cdef int64_t now
         cdef int r
         cdef QueueShard sh
         cdef uint64_t due, seq
         cdef uint32_t epoch
         cdef Py_ssize_t k
+        # The token's fields read as the tuple items they are (the classes are NamedTuples
+        # of five, checked exactly): no __getitem__ through the class per field.
         if type(token) is self.token_cls:
             t = token
-        elif type(token) is self.lease_cls:
-            t = token[4]
+        elif type(token) is self.lease_cls and PyTuple_GET_SIZE(token) == 5:
+            t = <object>PyTuple_GET_ITEM(token, 4)
             if type(t) is not self.token_cls:
                 return self.ack_py(token)
         else:
             return self.ack_py(token)
-        if self.lease_timeouts:
-            (<dict>self.lease_timeouts).pop((t[3], t[4]), None)
-        if type(t[1]) is not int or t[0] != self.handle:
+        if PyTuple_GET_SIZE(t) != 5:
             return self.ack_py(token)
-        k = t[1]
-        if k < 0 or k >= self.nsh:
+        if self.lease_timeouts:
+            (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
+        f = <object>PyTuple_GET_ITEM(t, 1)
+        if type(f) is not int or <object>PyTuple_GET_ITEM(t, 0) != self.handle:
             return self.ack_py(token)
         try:
-            due, seq, epoch = t[2], t[3], t[4]
+            k = f
+            due = <object>PyTuple_GET_ITEM(t, 2)
+            seq = <object>PyTuple_GET_ITEM(t, 3)
+            epoch = <object>PyTuple_GET_ITEM(t, 4)
         except (OverflowError, TypeError):
+            return self.ack_py(token)
+        if k < 0 or k >= self.nsh:
             return self.ack_py(token)
         now = self._now()
         if now < 0:

@@ -8,7 +8,8 @@
 # Needs valgrind.  Queues at the defaults a user gets (Db.open, no config), as the default
 # rows of `python -m armdb bench` run them; TUNED=1 runs the tuned rows' configuration.
 # OPS=push counts the push alone, OPS=push+lease a push and its lease (the default, the
-# whole cycle, adds the ack): the differences are each operation's share.
+# whole cycle, adds the ack): the differences are each operation's share.  OPS=none counts
+# the script's own share: the loop and making each payload (make(i), as a user makes one).
 set -eu
 kind=${1:-var}
 n=${2:-6000}
@@ -18,20 +19,36 @@ py=${PYTHON:-$here/.venv/bin/python}
 prog='
 import os, sys, tempfile
 from armdb import _bench as B
+
+def run(q, n, make, ops):
+    # In a function, as a user (and the bench, armdb._bench.queue_cycle_rate) runs it: at
+    # the top level of `python -c`, every name read would be a dict lookup, about 2,000
+    # instructions per cycle that are the script, not armdb.  Each payload is made as it
+    # is pushed, as the bench does: a list of them made up front made the interpreter
+    # run a full garbage collection of the whole heap in the N run only, which added
+    # about 5,000 instructions per cycle at N=3000 (and a different amount at any other N).
+    if ops == "none":
+        for i in range(n):
+            make(i)
+    elif ops == "push":
+        for i in range(n):
+            q.push(make(i))
+    elif ops == "push+lease":
+        for i in range(n):
+            q.push(make(i))
+            (lease,) = q.lease(1)
+    else:
+        for i in range(n):
+            q.push(make(i))
+            (lease,) = q.lease(1)
+            q.ack(lease.token)
+
 kind, n = sys.argv[1], int(sys.argv[2])
-ops = os.environ.get("OPS", "cycle")
 spec = B.BenchVar if kind == "var" else B.BenchFixed
 make = B.body if kind == "var" else B._fixed_payload
 with tempfile.TemporaryDirectory() as d:
     db, q = B.open_armdb(d, spec, tuned=os.environ.get("TUNED") == "1")
-    items = [make(i) for i in range(n)]
-    for x in items:
-        q.push(x)
-        if ops == "push":
-            continue
-        (lease,) = q.lease(1)
-        if ops == "cycle":
-            q.ack(lease.token)
+    run(q, n, make, os.environ.get("OPS", "cycle"))
     db.shutdown()
 '
 ir() {
