@@ -170,12 +170,20 @@ def as_token(lease: object) -> LeaseToken:
     ``NotALease``, never ``StaleToken``, so ``except StaleToken`` cannot hide a wrong
     argument."""
     if isinstance(lease, LeaseToken):
-        return lease
-    if isinstance(lease, Lease):
-        return lease.token
-    raise NotALease(
-        f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
-    )
+        token = lease
+    elif isinstance(lease, Lease) and isinstance(lease.token, LeaseToken):
+        token = lease.token
+    else:
+        raise NotALease(
+            f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
+        )
+    for name, v in zip(LeaseToken._fields, token, strict=True):
+        if type(v) is not int:
+            raise NotALease(
+                f"this LeaseToken was altered: its {name} is {v!r}, not an int; pass the token that "
+                f"Queue.lease() returned, unchanged"
+            )
+    return token
 
 
 _GONE: Any = object()  # a claimed var row that is not handed out (Queue._read_payloads)
@@ -1409,8 +1417,7 @@ class Queue(Generic[T]):
         self._ack(token)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:
-        if type(token) is not LeaseToken:
-            token = as_token(token)
+        token = as_token(token)
         if self._lease_timeouts:
             self._lease_timeouts.pop((token.seq, token.epoch), None)
         self._check()

@@ -967,6 +967,26 @@ def test_q30_a_wrong_argument_is_not_a_lease_never_stale_token(db, flavour, bad)
     assert q.len() == 0
 
 
+@pytest.mark.parametrize("field,value", [("shard", "0"), ("seq", "1"), ("due", None), ("epoch", 1.5),
+                                         ("handle", 2.0), ("shard", True)])
+def test_q30_an_altered_token_is_refused_with_an_armdb_error(db, flavour, field, value):
+    # SPEC Q30, Q13: a LeaseToken whose fields were altered to another type is refused with
+    # NotALease, never a bare TypeError, and is never taken for the lease it was made from
+    # (the compiled fixed ack once truncated a float epoch and acked); nothing changes.
+    q = db.open_queue(FixedQ if flavour == "fixed" else VarQ, cfg())
+    q.push((1, 0) if flavour == "fixed" else Job(1, "x"))
+    (lease,) = q.lease(1)
+    bad = lease.token._replace(**{field: value})
+    for call in (lambda: q.ack(bad), lambda: q.nack(bad), lambda: q.extend(bad), lambda: q.ack_many([bad]),
+                 lambda: q.release_many([bad]), lambda: db.tx().ack(q, bad).commit(),
+                 lambda: db.tx().nack(q, bad).commit()):
+        with pytest.raises(NotALease, match="was altered"):
+            call()
+    assert q.stats().acks == q.stats().nacks == 0
+    q.ack(lease)  # nothing changed: the lease still holds
+    assert q.len() == 0
+
+
 # -- payload errors that say what to do, and values users reasonably pass -------------------------------
 
 

@@ -943,7 +943,11 @@ cdef class FixedFast:
         if self.lease_timeouts:
             (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
         f = <object>PyTuple_GET_ITEM(t, 1)
-        if type(f) is not int or <object>PyTuple_GET_ITEM(t, 0) != self.handle:
+        # Every field an exact int (a float would convert to a C integer by truncation:
+        # an altered token must go to the Python body, which refuses it).
+        if (type(f) is not int or type(<object>PyTuple_GET_ITEM(t, 2)) is not int
+                or type(<object>PyTuple_GET_ITEM(t, 3)) is not int or type(<object>PyTuple_GET_ITEM(t, 4)) is not int
+                or <object>PyTuple_GET_ITEM(t, 0) != self.handle):
             return self.ack_py(token)
         try:
             k = f
