@@ -842,6 +842,14 @@ class Queue(Generic[T]):
                       ) -> tuple[list[Any], np.ndarray | None]:
         """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), and None
         or the mask of the leases to hand out."""
+        if decode is None and len(seqs) > 1 and self._cache:
+            # The common batch: every body in the cache, decoded together, with no Python
+            # object per row but the payloads.
+            bodies = self._cache_take(seqs.tolist())
+            if bodies is not None:
+                out = typing.cast(VarCodec, self._codec).decode_many(bodies)
+                if out is not None:
+                    return out, None
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
                                            strict=True)), decode)
         if _GONE not in got:
@@ -983,13 +991,18 @@ class Queue(Generic[T]):
         budget = self._cache_budget
         if budget <= 0:
             return
+        added = sum(map(len, bodies))
         with self._cache_lock:
             cache = self._cache
             size = self._cache_bytes
-            for i, body in enumerate(bodies):
-                if len(body) <= budget:
-                    cache[first + i] = body
-                    size += len(body)
+            if added <= budget:  # every body fits: all in, with no Python loop
+                cache.update(zip(range(first, first + len(bodies)), bodies))
+                size += added
+            else:
+                for i, body in enumerate(bodies):
+                    if len(body) <= budget:
+                        cache[first + i] = body
+                        size += len(body)
             while size > budget:
                 _, old = cache.popitem(last=False)
                 size -= len(old)
@@ -999,13 +1012,20 @@ class Queue(Generic[T]):
         """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
         if self._cache:
             with self._cache_lock:
-                pop = self._cache.pop
-                size = self._cache_bytes
-                for seq in ids:
-                    body = pop(seq, None)
-                    if body is not None:
-                        size -= len(body)
-                self._cache_bytes = size
+                gone = list(map(self._cache.pop, ids, itertools.repeat(None)))
+                self._cache_bytes -= sum(map(len, filter(None, gone)))
+
+    def _cache_take(self, ids: list[int]) -> list[bytes] | None:
+        """The cached bodies of ``ids`` (each marked recently used), or None unless all of
+        them are cached: a batch lease's bodies read under one hold of the cache's lock,
+        with no Python loop.  (A body is never empty: it is one msgpack value at least.)"""
+        with self._cache_lock:
+            cache = self._cache
+            bodies = list(map(cache.get, ids))
+            if not all(bodies):
+                return None
+            collections.deque(map(cache.move_to_end, ids), 0)
+        return bodies
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:

@@ -420,6 +420,38 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
     return (data, hints, keys, entries, deletes)
 
 
+def bitcask_index_apply(dict index, dict tombs, list keys, list entries, object fid, Py_ssize_t start):
+    """The index changes of a group write once its records are appended (``armdb.bitcask``'s
+    ``_write_group``), from ``keys[start]`` on, for the two common cases with no Python
+    loop: a put of a key neither ``index`` nor ``tombs`` holds (inserted), and a delete of
+    a key whose put lies in the same file ``fid`` with no older holder (``entry[4]`` None),
+    where both records are garbage at once (the put removed from ``index``, both sizes
+    counted dead).  Stops at the first key of another case, which the caller updates the
+    general way before calling again from the next one, so keys are applied in order.
+
+    Returns ``(dead, stop)``: the bytes found dead and where it stopped (``len(keys)`` when
+    done).
+    """
+    cdef Py_ssize_t n = len(keys), i
+    cdef Py_ssize_t dead = 0
+    cdef object key, old
+    cdef tuple entry
+    for i in range(start, n):
+        key = keys[i]
+        entry = <tuple?>entries[i]
+        if <uint64_t>entry[3] & _TOMBSTONE:
+            old = index.get(key)
+            if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+                return dead, i
+            del index[key]
+            dead += <Py_ssize_t>(<tuple>old)[2] + <Py_ssize_t>entry[2]
+        elif key in index or key in tombs:
+            return dead, i
+        else:
+            index[key] = entry
+    return dead, n
+
+
 cdef inline uint8_t* _pack_uint(uint8_t* p, uint64_t v) noexcept:
     """``v`` as msgpack packs a non-negative int: the shortest form."""
     cdef int i, w

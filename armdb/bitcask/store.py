@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_group, bitcask_record
+from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_record
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
@@ -435,21 +435,18 @@ class BitcaskStore:
         if not deletes and not tombs and index.keys().isdisjoint(keys):
             index.update(zip(keys, entries))  # new keys only (a push's bodies): nothing older to mask
         else:
-            for key, entry in zip(keys, entries, strict=True):
-                gsn_word = entry[3]
-                if gsn_word & TOMBSTONE:
-                    old = index.get(key)
-                    if old is not None and old[0] == fid and old[4] is None:
-                        # The common delete (a var ack's body): a put in this same file that
-                        # no older file's record can outlive, so both it and the tombstone
-                        # are garbage at once (what _index_update concludes, without the call).
-                        del index[key]
-                        act.dead += old[2] + entry[2]
-                        continue
-                elif key not in index and key not in tombs:
-                    index[key] = entry  # a new key: nothing older to mask
-                    continue
-                self._index_update(sh, key, fid, entry[1], entry[2], gsn_word)
+            # A new key, or the common delete (a var ack's body: a put in this same file
+            # that no older file's record can outlive, so both it and the tombstone are
+            # garbage at once, what _index_update concludes) by a compiled loop; any other
+            # key the general way, in order.
+            i, n = 0, len(keys)
+            while i < n:
+                dead, i = bitcask_index_apply(index, tombs, keys, entries, fid, i)
+                act.dead += dead
+                if i < n:
+                    entry = entries[i]
+                    self._index_update(sh, keys[i], fid, entry[1], entry[2], entry[3])
+                    i += 1
         sh.highest = items[-1][2]
         return False
 
