@@ -382,9 +382,11 @@ class Queue(Generic[T]):
         self._payload_writes = 0
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
-        # LRU of raw var bodies (payload_config.cache_bytes): push fills it, lease reads
-        # it, ack and retention drop it.  Guarded by _cache_lock.
-        self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
+        # it, ack and retention drop it; over budget, the oldest push goes first (a plain
+        # dict in insertion order: an OrderedDict's bookkeeping cost more than a batched
+        # cycle's own Python per row).  Guarded by _cache_lock.
+        self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
         self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
         self._cache_lock = threading.Lock()
@@ -874,8 +876,6 @@ class Queue(Generic[T]):
             seq = rows[0][2]
             with self._cache_lock:
                 body = self._cache.get(seq)
-                if body is not None:
-                    self._cache.move_to_end(seq)
             if body is not None:
                 try:
                     return [codec.decode(body)]
@@ -885,11 +885,10 @@ class Queue(Generic[T]):
         missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                get, touch = self._cache.get, self._cache.move_to_end
+                get = self._cache.get
                 for i, row in enumerate(rows):
                     body = get(row[2])
                     if body is not None:
-                        touch(row[2])
                         bodies[i] = body
                         missing -= 1
         if not missing and len(rows) > 1 and not custom:
@@ -981,9 +980,24 @@ class Queue(Generic[T]):
         with self._cache_lock:
             self._cache[seq] = body
             self._cache_bytes += len(body)
-            while self._cache_bytes > self._cache_budget:
-                _, old = self._cache.popitem(last=False)
-                self._cache_bytes -= len(old)
+            if self._cache_bytes > self._cache_budget:
+                self._cache_evict()
+
+    def _cache_evict(self) -> None:
+        """Drop the oldest bodies (in push order) until the cache is within its budget;
+        under ``_cache_lock``.  One pass gathers them (deletes during the pass would break
+        it), then they go."""
+        cache = self._cache
+        excess = self._cache_bytes - self._cache_budget
+        victims: list[int] = []
+        freed = 0
+        for seq, body in cache.items():
+            victims.append(seq)
+            freed += len(body)
+            if freed >= excess:
+                break
+        collections.deque(map(cache.__delitem__, victims), 0)
+        self._cache_bytes -= freed
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
@@ -1003,10 +1017,9 @@ class Queue(Generic[T]):
                     if len(body) <= budget:
                         cache[first + i] = body
                         size += len(body)
-            while size > budget:
-                _, old = cache.popitem(last=False)
-                size -= len(old)
             self._cache_bytes = size
+            if size > budget:
+                self._cache_evict()
 
     def _cache_drop_many(self, ids: list[int]) -> None:
         """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
@@ -1016,25 +1029,18 @@ class Queue(Generic[T]):
                 self._cache_bytes -= sum(map(len, filter(None, gone)))
 
     def _cache_take(self, ids: list[int]) -> list[bytes] | None:
-        """The cached bodies of ``ids`` (each marked recently used), or None unless all of
-        them are cached: a batch lease's bodies read under one hold of the cache's lock,
-        with no Python loop.  (A body is never empty: it is one msgpack value at least.)"""
+        """The cached bodies of ``ids``, or None unless all of them are cached: a batch
+        lease's bodies read under one hold of the cache's lock, with no Python loop.  (A
+        body is never empty: it is one msgpack value at least.)"""
         with self._cache_lock:
-            cache = self._cache
-            bodies = list(map(cache.get, ids))
-            if not all(bodies):
-                return None
-            collections.deque(map(cache.move_to_end, ids), 0)
-        return bodies
+            bodies = list(map(self._cache.get, ids))
+        return typing.cast(list[bytes], bodies) if all(bodies) else None
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:
             return None
         with self._cache_lock:
-            body = self._cache.get(seq)
-            if body is not None:
-                self._cache.move_to_end(seq)
-            return body
+            return self._cache.get(seq)
 
     def _cache_drop(self, seq: int) -> None:
         if self._cache:

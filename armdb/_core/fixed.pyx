@@ -319,6 +319,21 @@ cdef uint64_t _TOMBSTONE = 1ULL << 63
 cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
 
 
+cdef bint _put_earlier(list items, const uint8_t* kp, Py_ssize_t i, object key):
+    """Whether the last item before ``i`` that writes ``key`` (``kp``: 1 for an item
+    written) is a put: then the key exists when item ``i`` deletes it, although the index
+    does not hold it yet.  A backward scan, run only for a delete of a key the index
+    lacks (a queue's batches never have one: their keys are distinct)."""
+    cdef Py_ssize_t j
+    cdef tuple it
+    for j in range(i - 1, -1, -1):
+        if kp[j]:
+            it = <tuple>items[j]
+            if it[0] == key:
+                return it[1] is not None
+    return False
+
+
 def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint16_t magic, object fid,
                   Py_ssize_t off, Py_ssize_t max_key, Py_ssize_t max_value):
     """The records of a batch for one unencrypted Bitcask shard, to append in one write
@@ -353,17 +368,20 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
         key = (<tuple>item)[0]
         value = (<tuple>item)[1]
         g = (<tuple>item)[2]
-        if type(key) is not bytes or type(g) is not int or g <= 0 or g > _SEQ_MASK:
+        if type(key) is not bytes or type(g) is not int:
             return None
-        gsn = g
-        if gsn <= prev:
+        try:
+            gsn = g  # (a C conversion: no Python comparison per item)
+        except OverflowError:  # negative, or above 64 bits
+            return None
+        if gsn == 0 or gsn > _SEQ_MASK or gsn <= prev:
             return None
         prev = gsn
         klen = len(<bytes>key)
         if klen > max_key:
             return None
         if value is None:
-            if key not in index:
+            if key not in index and not _put_earlier(items, kp, i, key):
                 continue  # deleting a missing key writes nothing
             vlen = 0
             deletes += 1

@@ -1038,9 +1038,9 @@ class BitcaskStore:
                                  f"commit's gsns in order")
             prev = gsn
             i = 0 if nsh == 1 else zlib.crc32(key) % nsh
-            if value is None and key not in shards[i].index:
-                continue  # deleting a missing key writes nothing
             group = groups.get(i)
+            if value is None and key not in shards[i].index and not _put_earlier(group, key):
+                continue  # deleting a missing key writes nothing
             if group is None:
                 groups[i] = [item]
             else:
@@ -1164,3 +1164,12 @@ def _validate_config(config: Config) -> None:
     if not 0 < config.compaction_threshold <= 1:
         raise ConfigError(f"compaction_threshold must be in (0, 1], got {config.compaction_threshold!r}")
 
+
+def _put_earlier(group: list[tuple[bytes, bytes | None, int]] | None, key: bytes) -> bool:
+    """Whether the last item of ``group`` (a batch's items for one shard so far) that writes
+    ``key`` is a put: then a delete of ``key`` deletes something, although the shard's
+    index does not hold it yet (the compiled group encoder asks the same)."""
+    for k, value, _ in reversed(group or ()):
+        if k == key:
+            return value is not None
+    return False
