@@ -985,19 +985,15 @@ class Queue(Generic[T]):
 
     def _cache_evict(self) -> None:
         """Drop the oldest bodies (in push order) until the cache is within its budget;
-        under ``_cache_lock``.  One pass gathers them (deletes during the pass would break
-        it), then they go."""
+        under ``_cache_lock``.  By rounds, with no Python loop per body: each round drops as
+        many of the oldest as the excess over the average body size asks for (at least
+        one), so a round may drop a few bodies more than the least that would do."""
         cache = self._cache
-        excess = self._cache_bytes - self._cache_budget
-        victims: list[int] = []
-        freed = 0
-        for seq, body in cache.items():
-            victims.append(seq)
-            freed += len(body)
-            if freed >= excess:
-                break
-        collections.deque(map(cache.__delitem__, victims), 0)
-        self._cache_bytes -= freed
+        while self._cache_bytes > self._cache_budget and cache:
+            excess = self._cache_bytes - self._cache_budget
+            k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
+            victims = list(itertools.islice(cache, k))
+            self._cache_bytes -= sum(map(len, map(cache.pop, victims)))
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
