@@ -390,9 +390,11 @@ class Queue(Generic[T]):
         self._payload_writes = 0
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
-        # LRU of raw var bodies (payload_config.cache_bytes): push fills it, lease reads
-        # it, ack and retention drop it.  Guarded by _cache_lock.
-        self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
+        # it, ack and retention drop it; over budget, the oldest push goes first (a plain
+        # dict in insertion order: an OrderedDict's bookkeeping cost more than a batched
+        # cycle's own Python per row).  Guarded by _cache_lock.
+        self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
         self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
         self._cache_lock = threading.Lock()
@@ -856,6 +858,14 @@ class Queue(Generic[T]):
                       ) -> tuple[list[Any], np.ndarray | None]:
         """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), and None
         or the mask of the leases to hand out."""
+        if decode is None and len(seqs) > 1 and self._cache:
+            # The common batch: every body in the cache, decoded together, with no Python
+            # object per row but the payloads.
+            bodies = self._cache_take(seqs.tolist())
+            if bodies is not None:
+                out = typing.cast(VarCodec, self._codec).decode_many(bodies)
+                if out is not None:
+                    return out, None
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
                                            strict=True)), decode)
         if _GONE not in got:
@@ -880,8 +890,6 @@ class Queue(Generic[T]):
             seq = rows[0][2]
             with self._cache_lock:
                 body = self._cache.get(seq)
-                if body is not None:
-                    self._cache.move_to_end(seq)
             if body is not None:
                 try:
                     return [codec.decode(body)]
@@ -891,11 +899,10 @@ class Queue(Generic[T]):
         missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                get, touch = self._cache.get, self._cache.move_to_end
+                get = self._cache.get
                 for i, row in enumerate(rows):
                     body = get(row[2])
                     if body is not None:
-                        touch(row[2])
                         bodies[i] = body
                         missing -= 1
         if not missing and len(rows) > 1 and not custom:
@@ -987,9 +994,20 @@ class Queue(Generic[T]):
         with self._cache_lock:
             self._cache[seq] = body
             self._cache_bytes += len(body)
-            while self._cache_bytes > self._cache_budget:
-                _, old = self._cache.popitem(last=False)
-                self._cache_bytes -= len(old)
+            if self._cache_bytes > self._cache_budget:
+                self._cache_evict()
+
+    def _cache_evict(self) -> None:
+        """Drop the oldest bodies (in push order) until the cache is within its budget;
+        under ``_cache_lock``.  By rounds, with no Python loop per body: each round drops as
+        many of the oldest as the excess over the average body size asks for (at least
+        one), so a round may drop a few bodies more than the least that would do."""
+        cache = self._cache
+        while self._cache_bytes > self._cache_budget and cache:
+            excess = self._cache_bytes - self._cache_budget
+            k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
+            victims = list(itertools.islice(cache, k))
+            self._cache_bytes -= sum(map(len, map(cache.pop, victims)))
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
@@ -997,38 +1015,42 @@ class Queue(Generic[T]):
         budget = self._cache_budget
         if budget <= 0:
             return
+        added = sum(map(len, bodies))
         with self._cache_lock:
             cache = self._cache
             size = self._cache_bytes
-            for i, body in enumerate(bodies):
-                if len(body) <= budget:
-                    cache[first + i] = body
-                    size += len(body)
-            while size > budget:
-                _, old = cache.popitem(last=False)
-                size -= len(old)
+            if added <= budget:  # every body fits: all in, with no Python loop
+                cache.update(zip(range(first, first + len(bodies)), bodies))
+                size += added
+            else:
+                for i, body in enumerate(bodies):
+                    if len(body) <= budget:
+                        cache[first + i] = body
+                        size += len(body)
             self._cache_bytes = size
+            if size > budget:
+                self._cache_evict()
 
     def _cache_drop_many(self, ids: list[int]) -> None:
         """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
         if self._cache:
             with self._cache_lock:
-                pop = self._cache.pop
-                size = self._cache_bytes
-                for seq in ids:
-                    body = pop(seq, None)
-                    if body is not None:
-                        size -= len(body)
-                self._cache_bytes = size
+                gone = list(map(self._cache.pop, ids, itertools.repeat(None)))
+                self._cache_bytes -= sum(map(len, filter(None, gone)))
+
+    def _cache_take(self, ids: list[int]) -> list[bytes] | None:
+        """The cached bodies of ``ids``, or None unless all of them are cached: a batch
+        lease's bodies read under one hold of the cache's lock, with no Python loop.  (A
+        body is never empty: it is one msgpack value at least.)"""
+        with self._cache_lock:
+            bodies = list(map(self._cache.get, ids))
+        return typing.cast(list[bytes], bodies) if all(bodies) else None
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:
             return None
         with self._cache_lock:
-            body = self._cache.get(seq)
-            if body is not None:
-                self._cache.move_to_end(seq)
-            return body
+            return self._cache.get(seq)
 
     def _cache_drop(self, seq: int) -> None:
         if self._cache:

@@ -512,3 +512,50 @@ def test_q31_q32_crash_after_the_log_append_is_finished_by_replay(tmp_path: Path
             assert len(q._payload) == len(q)
     report = armdb.check(path)
     assert report.ok, report
+
+
+def _body_cfg(cache_bytes: int) -> QueueConfig:
+    return QueueConfig.balanced().payload_config(armdb.Config.balanced().cache_bytes(cache_bytes).build()).build()
+
+
+def test_q31_q32_batches_keep_the_payload_cache_within_budget(db):
+    # SPEC Q31, Q32: push_many fills the body cache within its budget, the oldest pushes
+    # going first; lease_batch reads cached bodies without the data file and the others
+    # from it (a partly cached batch); ack_many empties the cache
+    qq = db.open_queue(VarQ, _body_cfg(300))
+    ids = qq.push_many([Job(10**12 + i) for i in range(100)])
+    body = len(qq._cache[ids[-1]])  # every body has this size (a uint64 in an array)
+    assert qq._cache_bytes == sum(map(len, qq._cache.values())) <= 300
+    assert sorted(qq._cache) == ids[-len(qq._cache):]  # the newest bodies, and as many as fit
+    assert len(qq._cache) == 300 // body
+    got = qq.lease_batch(100)
+    assert list(got.payloads) == [Job(10**12 + i) for i in range(100)] and got.ids.tolist() == ids
+    assert qq.ack_many(got) == 100
+    assert len(qq._cache) == 0 and qq._cache_bytes == 0
+
+
+def test_q32_lease_batch_of_cached_bodies_reads_no_data_file(db, monkeypatch):
+    # SPEC Q32: a batch whose bodies are all cached is decoded from the cache alone
+    qq = db.open_queue(VarQ, _body_cfg(1 << 20))
+    qq.push_many([Job(i) for i in range(50)])
+
+    def no_disk(key):
+        raise AssertionError("lease_batch read the data file although every body was cached")
+
+    monkeypatch.setattr(qq._payload, "get", no_disk)
+    got = qq.lease_batch(50)
+    assert list(got.payloads) == [Job(i) for i in range(50)]
+    monkeypatch.undo()
+    qq.ack_many(got)
+
+
+def test_q32_a_body_larger_than_the_cache_is_not_cached(db):
+    # SPEC Q31: a batch whose bodies together pass the budget caches only those that fit
+    qq = db.open_queue(armdb.queue("bvb", payload=bytes, var=True), _body_cfg(64))
+    big, small = b"b" * 100, b"s"
+    ids = qq.push_many([small, big, small])
+    assert sorted(qq._cache) == [ids[0], ids[2]] and qq._cache_bytes == 2 * len(qq._cache[ids[0]])
+    got = qq.lease_batch(3)
+    assert list(got.payloads) == [small, big, small]
+    qq.ack_many(got)
+    assert qq._cache_bytes == 0 and not qq._cache

@@ -24,6 +24,9 @@ def bitcask_group(
     items: list[tuple[bytes, bytes | None, int]], index: dict[bytes, Any], highest: int, flag: int, magic: int,
     fid: int, off: int, max_key: int, max_value: int,
 ) -> tuple[bytes, bytes, list[bytes], list[tuple[int, int, int, int, None]], int] | None: ...
+def bitcask_index_apply(
+    index: dict[bytes, Any], tombs: dict[bytes, Any], keys: list[bytes], entries: list[Any], fid: int, start: int,
+) -> tuple[int, int]: ...
 def body_rows(
     head: bytes, seqs: npt.NDArray[np.uint64], bodies: list[bytes] | None, g0: int,
 ) -> tuple[bytes, list[tuple[bytes, bytes | None, int]]]: ...

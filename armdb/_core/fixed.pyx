@@ -319,6 +319,21 @@ cdef uint64_t _TOMBSTONE = 1ULL << 63
 cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
 
 
+cdef bint _put_earlier(list items, const uint8_t* kp, Py_ssize_t i, object key):
+    """Whether the last item before ``i`` that writes ``key`` (``kp``: 1 for an item
+    written) is a put: then the key exists when item ``i`` deletes it, although the index
+    does not hold it yet.  A backward scan, run only for a delete of a key the index
+    lacks (a queue's batches never have one: their keys are distinct)."""
+    cdef Py_ssize_t j
+    cdef tuple it
+    for j in range(i - 1, -1, -1):
+        if kp[j]:
+            it = <tuple>items[j]
+            if it[0] == key:
+                return it[1] is not None
+    return False
+
+
 def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint16_t magic, object fid,
                   Py_ssize_t off, Py_ssize_t max_key, Py_ssize_t max_value):
     """The records of a batch for one unencrypted Bitcask shard, to append in one write
@@ -353,17 +368,20 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
         key = (<tuple>item)[0]
         value = (<tuple>item)[1]
         g = (<tuple>item)[2]
-        if type(key) is not bytes or type(g) is not int or g <= 0 or g > _SEQ_MASK:
+        if type(key) is not bytes or type(g) is not int:
             return None
-        gsn = g
-        if gsn <= prev:
+        try:
+            gsn = g  # (a C conversion: no Python comparison per item)
+        except OverflowError:  # negative, or above 64 bits
+            return None
+        if gsn == 0 or gsn > _SEQ_MASK or gsn <= prev:
             return None
         prev = gsn
         klen = len(<bytes>key)
         if klen > max_key:
             return None
         if value is None:
-            if key not in index:
+            if key not in index and not _put_earlier(items, kp, i, key):
                 continue  # deleting a missing key writes nothing
             vlen = 0
             deletes += 1
@@ -418,6 +436,38 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
         p += rsize
         at += rsize
     return (data, hints, keys, entries, deletes)
+
+
+def bitcask_index_apply(dict index, dict tombs, list keys, list entries, object fid, Py_ssize_t start):
+    """The index changes of a group write once its records are appended (``armdb.bitcask``'s
+    ``_write_group``), from ``keys[start]`` on, for the two common cases with no Python
+    loop: a put of a key neither ``index`` nor ``tombs`` holds (inserted), and a delete of
+    a key whose put lies in the same file ``fid`` with no older holder (``entry[4]`` None),
+    where both records are garbage at once (the put removed from ``index``, both sizes
+    counted dead).  Stops at the first key of another case, which the caller updates the
+    general way before calling again from the next one, so keys are applied in order.
+
+    Returns ``(dead, stop)``: the bytes found dead and where it stopped (``len(keys)`` when
+    done).
+    """
+    cdef Py_ssize_t n = len(keys), i
+    cdef Py_ssize_t dead = 0
+    cdef object key, old
+    cdef tuple entry
+    for i in range(start, n):
+        key = keys[i]
+        entry = <tuple?>entries[i]
+        if <uint64_t>entry[3] & _TOMBSTONE:
+            old = index.get(key)
+            if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+                return dead, i
+            del index[key]
+            dead += <Py_ssize_t>(<tuple>old)[2] + <Py_ssize_t>entry[2]
+        elif key in index or key in tombs:
+            return dead, i
+        else:
+            index[key] = entry
+    return dead, n
 
 
 cdef inline uint8_t* _pack_uint(uint8_t* p, uint64_t v) noexcept:

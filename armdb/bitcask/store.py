@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_group, bitcask_record
+from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_record
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
@@ -435,21 +435,18 @@ class BitcaskStore:
         if not deletes and not tombs and index.keys().isdisjoint(keys):
             index.update(zip(keys, entries))  # new keys only (a push's bodies): nothing older to mask
         else:
-            for key, entry in zip(keys, entries, strict=True):
-                gsn_word = entry[3]
-                if gsn_word & TOMBSTONE:
-                    old = index.get(key)
-                    if old is not None and old[0] == fid and old[4] is None:
-                        # The common delete (a var ack's body): a put in this same file that
-                        # no older file's record can outlive, so both it and the tombstone
-                        # are garbage at once (what _index_update concludes, without the call).
-                        del index[key]
-                        act.dead += old[2] + entry[2]
-                        continue
-                elif key not in index and key not in tombs:
-                    index[key] = entry  # a new key: nothing older to mask
-                    continue
-                self._index_update(sh, key, fid, entry[1], entry[2], gsn_word)
+            # A new key, or the common delete (a var ack's body: a put in this same file
+            # that no older file's record can outlive, so both it and the tombstone are
+            # garbage at once, what _index_update concludes) by a compiled loop; any other
+            # key the general way, in order.
+            i, n = 0, len(keys)
+            while i < n:
+                dead, i = bitcask_index_apply(index, tombs, keys, entries, fid, i)
+                act.dead += dead
+                if i < n:
+                    entry = entries[i]
+                    self._index_update(sh, keys[i], fid, entry[1], entry[2], entry[3])
+                    i += 1
         sh.highest = items[-1][2]
         return False
 
@@ -1041,9 +1038,9 @@ class BitcaskStore:
                                  f"commit's gsns in order")
             prev = gsn
             i = 0 if nsh == 1 else zlib.crc32(key) % nsh
-            if value is None and key not in shards[i].index:
-                continue  # deleting a missing key writes nothing
             group = groups.get(i)
+            if value is None and key not in shards[i].index and not _put_earlier(group, key):
+                continue  # deleting a missing key writes nothing
             if group is None:
                 groups[i] = [item]
             else:
@@ -1167,3 +1164,12 @@ def _validate_config(config: Config) -> None:
     if not 0 < config.compaction_threshold <= 1:
         raise ConfigError(f"compaction_threshold must be in (0, 1], got {config.compaction_threshold!r}")
 
+
+def _put_earlier(group: list[tuple[bytes, bytes | None, int]] | None, key: bytes) -> bool:
+    """Whether the last item of ``group`` (a batch's items for one shard so far) that writes
+    ``key`` is a put: then a delete of ``key`` deletes something, although the shard's
+    index does not hold it yet (the compiled group encoder asks the same)."""
+    for k, value, _ in reversed(group or ()):
+        if k == key:
+            return value is not None
+    return False
