@@ -177,12 +177,13 @@ def as_token(lease: object) -> LeaseToken:
         raise NotALease(
             f"expected a Lease (or its LeaseToken, lease.token) from Queue.lease(), got {type(lease).__name__}"
         )
-    for name, v in zip(LeaseToken._fields, token, strict=True):
-        if type(v) is not int:
-            raise NotALease(
-                f"this LeaseToken was altered: its {name} is {v!r}, not an int; pass the token that "
-                f"Queue.lease() returned, unchanged"
-            )
+    h, s, d, q, e = token
+    if type(h) is not int or type(s) is not int or type(d) is not int or type(q) is not int or type(e) is not int:
+        name, v = next((n, v) for n, v in zip(LeaseToken._fields, token, strict=True) if type(v) is not int)
+        raise NotALease(
+            f"this LeaseToken was altered: its {name} is {v!r}, not an int; pass the token that "
+            f"Queue.lease() returned, unchanged"
+        )
     return token
 
 
