@@ -220,17 +220,25 @@ class Client:
         try:
             data = b"".join(wire.frame([rid, op, args]) for rid, (op, args) in zip(rids, requests))
         except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
-            with self._lock:
-                for rid in rids:
-                    self._pending.pop(rid, None)
+            self._unregister(rids)
             raise
+        self._send_bytes(data)
+        return calls
+
+    def _unregister(self, rids: list[int]) -> None:
+        """Forget requests whose frames could not be built (nothing was sent)."""
+        with self._lock:
+            for rid in rids:
+                self._pending.pop(rid, None)
+
+    def _send_bytes(self, data: bytes) -> None:
+        """Send framed requests; a broken connection shuts the client (``DbClosed``)."""
         try:
             with self._wlock:
                 self._sock.sendall(data)
         except OSError as e:
             self._shut(f"the connection to the server broke ({e})")
             raise self._gone() from None
-        return calls
 
     def _result(self, call: _Call, extra: float = 0.0) -> Any:
         """Wait for ``call``'s reply (at most the client's timeout, plus ``extra``)."""
@@ -326,15 +334,9 @@ class Client:
             try:
                 data = wire.frame([rid, op, args])
             except BaseException:  # too large, or a value msgpack cannot carry: nothing was sent
-                with self._lock:
-                    self._pending.pop(rid, None)
+                self._unregister([rid])
                 raise
-            try:
-                with self._wlock:
-                    self._sock.sendall(data)
-            except OSError as e:
-                self._shut(f"the connection to the server broke ({e})")
-                raise self._gone() from None
+            self._send_bytes(data)
             why = self._read_until(call, time.monotonic() + self.timeout) if early else ""
         finally:
             if early:

@@ -95,6 +95,22 @@ def unpack(body: bytes | memoryview) -> Any:
 CHUNK = 1 << 18  # bytes asked of the socket at once
 
 
+def _decode_frames(view: memoryview, end: int, out: list[Any]) -> int:
+    """Decode the whole frames at the start of ``view[:end]`` into ``out``; returns the
+    offset after the last whole frame.  ``BadFrame`` for a frame over :data:`MAX_FRAME`
+    or malformed msgpack."""
+    off = 0
+    while end - off >= 4:
+        (n,) = _LEN.unpack_from(view, off)
+        if n > MAX_FRAME:
+            length_of(bytes(view[off:off + 4]))  # raises BadFrame
+        if end - off - 4 < n:
+            break
+        out.append(unpack(view[off + 4:off + 4 + n]))
+        off += 4 + n
+    return off
+
+
 class FrameReader:
     """The frames arriving on a stream socket, decoded: one ``recv`` returns every frame
     complete in it (a client's pipelined requests, or a server's replies, cost one system
@@ -128,29 +144,13 @@ class FrameReader:
         if not buf:
             # Nothing was pending (the usual case): the frames are decoded where they were
             # received, and only an incomplete tail is kept.
-            chunk, view = self._chunk, self._view
-            off = 0
-            while k - off >= 4:
-                (n,) = _LEN.unpack_from(chunk, off)
-                if n > MAX_FRAME:
-                    length_of(bytes(chunk[off:off + 4]))  # raises BadFrame
-                if k - off - 4 < n:
-                    break
-                out.append(unpack(view[off + 4:off + 4 + n]))
-                off += 4 + n
+            off = _decode_frames(self._view, k, out)
             if off < k:
-                buf += view[off:k]
+                buf += self._view[off:k]
             return out
         buf += self._view[:k]
-        off, end = 0, len(buf)
-        while end - off >= 4:
-            (n,) = _LEN.unpack_from(buf, off)
-            if n > MAX_FRAME:
-                length_of(bytes(buf[off:off + 4]))  # raises BadFrame
-            if end - off - 4 < n:
-                break
-            out.append(unpack(bytes(buf[off + 4:off + 4 + n])))
-            off += 4 + n
+        with memoryview(buf) as view:  # released before the buffer shrinks
+            off = _decode_frames(view, len(buf), out)
         if off:
             del buf[:off]
         return out
