@@ -160,3 +160,14 @@ def pg_namespace(pg_server: typing.Any) -> str:
 @pytest.fixture
 def pg_dsn(pg_server: typing.Any) -> str:
     return str(pg_server.dsn)
+
+
+@pytest.fixture
+def owner(tmp_path: Path) -> Iterator[tuple[armdb.Db, typing.Any]]:
+    """A database that serves other processes (``db.serve()``) and its server."""
+    db = armdb.Db.open(tmp_path / "db")
+    srv = db.serve()
+    try:
+        yield db, srv
+    finally:
+        db.shutdown()

@@ -47,15 +47,6 @@ Fixed = armdb.queue("fixed", payload=np.dtype([("a", "<u8"), ("b", "<f8")]))
 Fast = armdb.QueueConfig.balanced().backoff_secs([0.0]).max_attempts(3).build()
 
 
-@pytest.fixture
-def owner(tmp_path: Path) -> Iterator[tuple[armdb.Db, server_mod.Server]]:
-    db = armdb.Db.open(tmp_path / "db")
-    srv = db.serve()
-    try:
-        yield db, srv
-    finally:
-        db.shutdown()
-
 
 @pytest.fixture
 def client(owner: tuple[armdb.Db, server_mod.Server]) -> Iterator[armdb.Client]:

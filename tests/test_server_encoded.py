@@ -10,7 +10,6 @@ import dataclasses
 import os
 import struct
 import typing
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,15 +174,6 @@ def test_q36_a_queue_whose_class_changed_passes_plain_bodies_both_ways(tmp_path:
 
 # -- through the socket -------------------------------------------------------------------------
 
-
-@pytest.fixture
-def owner(tmp_path: Path) -> Iterator[tuple[Db, server_mod.Server]]:
-    db = Db.open(tmp_path / "db")
-    srv = db.serve()
-    try:
-        yield db, srv
-    finally:
-        db.shutdown()
 
 
 def _raw(path: str) -> Any:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,15 +24,6 @@ class Job:
 
 Jobs = armdb.queue("jobs", payload=Job, var=True)
 
-
-@pytest.fixture
-def owner(tmp_path: Path) -> Iterator[tuple[armdb.Db, server_mod.Server]]:
-    db = armdb.Db.open(tmp_path / "db")
-    srv = db.serve()
-    try:
-        yield db, srv
-    finally:
-        db.shutdown()
 
 
 def _conn_of(srv: server_mod.Server, before: set[Any]) -> Any:
