@@ -275,12 +275,16 @@ class Client:
         try:
             why = self._read_until(call, deadline)
         finally:
-            with self._cv:
-                self._reading = False
-                if self._waiting:
-                    self._cv.notify_all()  # a waiting thread takes the role over
+            self._stop_reading()
         if why:
             self._shut(why)
+
+    def _stop_reading(self) -> None:
+        """Give up the reader role; a waiting thread takes it over."""
+        with self._cv:
+            self._reading = False
+            if self._waiting:
+                self._cv.notify_all()
 
     def _read_until(self, call: _Call, deadline: float) -> str:
         """Read replies until ``call``'s came; why the client must shut, if it must."""
@@ -340,10 +344,7 @@ class Client:
             why = self._read_until(call, time.monotonic() + self.timeout) if early else ""
         finally:
             if early:
-                with self._cv:
-                    self._reading = False
-                    if self._waiting:
-                        self._cv.notify_all()  # a waiting thread takes the role over
+                self._stop_reading()
         if why:
             self._shut(why)
         if not call.done:
