@@ -55,7 +55,7 @@ from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.fixed import body_rows, ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FOREIGN, FixedFast, QueueShard
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -621,10 +621,7 @@ class Queue(Generic[T]):
         DbClosed
             The database is closed.
         """
-        fast = self._fast
-        if fast is not None and delay is None:
-            return fast.push(payload)  # type: ignore[no-any-return]
-        return self._push(payload, delay)
+        return self._push(payload, delay)  # a fixed queue's push is FixedFast.push (see _open)
 
     def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
@@ -1095,10 +1092,7 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
-        fast = self._fast
-        if fast is not None and lease_timeout is None:
-            return fast.lease(n)  # type: ignore[no-any-return]
-        return self._lease(n, lease_timeout)
+        return self._lease(n, lease_timeout)  # a fixed queue's lease is FixedFast.lease (see _open)
 
     def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")
@@ -1433,11 +1427,7 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        fast = self._fast
-        if fast is not None:
-            fast.ack(token)
-            return
-        self._ack(token)
+        self._ack(token)  # a fixed queue's ack is FixedFast.ack (see _open)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:
         token = as_token(token)
@@ -1448,15 +1438,10 @@ class Queue(Generic[T]):
             # Header removal and body delete share one log commit (Q14).
             self._commit_settle(self._db, self, token, True)
             return
-        try:
-            sh = self._shards[token.shard]
-        except (AttributeError, IndexError, TypeError):
-            sh = self._token_shard(token)  # raises StaleToken, saying why
+        sh = self._token_shard(token)  # StaleToken for a token of another handle
         with sh.lock:
             r = sh.ack_token(token)
         if r != ACKED:
-            if r == FOREIGN:
-                self._token_shard(token)  # raises StaleToken, saying why
             raise self._stale(token, r == ABSENT)
 
     def nack(self, token: Lease[T] | LeaseToken, *, delay: timedelta | float | None = None,
