@@ -43,7 +43,7 @@ from ._pack import packb, packer
 from .config import QueueConfig
 from .errors import ConfigError, CorruptionError, NotALease, PayloadTypeError, ServerGone, StaleToken
 from .qspec import FixedCodec, QueueSpec, VarCodec
-from .queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
+from .queue import Job, Lease, LeaseBatch, LeaseToken, QueueStats, State, as_token
 from .wire import BadFrame
 
 __all__ = ["Client", "RemoteMap", "RemoteQueue", "RemoteTx", "connect"]
@@ -542,21 +542,10 @@ class RemoteQueue(Generic[T]):
             raise ConfigError(f"lease_batch(n) needs an int n >= 1, got {n!r}")
         secs = _secs(lease_timeout, "lease_timeout")
         if ack is not None and not (isinstance(ack, LeaseBatch) and not len(ack)):
-            # What the owner would refuse in the lease, refused before the acks.
-            if n > MAX_LEASE:
-                raise ConfigError(f"lease_batch(n) takes at most {MAX_LEASE:,} rows per call, got {n:,}")
-            if secs is not None and secs < 0.001:
-                raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
-            # The acks travel in the lease request: one round trip; the owner acks first
-            # and leases only if the acks went through.
-            if isinstance(ack, LeaseBatch):
-                acks: dict[str, Any] = {"ack_tb": _token_batch(ack)}
-            elif isinstance(ack, (Lease, LeaseToken)) or not hasattr(ack, "__iter__"):
-                raise NotALease(f"ack takes a LeaseBatch or a sequence of Leases or tokens, "
-                                f"not {type(ack).__name__}")
-            else:
-                acks = {"ack_ts": [wire.token_to_wire(as_token(t)) for t in ack]}
-            got = self._call("lease_batch", n=n, lease_timeout=secs, **acks)
+            # The acks travel in the lease request: one round trip; the owner checks the
+            # lease's arguments, acks, and leases only if the acks went through.
+            tb, ts = _lease_list_arg(ack, "ack")
+            got = self._call("lease_batch", n=n, lease_timeout=secs, ack_tb=tb, ack_ts=ts)
         else:
             got = self._call("lease_batch", n=n, lease_timeout=secs)
         if got is None:
@@ -612,23 +601,15 @@ class RemoteQueue(Generic[T]):
     def ack_many(self, leases: Any) -> int:
         """Ack a :class:`armdb.LeaseBatch`, or a sequence of Leases or tokens, in one request
         and one commit, all or nothing (as ``Queue.ack_many``); how many were acked."""
-        if isinstance(leases, LeaseBatch):
-            return int(self._call("ack_many", tb=_token_batch(leases)))
-        if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
-            raise NotALease(f"ack_many takes a LeaseBatch or a sequence of Leases or tokens, "
-                            f"not {type(leases).__name__}")
-        return int(self._call("ack_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
+        tb, ts = _lease_list_arg(leases, "ack_many")
+        return int(self._call("ack_many", tb=tb, ts=ts))
 
     def release_many(self, leases: Any) -> int:
         """Give back leases whose work has not started, as ``Queue.release_many``: ready
         again at once, their attempt not counted; how many were released.  A token this
         client does not hold raises ``StaleToken`` and nothing is released."""
-        if isinstance(leases, LeaseBatch):
-            return int(self._call("release_many", tb=_token_batch(leases)))
-        if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
-            raise NotALease(f"release_many takes a LeaseBatch or a sequence of Leases or tokens, "
-                            f"not {type(leases).__name__}")
-        return int(self._call("release_many", ts=[wire.token_to_wire(as_token(t)) for t in leases]))
+        tb, ts = _lease_list_arg(leases, "release_many")
+        return int(self._call("release_many", tb=tb, ts=ts))
 
     def _ack_many_and_lease(self, acks: list[Lease[T]], n: int) -> tuple[BaseException | None, list[Lease[T]]]:
         """``ack_many(acks)`` then ``lease(n)``, pipelined: both requests in one write, one
@@ -790,6 +771,16 @@ def _tokens_arg(leases: list[Any]) -> dict[str, Any]:
     shards, dues, ids, epochs = zip(*[t[1:] for t in toks], strict=True)
     return {"tb": [h.to_bytes(16, "big"), struct.pack(f"<{n}I", *shards), struct.pack(f"<{n}Q", *dues),
                    struct.pack(f"<{n}Q", *ids), struct.pack(f"<{n}I", *epochs)]}
+
+
+def _lease_list_arg(leases: Any, call: str) -> tuple[list[bytes] | None, list[Any] | None]:
+    """A LeaseBatch, or a sequence of Leases or tokens, as a request carries it: a token
+    batch, or a list of tokens (the other None); ``NotALease`` for anything else."""
+    if isinstance(leases, LeaseBatch):
+        return _token_batch(leases), None
+    if isinstance(leases, (Lease, LeaseToken)) or not hasattr(leases, "__iter__"):
+        raise NotALease(f"{call} takes a LeaseBatch or a sequence of Leases or tokens, not {type(leases).__name__}")
+    return None, [wire.token_to_wire(as_token(t)) for t in leases]
 
 
 def _token_batch(b: LeaseBatch[Any]) -> list[bytes]:
