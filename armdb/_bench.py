@@ -347,17 +347,29 @@ def armdb_batch_cycle(path: str, jobs: int, size: int, spec: QueueSpec) -> float
             payloads = np.zeros(size, dtype=spec.dtype)
             payloads["doc"] = np.arange(size)
 
-        def cycle(_: int) -> None:
-            q.push_many(payloads)
-            b = q.lease_batch(size)
-            q.ack_many(b)
-
-        for i in range(3):
-            cycle(i)
-        n = _batches(jobs, size)
-        return _timed_rate(n, cycle) * size
+        return batch_cycle_rate(q, payloads, jobs)
     finally:
         db.shutdown()
+
+
+def batch_cycle_rate(q: Any, payloads: Any, jobs: int, ack_with_lease: bool = False) -> float:
+    """Jobs per second of ``push_many(payloads)`` → ``lease_batch(len(payloads))`` →
+    ``ack_many``, or with ``ack_with_lease`` the acks given to the next lease
+    (``lease_batch(size, ack=the last batch)``), on ``q`` (a queue, or a client's);
+    after three untimed cycles."""
+    size = len(payloads)
+    last: list[Any] = [None]
+
+    def cycle(_: int) -> None:
+        q.push_many(payloads)
+        if ack_with_lease:
+            last[0] = q.lease_batch(size, ack=last[0])
+        else:
+            q.ack_many(q.lease_batch(size))
+
+    for i in range(3):
+        cycle(i)
+    return _timed_rate(_batches(jobs, size), cycle) * size
 
 
 def armdb_extend(path: str, n: int, warmup: int = 200) -> float:
@@ -781,27 +793,8 @@ def serve_cycle(path: str, jobs: int, batch: int, warmup: int = 200, ack_with_le
         db.serve()
         with connect(path) as client:
             q = client.open_queue(BenchVar)
-            if batch and ack_with_lease:
-                payloads = [body(i) for i in range(batch)]
-                last: list[Any] = [None]
-
-                def cycle(_: int) -> None:
-                    q.push_many(payloads)
-                    last[0] = q.lease_batch(batch, ack=last[0])
-
-                for i in range(3):
-                    cycle(i)
-                return _timed_rate(_batches(jobs, batch), cycle) * batch
             if batch:
-                payloads = [body(i) for i in range(batch)]
-
-                def cycle(_: int) -> None:
-                    q.push_many(payloads)
-                    q.ack_many(q.lease_batch(batch))
-
-                for i in range(3):
-                    cycle(i)
-                return _timed_rate(_batches(jobs, batch), cycle) * batch
+                return batch_cycle_rate(q, [body(i) for i in range(batch)], jobs, ack_with_lease)
 
             def one(i: int) -> None:
                 q.push(body(i))
@@ -820,17 +813,7 @@ def armdb_batch_cycle_ack(path: str, jobs: int, size: int) -> float:
     push_many(size) → lease_batch(size, ack=the last batch), direct calls; jobs per second."""
     db = Db.open(path)
     try:
-        q = db.open_queue(BenchVar)
-        payloads = [body(i) for i in range(size)]
-        last: list[Any] = [None]
-
-        def cycle(_: int) -> None:
-            q.push_many(payloads)
-            last[0] = q.lease_batch(size, ack=last[0])
-
-        for i in range(3):
-            cycle(i)
-        return _timed_rate(_batches(jobs, size), cycle) * size
+        return batch_cycle_rate(db.open_queue(BenchVar), [body(i) for i in range(size)], jobs, ack_with_lease=True)
     finally:
         db.shutdown()
 
