@@ -129,6 +129,7 @@ cdef Py_ssize_t _skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t off, in
     cdef unsigned char c
     cdef Py_ssize_t n, i
     cdef int w
+    cdef bint is_map
     if off >= end:
         return -1
     c = p[off]
@@ -159,38 +160,22 @@ cdef Py_ssize_t _skip(const unsigned char* p, Py_ssize_t end, Py_ssize_t off, in
         return -1 if off + w > end else off + w
     if key or depth >= _DEPTH:
         return -1
-    if 0x80 <= c <= 0x8F or c == 0xDE or c == 0xDF:  # map
-        if c <= 0x8F:
-            n = c & 0x0F
-        else:
-            w = 2 if c == 0xDE else 4
-            if off + w > end:
-                return -1
-            n = _be(p + off, w)
-            off += w
-        if n > end - off:
-            return -1
-        for i in range(n):
-            off = _skip(p, end, off, depth + 1, True)
-            if off < 0:
-                return -1
-            off = _skip(p, end, off, depth + 1, False)
-            if off < 0:
-                return -1
-        return off
-    if 0x90 <= c <= 0x9F or c == 0xDC or c == 0xDD:  # array
+    if 0x80 <= c <= 0x9F or 0xDC <= c <= 0xDF:  # a map (its items: key, value, ...) or an array
+        is_map = c <= 0x8F or c >= 0xDE
         if c <= 0x9F:
             n = c & 0x0F
         else:
-            w = 2 if c == 0xDC else 4
+            w = 2 if c == 0xDC or c == 0xDE else 4
             if off + w > end:
                 return -1
             n = _be(p + off, w)
             off += w
         if n > end - off:
             return -1
+        if is_map:
+            n *= 2
         for i in range(n):
-            off = _skip(p, end, off, depth + 1, False)
+            off = _skip(p, end, off, depth + 1, is_map and not (i & 1))
             if off < 0:
                 return -1
         return off
