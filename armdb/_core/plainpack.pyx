@@ -42,7 +42,8 @@ from libc.string cimport memcmp, memcpy
 cdef extern from "Python.h":
     void PyUnicode_InternInPlace(PyObject** p)
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
-    void PyErr_Clear()
+    void* PyUnicode_DATA(object o)
+    bint PyUnicode_IS_COMPACT_ASCII(object o)
 
 DEF _DEPTH = 500  # as armdb._core.plain: below msgpack's nesting limit of 511
 DEF _CACHE = 256  # slots of the short-string cache (a power of two)
@@ -83,71 +84,60 @@ cdef inline void _be(uint8_t* p, uint64_t v, int w) noexcept nogil:
         p[i] = <uint8_t>(v >> (8 * (w - 1 - i)))
 
 
-cdef inline int _head(Buf* b, uint8_t tag, uint64_t v, int w) except -1:
-    cdef uint8_t* p = _room(b, 1 + w)
+cdef inline int _tagged(uint8_t* p, uint8_t tag, uint64_t v, int w) noexcept nogil:
     p[0] = tag
     _be(p + 1, v, w)
-    b.n += 1 + w
-    return 0
+    return 1 + w
 
 
-cdef int _pack_uint(Buf* b, uint64_t v) except -1:
-    cdef uint8_t* p
+cdef inline int _w_uint(uint8_t* p, uint64_t v) noexcept nogil:
+    """A non-negative int as msgpack packs it (at most 9 bytes): the shortest form."""
     if v < 0x80:
-        p = _room(b, 1)
         p[0] = <uint8_t>v
-        b.n += 1
-    elif v < 0x100:
-        _head(b, 0xcc, v, 1)
-    elif v < 0x10000:
-        _head(b, 0xcd, v, 2)
-    elif v < 0x100000000:
-        _head(b, 0xce, v, 4)
-    else:
-        _head(b, 0xcf, v, 8)
-    return 0
+        return 1
+    if v < 0x100:
+        return _tagged(p, 0xcc, v, 1)
+    if v < 0x10000:
+        return _tagged(p, 0xcd, v, 2)
+    if v < (<uint64_t>1 << 32):
+        return _tagged(p, 0xce, v, 4)
+    return _tagged(p, 0xcf, v, 8)
 
 
-cdef int _pack_neg(Buf* b, int64_t d) except -1:
+cdef inline int _w_neg(uint8_t* p, int64_t d) noexcept nogil:
     """A negative int as msgpack packs it: the shortest signed form."""
-    cdef uint8_t* p
     if d >= -32:
-        p = _room(b, 1)
         p[0] = <uint8_t>(<int8_t>d)
-        b.n += 1
-    elif d >= -128:
-        _head(b, 0xd0, <uint64_t>d, 1)
-    elif d >= -32768:
-        _head(b, 0xd1, <uint64_t>d, 2)
-    elif d >= -2147483648:
-        _head(b, 0xd2, <uint64_t>d, 4)
-    else:
-        _head(b, 0xd3, <uint64_t>d, 8)
-    return 0
+        return 1
+    if d >= -128:
+        return _tagged(p, 0xd0, <uint64_t>d, 1)
+    if d >= -32768:
+        return _tagged(p, 0xd1, <uint64_t>d, 2)
+    if d >= -2147483648:
+        return _tagged(p, 0xd2, <uint64_t>d, 4)
+    return _tagged(p, 0xd3, <uint64_t>d, 8)
 
 
-cdef inline int _sized(Buf* b, Py_ssize_t n, uint8_t fix, Py_ssize_t fixmax, uint8_t t8, uint8_t t16,
-                       uint8_t t32) except -1:
-    """A str, bin, array or map header: the fix form under ``fixmax`` (0: none), else
-    8 (``t8`` 0: none), 16 or 32 bits."""
-    cdef uint8_t* p
+cdef inline int _w_len(uint8_t* p, Py_ssize_t n, uint8_t fix, Py_ssize_t fixmax, uint8_t t8, uint8_t t16,
+                       uint8_t t32) noexcept nogil:
+    """A str, bin, array or map header (at most 5 bytes): the fix form under ``fixmax``
+    (0: none), else 8 (``t8`` 0: none), 16 or 32 bits."""
     if n < fixmax:
-        p = _room(b, 1)
         p[0] = fix | <uint8_t>n
-        b.n += 1
-    elif t8 and n < 0x100:
-        _head(b, t8, <uint64_t>n, 1)
-    elif n < 0x10000:
-        _head(b, t16, <uint64_t>n, 2)
-    else:
-        _head(b, t32, <uint64_t>n, 4)
-    return 0
+        return 1
+    if t8 and n < 0x100:
+        return _tagged(p, t8, <uint64_t>n, 1)
+    if n < 0x10000:
+        return _tagged(p, t16, <uint64_t>n, 2)
+    return _tagged(p, t32, <uint64_t>n, 4)
 
 
-cdef inline int _raw(Buf* b, const char* s, Py_ssize_t n) except -1:
-    cdef uint8_t* p = _room(b, n)
-    memcpy(p, s, n)
-    b.n += n
+cdef int _blob(Buf* b, const char* s, Py_ssize_t n, uint8_t fix, Py_ssize_t fixmax, uint8_t t8, uint8_t t16,
+               uint8_t t32) except -1:
+    cdef uint8_t* p = _room(b, 5 + n)
+    cdef int h = _w_len(p, n, fix, fixmax, t8, t16, t32)
+    memcpy(p + h, s, n)
+    b.n += h + n
     return 0
 
 
@@ -165,22 +155,22 @@ cdef int _pack(Buf* b, object o, int depth, bint key) except -1:
     cdef PyObject* v
     cdef uint8_t* p
     if t is str:
-        try:
-            s = PyUnicode_AsUTF8AndSize(o, &n)
-        except UnicodeError:  # a lone surrogate: msgpack refuses it, on the caller's path
-            return 1
+        if PyUnicode_IS_COMPACT_ASCII(o):
+            s = <const char*>PyUnicode_DATA(o)
+            n = PyUnicode_GET_LENGTH(o)
+        else:
+            try:
+                s = PyUnicode_AsUTF8AndSize(o, &n)
+            except UnicodeError:  # a lone surrogate: msgpack refuses it, on the caller's path
+                return 1
         if n > 0xFFFFFFFF:
             return 1
-        _sized(b, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
-        _raw(b, s, n)
-        return 0
+        return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
     if t is int:
         d = PyLong_AsLongLongAndOverflow(o, &overflow)
+        p = _room(b, 9)
         if overflow == 0:
-            if d >= 0:
-                _pack_uint(b, <uint64_t>d)
-            else:
-                _pack_neg(b, <int64_t>d)
+            b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
             return 0
         if overflow < 0:
             return 1
@@ -188,57 +178,45 @@ cdef int _pack(Buf* b, object o, int depth, bint key) except -1:
             u = PyLong_AsUnsignedLongLong(o)
         except OverflowError:
             return 1
-        _pack_uint(b, <uint64_t>u)
+        b.n += _w_uint(p, <uint64_t>u)
         return 0
-    if o is None:
+    if o is None or t is bool:
         p = _room(b, 1)
-        p[0] = 0xc0
-        b.n += 1
-        return 0
-    if t is bool:
-        p = _room(b, 1)
-        p[0] = 0xc3 if o is True else 0xc2
+        p[0] = 0xc0 if o is None else 0xc3 if o is True else 0xc2
         b.n += 1
         return 0
     if t is float:
         f = PyFloat_AS_DOUBLE(o)
         memcpy(&bits, &f, 8)
-        _head(b, 0xcb, bits, 8)
+        p = _room(b, 9)
+        b.n += _tagged(p, 0xcb, bits, 8)
         return 0
     if t is bytes:
         n = PyBytes_GET_SIZE(o)
         if n > 0xFFFFFFFF:
             return 1
-        _sized(b, n, 0, 0, 0xc4, 0xc5, 0xc6)
-        _raw(b, PyBytes_AS_STRING(o), n)
-        return 0
+        return _blob(b, PyBytes_AS_STRING(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
     if key or depth >= _DEPTH:  # a container key does not read back; too deep for msgpack
         return 1
     if t is dict:
         n = PyDict_Size(o)
         if n > 0xFFFFFFFF:
             return 1
-        _sized(b, n, 0x80, 16, 0, 0xde, 0xdf)
+        p = _room(b, 5)
+        b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
         while PyDict_Next(o, &pos, &k, &v):
             if _pack(b, <object>k, depth + 1, True) or _pack(b, <object>v, depth + 1, False):
                 return 1
         return 0
-    if t is list:
-        n = PyList_GET_SIZE(o)
+    if t is list or t is tuple:
+        n = PyList_GET_SIZE(o) if t is list else PyTuple_GET_SIZE(o)
         if n > 0xFFFFFFFF:
             return 1
-        _sized(b, n, 0x90, 16, 0, 0xdc, 0xdd)
+        p = _room(b, 5)
+        b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
         for i in range(n):
-            if _pack(b, <object>PyList_GET_ITEM(o, i), depth + 1, False):
-                return 1
-        return 0
-    if t is tuple:
-        n = PyTuple_GET_SIZE(o)
-        if n > 0xFFFFFFFF:
-            return 1
-        _sized(b, n, 0x90, 16, 0, 0xdc, 0xdd)
-        for i in range(n):
-            if _pack(b, <object>PyTuple_GET_ITEM(o, i), depth + 1, False):
+            if _pack(b, <object>(PyList_GET_ITEM(o, i) if t is list else PyTuple_GET_ITEM(o, i)), depth + 1,
+                     False):
                 return 1
         return 0
     return 1
@@ -288,34 +266,30 @@ cdef inline uint64_t _get_be(Src* s, int w) noexcept:
     return v
 
 
-cdef object _short_str(const uint8_t* p, Py_ssize_t n):
+cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
     """The string of the ``n`` (at most ``_SHORT``) bytes at ``p``: from the cache when it
-    holds it, else decoded, interned and cached; ``_BAD`` for invalid UTF-8."""
-    cdef uint32_t h = 2166136261u
-    cdef Py_ssize_t i, m
-    cdef bint ascii = True
+    holds it, else decoded (a key interned, as msgpack interns it) and, when ASCII, cached
+    in place of the slot's string; ``_BAD`` for invalid UTF-8."""
+    cdef uint32_t h = <uint32_t>n * 0x9E3779B1u
     cdef PyObject* c
     cdef PyObject* fresh
-    cdef const char* cs
-    for i in range(n):
-        h = (h ^ p[i]) * 16777619u
-        if p[i] >= 0x80:
-            ascii = False
-    if not ascii:
-        return _decode_str(p, n, True)
-    h = (h ^ (h >> 16)) & (_CACHE - 1)
+    if n:
+        h = (h ^ p[0]) * 16777619u
+        h = (h ^ p[n - 1]) * 16777619u
+        h = (h ^ p[n >> 1]) * 16777619u
+        h = (h ^ p[n >> 2]) * 16777619u
+    h = (h ^ (h >> 15)) & (_CACHE - 1)
     c = _cache[h]
-    if c != NULL:
-        cs = PyUnicode_AsUTF8AndSize(<object>c, &m)  # (an ASCII str: its own characters)
-        if m == n and memcmp(cs, p, n) == 0:
-            return <object>c
-    s = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+    if c != NULL and PyUnicode_GET_LENGTH(<object>c) == n and memcmp(PyUnicode_DATA(<object>c), p, n) == 0:
+        return <object>c  # (a cached string is compact ASCII: its characters are its bytes)
+    s = _decode_str(p, n, key)
+    if s is _BAD or PyUnicode_GET_LENGTH(s) != n:  # invalid, or not ASCII: not cached
+        return s
     fresh = <PyObject*>s
-    Py_INCREF(s)  # the reference the cache keeps (interning may swap the object)
-    PyUnicode_InternInPlace(&fresh)
+    Py_INCREF(s)  # the cache's reference
     Py_XDECREF(_cache[h])
     _cache[h] = fresh
-    return <object>fresh
+    return s
 
 
 cdef object _decode_str(const uint8_t* p, Py_ssize_t n, bint key):
@@ -367,7 +341,7 @@ cdef object _unpack(Src* s, int depth, bint key):
     i = s.at
     s.at += n
     if n <= _SHORT:
-        return _short_str(s.p + i, n)
+        return _short_str(s.p + i, n, key)
     return _decode_str(s.p + i, n, key)
 
 
@@ -462,10 +436,7 @@ cdef object _map(Src* s, Py_ssize_t n, int depth, bint key):
         v = _unpack(s, depth + 1, False)
         if v is _BAD:
             return _BAD
-        t = type(k)
-        if not (t is str or t is bytes or t is int or t is float or t is bool or k is None):
-            return _BAD  # (a key of another type: msgpack's to accept or refuse)
-        PyDict_SetItem(out, k, v)
+        PyDict_SetItem(out, k, v)  # (k a scalar: a container key was refused as _BAD)
     return out
 
 
