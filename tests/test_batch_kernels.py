@@ -1,5 +1,6 @@
-"""The compiled msgpack of plain values (armdb._core.plainpack): the bytes msgpack gives,
-read back as msgpack reads them, and None (msgpack's path) for anything else.
+"""The compiled loops of a var queue's batches: the msgpack of plain values
+(armdb._core.plainpack: the bytes msgpack gives, read back as msgpack reads them, and
+None, msgpack's path, for anything else) and the body cache's (armdb._core.bodycache).
 
 A var queue's batches pack and decode payloads with these kernels.  They must not be a
 second format: a body they write is the body ``msgpack.Packer(use_bin_type=True)``
@@ -12,10 +13,12 @@ from __future__ import annotations
 import math
 
 import msgpack
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
+from armdb._core.bodycache import cache_drop, cache_put, cache_take
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -111,3 +114,17 @@ def test_q1_a_batch_of_plain_and_other_payloads_round_trips_through_a_queue(tmp_
                                                                                       {"k": 1}]
         assert list(got.payloads) == want
         assert q.ack_many(got) == len(want)
+
+
+def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
+    # SPEC Q1: a cached body is the pushed body; a lease of an uncached one reads the store
+    cache: dict[int, bytes] = {7: b"old"}
+    assert cache_put(cache, 10, [b"a", b"bb" * 50, b"ccc"], 10) == 4  # the 100-byte body is over budget
+    assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]  # insertion order: eviction's
+    ids = np.array([12, 10], dtype=np.uint64)
+    assert cache_take(cache, ids) == [b"ccc", b"a"]
+    assert cache_take(cache, np.array([10, 11], dtype=np.uint64)) is None
+    assert cache_take(cache, np.array([], dtype=np.uint64)) == []
+    assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
+    assert cache == {12: b"ccc"}
+
