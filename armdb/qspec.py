@@ -23,6 +23,7 @@ import numpy as np
 
 from ._core import plain as _plain
 from ._core.plain import reads_back
+from ._core.plainpack import pack_plain, unpack_plain
 from ._pack import check_round_trip, decodes_all, packb, packer, unpackb
 from .errors import ConfigError, PayloadTypeError, SchemaMismatch
 from .layout import PAYLOAD_SUFFIX, validate_name
@@ -387,6 +388,9 @@ class VarCodec:
             if set(map(type, values)) != {tp} and not all(isinstance(v, tp) for v in values):
                 return None
             objs = values
+        raws = pack_plain(objs)  # plain values (the common payload): packed by one compiled loop
+        if raws is not None:
+            return raws
         try:
             raws = list(map(packer().pack, objs))
         except (TypeError, ValueError, OverflowError):
@@ -533,7 +537,9 @@ class VarCodec:
         if "decode" in self.__dict__:  # use_layouts replaced it
             return None
         try:
-            objs = unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws))
+            objs = unpack_plain(raws)  # bodies of plain values: one compiled loop, no join
+            if objs is None:
+                objs = unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws))
             if self.is_dataclass:
                 cls = self.payload
                 return [cls(*o) for o in objs]

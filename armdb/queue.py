@@ -53,6 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
+from ._core.bodycache import cache_drop, cache_put, cache_take
 from ._core.fixed import body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
@@ -862,7 +863,7 @@ class Queue(Generic[T]):
         if decode is None and len(seqs) > 1 and self._cache:
             # The common batch: every body in the cache, decoded together, with no Python
             # object per row but the payloads.
-            bodies = self._cache_take(seqs.tolist())
+            bodies = self._cache_take(np.ascontiguousarray(seqs, dtype=np.uint64))
             if bodies is not None:
                 out = typing.cast(VarCodec, self._codec).decode_many(bodies)
                 if out is not None:
@@ -1012,40 +1013,29 @@ class Queue(Generic[T]):
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
-        under one hold of the cache's lock."""
+        under one hold of the cache's lock, by a compiled loop."""
         budget = self._cache_budget
         if budget <= 0:
             return
-        added = sum(map(len, bodies))
         with self._cache_lock:
-            cache = self._cache
-            size = self._cache_bytes
-            if added <= budget:  # every body fits: all in, with no Python loop
-                cache.update(zip(range(first, first + len(bodies)), bodies))
-                size += added
-            else:
-                for i, body in enumerate(bodies):
-                    if len(body) <= budget:
-                        cache[first + i] = body
-                        size += len(body)
+            size = self._cache_bytes + cache_put(self._cache, first, bodies, budget)
             self._cache_bytes = size
             if size > budget:
                 self._cache_evict()
 
-    def _cache_drop_many(self, ids: list[int]) -> None:
-        """:meth:`_cache_drop` of a batch's ids, under one hold of the cache's lock."""
+    def _cache_drop_many(self, ids: np.ndarray) -> None:
+        """:meth:`_cache_drop` of a batch's ids (``uint64``), under one hold of the
+        cache's lock, by a compiled loop."""
         if self._cache:
             with self._cache_lock:
-                gone = list(map(self._cache.pop, ids, itertools.repeat(None)))
-                self._cache_bytes -= sum(map(len, filter(None, gone)))
+                self._cache_bytes -= cache_drop(self._cache, ids)
 
-    def _cache_take(self, ids: list[int]) -> list[bytes] | None:
-        """The cached bodies of ``ids``, or None unless all of them are cached: a batch
-        lease's bodies read under one hold of the cache's lock, with no Python loop.  (A
-        body is never empty: it is one msgpack value at least.)"""
+    def _cache_take(self, ids: np.ndarray) -> list[bytes] | None:
+        """The cached bodies of ``ids`` (``uint64``), or None unless all of them are
+        cached: a batch lease's bodies read under one hold of the cache's lock, by a
+        compiled loop."""
         with self._cache_lock:
-            bodies = list(map(self._cache.get, ids))
-        return typing.cast(list[bytes], bodies) if all(bodies) else None
+            return cache_take(self._cache, ids)
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:
@@ -2044,9 +2034,8 @@ class Queue(Generic[T]):
         payload = self._payload
         if payload is not None:
             # The bodies' deletes, logged first (ahead of the headers' rows), applied last.
-            ids = seqs.tolist()
-            packed, items = body_rows(self._body_row_head, np.ascontiguousarray(seqs, dtype=np.uint64), None,
-                                      plan.gsns(len(ids)))
+            ids = np.ascontiguousarray(seqs, dtype=np.uint64)
+            packed, items = body_rows(self._body_row_head, ids, None, plan.gsns(len(ids)))
             plan.packed.append((len(ids), packed))
             plan.add_bitcask(payload)
         buf = bytearray()

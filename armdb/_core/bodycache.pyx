@@ -1,0 +1,58 @@
+# cython: language_level=3
+"""A var queue's body cache (``Queue._cache``: a dict from row id to body bytes), read
+and changed a batch at a time by a compiled loop.
+
+``push_many`` puts a batch's bodies, ``lease_batch`` takes them back, ``ack_many`` drops
+them: with Python's ``dict.update``, ``map`` and ``sum`` that was a few Python objects
+and calls per row for each of the three.  These loops do the same dict operations (the
+dict stays a plain dict in insertion order, which ``Queue._cache_evict`` relies on); the
+caller holds the cache's lock and keeps the byte count.
+"""
+
+from cpython.bytes cimport PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_SetItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from libc.stdint cimport uint64_t
+
+
+def cache_put(dict cache, uint64_t first, list bodies, Py_ssize_t budget):
+    """Put ``bodies[i]`` (``bytes``) under id ``first + i``, each no longer than
+    ``budget`` (a longer one is not cached); returns the bytes put."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size, added = 0
+    cdef object body
+    for i in range(n):
+        body = <object>PyList_GET_ITEM(bodies, i)
+        size = PyBytes_GET_SIZE(<bytes?>body)
+        if size <= budget:
+            PyDict_SetItem(cache, first + i, body)
+            added += size
+    return added
+
+
+def cache_take(dict cache, const uint64_t[::1] ids):
+    """The cached bodies of ``ids`` in order, or None unless every one is cached."""
+    cdef Py_ssize_t i, n = ids.shape[0]
+    cdef PyObject* body
+    cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
+    for i in range(n):
+        body = PyDict_GetItem(cache, ids[i])
+        if body == NULL:
+            return None
+        Py_INCREF(<object>body)
+        PyList_SET_ITEM(out, i, <object>body)
+    return out
+
+
+def cache_drop(dict cache, const uint64_t[::1] ids):
+    """Drop the bodies of ``ids`` (an id not cached is skipped); returns their bytes."""
+    cdef Py_ssize_t i, n = ids.shape[0], freed = 0
+    cdef PyObject* body
+    for i in range(n):
+        key = ids[i]
+        body = PyDict_GetItem(cache, key)
+        if body != NULL:
+            freed += PyBytes_GET_SIZE(<bytes>body)
+            PyDict_DelItem(cache, key)
+    return freed

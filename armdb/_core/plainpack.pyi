@@ -1,0 +1,6 @@
+"""Stubs for the compiled ``armdb._core.plainpack`` (see plainpack.pyx)."""
+
+from typing import Any
+
+def pack_plain(values: list[Any]) -> list[bytes] | None: ...
+def unpack_plain(raws: list[bytes]) -> list[Any] | None: ...

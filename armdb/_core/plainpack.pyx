@@ -1,0 +1,463 @@
+# cython: language_level=3
+"""msgpack of plain values, packed and unpacked by a compiled loop over a whole batch.
+
+A var queue's ``push_many`` packs each payload with ``msgpack.Packer`` and checks that it
+reads back (``armdb._core.plain``); its ``lease_batch`` decodes the bodies with
+``msgpack.unpackb``.  For the common payload (a small dict of strings, numbers and lists)
+those two calls were a third of a batched cycle's instructions: a Python call per value,
+and on the way back a new string object and an interning per dict key.
+
+:func:`pack_plain` packs *plain* values (exact ``dict``, ``list``, ``tuple`` of ``str``,
+``bytes``, ``int``, ``float``, ``bool``, ``None``; dict keys scalars; no deeper than
+``plain`` allows), giving the very bytes ``msgpack.Packer(use_bin_type=True)`` gives
+(the shortest int, str and bin forms, ``float`` as float 64, maps in dict order).  Such
+values read back by definition (``plain.reads_back``), so no check follows.  Anything
+else (a subclass, a NumPy scalar, an int beyond 64 bits, a string with a lone surrogate)
+gets None and the caller takes msgpack's path, which packs or refuses it as before.
+
+:func:`unpack_plain` decodes bodies that hold only the msgpack types plain values pack
+to (nil, bool, int, float 32/64, str, bin, array, map) as ``msgpack.unpackb(raw,
+raw=False, strict_map_key=False)`` does: arrays as lists, map keys that are str interned,
+invalid UTF-8 refused.  Short ASCII strings come from a small cache of interned strings
+(equal strings are interchangeable: ``str`` is immutable).  A body with anything else
+(an ext type, bytes after its value, a truncated value, an unhashable key) gets None and
+the caller decodes with msgpack, which decodes it or says why not.  Never a second
+format: the same bytes, read the same way.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_Next, PyDict_SetItem, PyDict_Size
+from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_FromDouble
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.long cimport (PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
+                           PyLong_FromUnsignedLongLong)
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcmp, memcpy
+
+cdef extern from "Python.h":
+    void PyUnicode_InternInPlace(PyObject** p)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    void* PyUnicode_DATA(object o)
+    bint PyUnicode_IS_COMPACT_ASCII(object o)
+
+DEF _DEPTH = 500  # as armdb._core.plain: below msgpack's nesting limit of 511
+DEF _CACHE = 256  # slots of the short-string cache (a power of two)
+DEF _SHORT = 24   # the longest string the cache holds, in bytes
+
+
+# -- packing ------------------------------------------------------------------------------
+
+cdef struct Buf:
+    uint8_t* p
+    Py_ssize_t n
+    Py_ssize_t cap
+
+
+cdef int _grow(Buf* b, Py_ssize_t more) except -1:
+    cdef Py_ssize_t cap = b.cap * 2
+    cdef uint8_t* q
+    if cap < b.n + more:
+        cap = b.n + more + 256
+    q = <uint8_t*>realloc(b.p, cap)
+    if q == NULL:
+        raise MemoryError()
+    b.p = q
+    b.cap = cap
+    return 0
+
+
+cdef inline uint8_t* _room(Buf* b, Py_ssize_t more) except NULL:
+    """Space for ``more`` bytes at the end of ``b`` (which the caller then counts)."""
+    if b.n + more > b.cap:
+        _grow(b, more)
+    return b.p + b.n
+
+
+cdef inline void _be(uint8_t* p, uint64_t v, int w) noexcept nogil:
+    cdef int i
+    for i in range(w):
+        p[i] = <uint8_t>(v >> (8 * (w - 1 - i)))
+
+
+cdef inline int _tagged(uint8_t* p, uint8_t tag, uint64_t v, int w) noexcept nogil:
+    p[0] = tag
+    _be(p + 1, v, w)
+    return 1 + w
+
+
+cdef inline int _w_uint(uint8_t* p, uint64_t v) noexcept nogil:
+    """A non-negative int as msgpack packs it (at most 9 bytes): the shortest form."""
+    if v < 0x80:
+        p[0] = <uint8_t>v
+        return 1
+    if v < 0x100:
+        return _tagged(p, 0xcc, v, 1)
+    if v < 0x10000:
+        return _tagged(p, 0xcd, v, 2)
+    if v < (<uint64_t>1 << 32):
+        return _tagged(p, 0xce, v, 4)
+    return _tagged(p, 0xcf, v, 8)
+
+
+cdef inline int _w_neg(uint8_t* p, int64_t d) noexcept nogil:
+    """A negative int as msgpack packs it: the shortest signed form."""
+    if d >= -32:
+        p[0] = <uint8_t>(<int8_t>d)
+        return 1
+    if d >= -128:
+        return _tagged(p, 0xd0, <uint64_t>d, 1)
+    if d >= -32768:
+        return _tagged(p, 0xd1, <uint64_t>d, 2)
+    if d >= -2147483648:
+        return _tagged(p, 0xd2, <uint64_t>d, 4)
+    return _tagged(p, 0xd3, <uint64_t>d, 8)
+
+
+cdef inline int _w_len(uint8_t* p, Py_ssize_t n, uint8_t fix, Py_ssize_t fixmax, uint8_t t8, uint8_t t16,
+                       uint8_t t32) noexcept nogil:
+    """A str, bin, array or map header (at most 5 bytes): the fix form under ``fixmax``
+    (0: none), else 8 (``t8`` 0: none), 16 or 32 bits."""
+    if n < fixmax:
+        p[0] = fix | <uint8_t>n
+        return 1
+    if t8 and n < 0x100:
+        return _tagged(p, t8, <uint64_t>n, 1)
+    if n < 0x10000:
+        return _tagged(p, t16, <uint64_t>n, 2)
+    return _tagged(p, t32, <uint64_t>n, 4)
+
+
+cdef int _blob(Buf* b, const char* s, Py_ssize_t n, uint8_t fix, Py_ssize_t fixmax, uint8_t t8, uint8_t t16,
+               uint8_t t32) except -1:
+    cdef uint8_t* p = _room(b, 5 + n)
+    cdef int h = _w_len(p, n, fix, fixmax, t8, t16, t32)
+    memcpy(p + h, s, n)
+    b.n += h + n
+    return 0
+
+
+cdef int _pack(Buf* b, object o, int depth, bint key) except -1:
+    """Pack ``o``; 1 if it is not plain (nothing to trust in ``b`` then)."""
+    cdef type t = type(o)
+    cdef int overflow = 0
+    cdef long long d
+    cdef unsigned long long u
+    cdef double f
+    cdef uint64_t bits
+    cdef const char* s
+    cdef Py_ssize_t n, i, pos = 0
+    cdef PyObject* k
+    cdef PyObject* v
+    cdef uint8_t* p
+    if t is str:
+        if PyUnicode_IS_COMPACT_ASCII(o):
+            s = <const char*>PyUnicode_DATA(o)
+            n = PyUnicode_GET_LENGTH(o)
+        else:
+            try:
+                s = PyUnicode_AsUTF8AndSize(o, &n)
+            except UnicodeError:  # a lone surrogate: msgpack refuses it, on the caller's path
+                return 1
+        if n > 0xFFFFFFFF:
+            return 1
+        return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
+    if t is int:
+        d = PyLong_AsLongLongAndOverflow(o, &overflow)
+        p = _room(b, 9)
+        if overflow == 0:
+            b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
+            return 0
+        if overflow < 0:
+            return 1
+        try:
+            u = PyLong_AsUnsignedLongLong(o)
+        except OverflowError:
+            return 1
+        b.n += _w_uint(p, <uint64_t>u)
+        return 0
+    if o is None or t is bool:
+        p = _room(b, 1)
+        p[0] = 0xc0 if o is None else 0xc3 if o is True else 0xc2
+        b.n += 1
+        return 0
+    if t is float:
+        f = PyFloat_AS_DOUBLE(o)
+        memcpy(&bits, &f, 8)
+        p = _room(b, 9)
+        b.n += _tagged(p, 0xcb, bits, 8)
+        return 0
+    if t is bytes:
+        n = PyBytes_GET_SIZE(o)
+        if n > 0xFFFFFFFF:
+            return 1
+        return _blob(b, PyBytes_AS_STRING(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
+    if key or depth >= _DEPTH:  # a container key does not read back; too deep for msgpack
+        return 1
+    if t is dict:
+        n = PyDict_Size(o)
+        if n > 0xFFFFFFFF:
+            return 1
+        p = _room(b, 5)
+        b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
+        while PyDict_Next(o, &pos, &k, &v):
+            if _pack(b, <object>k, depth + 1, True) or _pack(b, <object>v, depth + 1, False):
+                return 1
+        return 0
+    if t is list or t is tuple:
+        n = PyList_GET_SIZE(o) if t is list else PyTuple_GET_SIZE(o)
+        if n > 0xFFFFFFFF:
+            return 1
+        p = _room(b, 5)
+        b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
+        for i in range(n):
+            if _pack(b, <object>(PyList_GET_ITEM(o, i) if t is list else PyTuple_GET_ITEM(o, i)), depth + 1,
+                     False):
+                return 1
+        return 0
+    return 1
+
+
+def pack_plain(list values):
+    """The msgpack bytes of each of ``values`` (as ``msgpack.Packer(use_bin_type=True)``
+    packs it), or None if any value is not plain (the module's docstring)."""
+    cdef Buf b
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(values)
+    cdef list out = PyList_New(n)
+    b.p = <uint8_t*>malloc(4096)
+    if b.p == NULL:
+        raise MemoryError()
+    b.cap = 4096
+    try:
+        for i in range(n):
+            b.n = 0
+            if _pack(&b, <object>PyList_GET_ITEM(values, i), 0, False):
+                return None
+            raw = PyBytes_FromStringAndSize(<char*>b.p, b.n)
+            Py_INCREF(raw)
+            PyList_SET_ITEM(out, i, raw)
+    finally:
+        free(b.p)
+    return out
+
+
+# -- unpacking ----------------------------------------------------------------------------
+
+cdef PyObject* _cache[_CACHE]  # interned short ASCII strings, owned; NULL: empty slot
+cdef object _BAD = object()    # "not a plain body": the caller decodes with msgpack
+
+
+cdef struct Src:
+    const uint8_t* p
+    Py_ssize_t n
+    Py_ssize_t at
+
+
+cdef inline uint64_t _get_be(Src* s, int w) noexcept:
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(w):
+        v = (v << 8) | s.p[s.at + i]
+    s.at += w
+    return v
+
+
+cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
+    """The string of the ``n`` (at most ``_SHORT``) bytes at ``p``: from the cache when it
+    holds it, else decoded (a key interned, as msgpack interns it) and, when ASCII, cached
+    in place of the slot's string; ``_BAD`` for invalid UTF-8."""
+    cdef uint32_t h = <uint32_t>n * 0x9E3779B1u
+    cdef PyObject* c
+    cdef PyObject* fresh
+    if n:
+        h = (h ^ p[0]) * 16777619u
+        h = (h ^ p[n - 1]) * 16777619u
+        h = (h ^ p[n >> 1]) * 16777619u
+        h = (h ^ p[n >> 2]) * 16777619u
+    h = (h ^ (h >> 15)) & (_CACHE - 1)
+    c = _cache[h]
+    if c != NULL and PyUnicode_GET_LENGTH(<object>c) == n and memcmp(PyUnicode_DATA(<object>c), p, n) == 0:
+        return <object>c  # (a cached string is compact ASCII: its characters are its bytes)
+    s = _decode_str(p, n, key)
+    if s is _BAD or PyUnicode_GET_LENGTH(s) != n:  # invalid, or not ASCII: not cached
+        return s
+    fresh = <PyObject*>s
+    Py_INCREF(s)  # the cache's reference
+    Py_XDECREF(_cache[h])
+    _cache[h] = fresh
+    return s
+
+
+cdef object _decode_str(const uint8_t* p, Py_ssize_t n, bint key):
+    try:
+        s = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+    except UnicodeDecodeError:
+        return _BAD
+    if key:
+        s = _intern(s)
+    return s
+
+
+cdef object _intern(object s):
+    cdef PyObject* q = <PyObject*>s
+    Py_INCREF(s)
+    PyUnicode_InternInPlace(&q)
+    r = <object>q
+    Py_XDECREF(q)
+    return r
+
+
+cdef object _unpack(Src* s, int depth, bint key):
+    cdef uint8_t t
+    cdef Py_ssize_t n, i
+    cdef int w
+    if s.at >= s.n:
+        return _BAD
+    t = s.p[s.at]
+    s.at += 1
+    if t < 0x80:
+        return <long>t
+    if t >= 0xe0:
+        return <long>(<int8_t>t)
+    if 0xa0 <= t <= 0xbf:
+        n = t & 0x1f
+    elif t == 0xd9 or t == 0xda or t == 0xdb:
+        w = 1 << (t - 0xd9)
+        if s.at + w > s.n:
+            return _BAD
+        n = <Py_ssize_t>_get_be(s, w)
+    elif t <= 0x8f:  # fixmap
+        return _map(s, t & 0x0f, depth, key)
+    elif t <= 0x9f:  # fixarray
+        return _array(s, t & 0x0f, depth, key)
+    else:
+        return _other(s, t, depth, key)
+    if s.at + n > s.n:
+        return _BAD
+    i = s.at
+    s.at += n
+    if n <= _SHORT:
+        return _short_str(s.p + i, n, key)
+    return _decode_str(s.p + i, n, key)
+
+
+cdef object _other(Src* s, uint8_t t, int depth, bint key):
+    cdef Py_ssize_t n, i
+    cdef int w
+    cdef uint64_t u
+    cdef uint32_t u32
+    cdef float f32
+    cdef double f64
+    if t == 0xc0:
+        return None
+    if t == 0xc2:
+        return False
+    if t == 0xc3:
+        return True
+    if 0xcc <= t <= 0xcf:  # uint 8..64
+        w = 1 << (t - 0xcc)
+        if s.at + w > s.n:
+            return _BAD
+        return PyLong_FromUnsignedLongLong(_get_be(s, w))
+    if 0xd0 <= t <= 0xd3:  # int 8..64
+        w = 1 << (t - 0xd0)
+        if s.at + w > s.n:
+            return _BAD
+        u = _get_be(s, w)
+        if w == 1:
+            return <long>(<int8_t>u)
+        if w == 2:
+            return <long>(<int16_t>u)
+        if w == 4:
+            return <long>(<int32_t>u)
+        return PyLong_FromLongLong(<int64_t>u)
+    if t == 0xca:
+        if s.at + 4 > s.n:
+            return _BAD
+        u32 = <uint32_t>_get_be(s, 4)
+        memcpy(&f32, &u32, 4)
+        return PyFloat_FromDouble(<double>f32)
+    if t == 0xcb:
+        if s.at + 8 > s.n:
+            return _BAD
+        u = _get_be(s, 8)
+        memcpy(&f64, &u, 8)
+        return PyFloat_FromDouble(f64)
+    if 0xc4 <= t <= 0xc6:  # bin 8..32
+        w = 1 << (t - 0xc4)
+        if s.at + w > s.n:
+            return _BAD
+        n = <Py_ssize_t>_get_be(s, w)
+        if s.at + n > s.n:
+            return _BAD
+        i = s.at
+        s.at += n
+        return PyBytes_FromStringAndSize(<const char*>(s.p + i), n)
+    if t == 0xdc or t == 0xdd:
+        w = 2 if t == 0xdc else 4
+        if s.at + w > s.n:
+            return _BAD
+        return _array(s, <Py_ssize_t>_get_be(s, w), depth, key)
+    if t == 0xde or t == 0xdf:
+        w = 2 if t == 0xde else 4
+        if s.at + w > s.n:
+            return _BAD
+        return _map(s, <Py_ssize_t>_get_be(s, w), depth, key)
+    return _BAD  # an ext type (or the unused 0xc1): msgpack's to decode
+
+
+cdef object _array(Src* s, Py_ssize_t n, int depth, bint key):
+    cdef Py_ssize_t i
+    if key or depth >= _DEPTH or n > s.n - s.at:  # (each item takes a byte at least)
+        return _BAD
+    cdef list out = PyList_New(n)
+    for i in range(n):
+        x = _unpack(s, depth + 1, False)
+        if x is _BAD:
+            return _BAD  # (the items not set are NULL, which the list's free skips)
+        Py_INCREF(x)
+        PyList_SET_ITEM(out, i, x)
+    return out
+
+
+cdef object _map(Src* s, Py_ssize_t n, int depth, bint key):
+    cdef Py_ssize_t i
+    if key or depth >= _DEPTH or n > s.n - s.at:
+        return _BAD
+    cdef dict out = {}
+    for i in range(n):
+        k = _unpack(s, depth + 1, True)
+        if k is _BAD:
+            return _BAD
+        v = _unpack(s, depth + 1, False)
+        if v is _BAD:
+            return _BAD
+        PyDict_SetItem(out, k, v)  # (k a scalar: a container key was refused as _BAD)
+    return out
+
+
+def unpack_plain(list raws):
+    """Each of ``raws`` (``bytes``, one msgpack value each) decoded as
+    ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` decodes it, or None if any
+    is not plain (the module's docstring): then decode with msgpack."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(raws)
+    cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
+    cdef Src s
+    cdef object raw
+    for i in range(n):
+        raw = <object>PyList_GET_ITEM(raws, i)
+        if type(raw) is not bytes:
+            return None
+        s.p = <const uint8_t*>PyBytes_AS_STRING(raw)
+        s.n = PyBytes_GET_SIZE(raw)
+        s.at = 0
+        x = _unpack(&s, 0, False)
+        if x is _BAD or s.at != s.n:
+            return None
+        Py_INCREF(x)
+        PyList_SET_ITEM(out, i, x)
+    return out

@@ -1,0 +1,130 @@
+"""The compiled loops of a var queue's batches: the msgpack of plain values
+(armdb._core.plainpack: the bytes msgpack gives, read back as msgpack reads them, and
+None, msgpack's path, for anything else) and the body cache's (armdb._core.bodycache).
+
+A var queue's batches pack and decode payloads with these kernels.  They must not be a
+second format: a body they write is the body ``msgpack.Packer(use_bin_type=True)``
+writes, so older readers read it (docs/format.md), and a body they decode comes back
+exactly as ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` gives it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from armdb import Db, queue
+from armdb._core.bodycache import cache_drop, cache_put, cache_take
+from armdb._core.plain import reads_back_one
+from armdb._core.plainpack import pack_plain, unpack_plain
+
+_P = msgpack.Packer(use_bin_type=True)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+                    st.text(max_size=40), st.binary(max_size=300))
+keys = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+                 st.text(max_size=30), st.binary(max_size=8))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=20), st.tuples(inner, inner), st.dictionaries(keys, inner, max_size=20)),
+    max_leaves=40)
+
+
+def _unpack(raw: bytes):
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def _same(a, b) -> bool:
+    """Equal, of the same types all the way down (NaN equal to NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(values, max_size=6))
+def test_q1_plain_values_pack_to_msgpack_s_bytes_and_read_back_as_msgpack_reads(vs):
+    # SPEC Q1: a pushed payload is stored as msgpack packs it and leased as msgpack decodes it
+    raws = pack_plain(vs)
+    assert raws == [_P.pack(v) for v in vs]
+    back = unpack_plain(raws)
+    assert back is not None
+    assert all(_same(a, _unpack(r)) for a, r in zip(back, raws))
+
+
+def test_q1_every_length_form_and_int_width():
+    # SPEC Q1: the shortest int, str, bin, array and map forms, at each boundary
+    vs = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1, -1, -32, -33, -128, -129,
+          -32768, -32769, -(2**31), -(2**31) - 1, -(2**63), 1.5, -0.0, math.inf, "", "a" * 31, "a" * 32,
+          "a" * 255, "a" * 256, "a" * 65536, "é" * 40, b"", b"x" * 255, b"x" * 256, b"y" * 65536, [1] * 15,
+          [1] * 16, list(range(65536)), {i: i for i in range(15)}, {i: i for i in range(16)},
+          {i: None for i in range(65536)}, (1, (2, 3)), {None: 1, 2.5: 2, b"k": 3, True: 4}]
+    raws = pack_plain(vs)
+    assert raws == [_P.pack(v) for v in vs]
+    assert unpack_plain(raws) == [_unpack(r) for r in raws]
+
+
+def test_q1_a_float32_and_wider_forms_msgpack_writes_are_read_as_msgpack_reads_them():
+    # SPEC Q1: bodies written by another packer (float 32, str 8 under 32 bytes, int 64 forms) decode the same
+    raws = [msgpack.packb(1.5, use_single_float=True), b"\xd9\x01a", b"\xd3" + (5).to_bytes(8, "big"),
+            b"\xcf" + (7).to_bytes(8, "big"), b"\xdc\x00\x01\xc0", b"\xde\x00\x01\xa1k\xc3"]
+    assert unpack_plain(raws) == [_unpack(r) for r in raws]
+
+
+def test_q1_short_strings_from_the_cache_are_the_right_ones():
+    # SPEC Q1: the short-string cache never hands back another string of the same slot
+    words = [f"k{i}" for i in range(2000)] + ["", "é", "日本"]
+    raws = pack_plain([{w: w} for w in words] * 2)
+    assert unpack_plain(raws) == [{w: w} for w in words] * 2
+
+
+def test_q1_anything_not_plain_is_left_to_msgpack():
+    # SPEC Q1: the kernels vouch for no value they do not know; msgpack's path decides
+    for bad in ([2**64], [-(2**63) - 1], ["\ud800"], [{(1,): 2}], [{"a": [{"b": {(1,): 2}}]}], [object()],
+                [msgpack.ExtType(1, b"x")], [True.__class__], [1, {"x": {1, 2}}]):
+        assert pack_plain(bad) is None, bad
+    deep: list = []
+    for _ in range(600):
+        deep = [deep]
+    assert pack_plain([deep]) is None and not reads_back_one(deep)
+    for bad in ([b"\xc1"], [b"\xd4\x01\x00"], [b"\xc7\x01\x05x"], [b"\x92\x01"], [b"\x01\x02"], [b"\xa2\xff\xfe"],
+                [b"\x81\x91\x01\x02"], [b"\x81\x80\x01"], [b""], [b"\xc4\x05ab"], [bytearray(b"\x01")]):
+        assert unpack_plain(bad) is None, bad
+
+
+def test_q1_a_batch_of_plain_and_other_payloads_round_trips_through_a_queue(tmp_path):
+    # SPEC Q1: what lease_batch returns is what push_many pushed, through either path
+    spec = queue("pp", payload=object, var=True)
+    vs = [{"doc_id": i, "tags": ["a", "b"], "t": (i, "x")} for i in range(50)] + [[1, {"k": 2.5}], "s", None]
+    with Db.open(tmp_path) as db:
+        q = db.open_queue(spec)
+        q.push_many(vs)
+        q.push_many([msgpack.ExtType(3, b"e"), {"k": 1}])  # not plain: msgpack's path, both ways
+        got = q.lease_batch(100)
+        want = [{"doc_id": i, "tags": ["a", "b"], "t": [i, "x"]} for i in range(50)] + [[1, {"k": 2.5}], "s", None,
+                                                                                      msgpack.ExtType(3, b"e"),
+                                                                                      {"k": 1}]
+        assert list(got.payloads) == want
+        assert q.ack_many(got) == len(want)
+
+
+def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
+    # SPEC Q1: a cached body is the pushed body; a lease of an uncached one reads the store
+    cache: dict[int, bytes] = {7: b"old"}
+    assert cache_put(cache, 10, [b"a", b"bb" * 50, b"ccc"], 10) == 4  # the 100-byte body is over budget
+    assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]  # insertion order: eviction's
+    ids = np.array([12, 10], dtype=np.uint64)
+    assert cache_take(cache, ids) == [b"ccc", b"a"]
+    assert cache_take(cache, np.array([10, 11], dtype=np.uint64)) is None
+    assert cache_take(cache, np.array([], dtype=np.uint64)) == []
+    assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
+    assert cache == {12: b"ccc"}
+
