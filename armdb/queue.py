@@ -41,6 +41,7 @@ import html
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
 import typing
@@ -372,6 +373,17 @@ class Queue(Generic[T]):
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
+        self._payload_name = spec.payload_name
+        # A var ack's log rows, ["F", name, shard, slot, version, DELETED, b""] and ["B",
+        # payload name, key, None, gsn], packed in one call (armdb.tx.commit_settle): the
+        # msgpack bytes packb would decode to those rows (ints at a fixed width, as the
+        # compiled batch rows of armdb._core.qshard write them).
+        heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
+        self._ack_heads = heads
+        self._ack_rows = struct.Struct(f">{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
+        # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
+        # when the body store has one shard (set at open); None: found per ack.
+        self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -471,6 +483,11 @@ class Queue(Generic[T]):
             if self._payload is not None:
                 self._drop_headers_without_body()
                 self._orphan_pass()
+                body_locks = self._payload.all_locks()
+                if len(body_locks) == 1:
+                    ((bdir, _), block), = body_locks
+                    self._ack_locks = [(sh.lock, block) if sh.fixed.directory < bdir else (block, sh.lock)
+                                       for sh in self._shards]
             self._schedule_retention()
             if not self.spec.var:
                 codec = typing.cast(FixedCodec, self._codec)
@@ -1427,7 +1444,17 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        self._ack(token)  # a fixed queue's ack is FixedFast.ack (see _open)
+        # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
+        # A var queue's: the header removal and the body delete share one log commit (Q14).
+        token = as_token(token)
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
+        if self._closed or self._db._closed or self._next_retention <= self._clock():
+            self._check()  # DbClosed; or the retention pass, when due
+        if self._payload is not None:
+            self._commit_settle(self._db, self, token, True)
+            return
+        self._ack(token)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:
         token = as_token(token)
@@ -1852,6 +1879,12 @@ class Queue(Generic[T]):
         if body and self._payload is not None:
             k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
             locks[k] = lock
+
+    def _tx_ack_locks(self, sh: _Shard, key: bytes) -> dict[str, threading.Lock]:
+        """The locks of a var ack of the row with body ``key`` in header shard ``sh``, by
+        their global order keys (armdb.tx.commit_settle, when the body store has shards)."""
+        k, lock = self._payload.shard_lock(key)  # type: ignore[union-attr]
+        return {sh.fixed.directory: sh.lock, k: lock}
 
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
         """Add every lock of the queue: a change stream's destination (T7)."""
