@@ -347,7 +347,12 @@ class BitcaskStore:
         # true, as a new data file is created durably).
         if act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
             gsn_word |= SYNCED_BEFORE
-        rec, kf, vlen = self._encode(key, value, gsn_word)
+        if self._sealer is None:  # _encode, one call less
+            kf = key
+            vlen = 0 if value is None else len(value)
+            rec = bitcask_record(gsn_word, key, b"" if value is None else value, RECORD_MAGIC)
+        else:
+            rec, kf, vlen = self._encode(key, value, gsn_word)
         rotated = False
         if act.total and act.size + len(rec) > self.config.max_file_size:
             try:
@@ -368,7 +373,10 @@ class BitcaskStore:
         sh.dirty = True
         sh.hint.add(gsn_word, off, vlen, kf)
         _fail.point("bitcask.after_append")
-        self._index_update(sh, key, act.fid, off, size, gsn_word)
+        if value is not None and key not in sh.index and key not in sh.tombs:
+            sh.index[key] = (act.fid, off, size, gsn_word, None)  # a new key: nothing older to mask
+        else:
+            self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
         return rotated
 
@@ -586,11 +594,15 @@ class BitcaskStore:
         DbClosed
             The store is closed.
         """
-        key = self._key_len_ok(self._key_arg(key))
-        value = self._value_arg(value)
-        sh = self._shard(key)
+        if type(key) is not bytes or len(key) > MAX_KEY_LEN:
+            key = self._key_len_ok(self._key_arg(key))
+        if type(value) is not bytes or len(value) > MAX_VALUE_LEN:
+            value = self._value_arg(value)
+        shards = self._shards
+        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
         with sh.lock:
-            self.check_writable()
+            if self._closed or self._poisoned is not None:
+                self.check_writable()
             seq = self._next_seq(sh)
             rotated = self._write(sh, key, value, seq)
             self._maybe_sync(sh)
