@@ -638,7 +638,31 @@ class Queue(Generic[T]):
         DbClosed
             The database is closed.
         """
-        return self._push(payload, delay)  # a fixed queue's push is FixedFast.push (see _open)
+        # A fixed queue's push is FixedFast.push (see _open).  A var queue's common push
+        # (no delay, no max_depth) runs here, in this one frame: _push's steps, in order.
+        store = self._payload
+        if store is None or delay is not None or self._max_depth is not None:
+            return self._push(payload, delay)
+        now = int(self._clock())
+        if self._closed or self._db._closed or now >= self._next_retention:
+            now = self._check()  # DbClosed; or the retention pass, when due
+        body = self._encode(payload)
+        seq = self._next_id(self._seq_name)
+        store.put(seq.to_bytes(8, "big"), body)  # the body first (Q15); qrows.body_key
+        with self._counter_lock:
+            self._payload_writes += 1
+        if self._cache_budget > 0:
+            self._cache_put(seq, body)
+        _fail.point("queue.var_push.after_body")
+        shards = self._shards
+        sh = shards[seq % len(shards)]
+        with sh.lock:
+            sh.push(now, seq, now, seq, b"")
+        self._gen = next(self._gens)  # _notify, whose other steps are for waiters
+        waker = self._db._waker
+        if self._nwaiters or waker is not None and waker._waiters:
+            self._notify()
+        return seq
 
     def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
