@@ -359,6 +359,7 @@ class Queue(Generic[T]):
         self._codec: FixedCodec | VarCodec = VarCodec(spec.payload) if spec.var else FixedCodec(spec.dtype)
         # Looked up once for the hot path (config is frozen, the seqmap lives as long as the Db).
         self._encode = self._codec.encode
+        self._decode: Any = getattr(self._codec, "decode", None)  # a var body's decode (lease(1))
         self._next_id = db.seqmap.next
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
@@ -444,6 +445,7 @@ class Queue(Generic[T]):
             if layouts:
                 self._codec.use_layouts(layouts, layout)  # type: ignore[union-attr]
                 self._encode = self._codec.encode
+                self._decode = self._codec.decode
             if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
                 raise ConfigError(
                     f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "
@@ -1133,7 +1135,43 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
-        return self._lease(n, lease_timeout)  # a fixed queue's lease is FixedFast.lease (see _open)
+        # A fixed queue's lease is FixedFast.lease (see _open).  A var queue's lease(1) of
+        # one header shard, at the queue's timeout, runs here in this one frame: _lease's
+        # steps, the body from the cache (any other way: _read_payloads).
+        if n != 1 or type(n) is not int or lease_timeout is not None or self._payload is None \
+                or len(self._shards) != 1:
+            return self._lease(n, lease_timeout)
+        now = int(self._clock())
+        if self._closed or self._db._closed or now >= self._next_retention:
+            now = self._check()  # DbClosed; or the retention pass, when due
+        deadline = now + self._lease_ms
+        last = self._last_deadline
+        if last[0] != deadline:
+            last = self._last_deadline = (deadline, ms_to_datetime(deadline))
+        dl = last[1]
+        out: list[Any] = []
+        sh = self._shards[0]
+        with sh.lock:
+            dead = sh.claim(now, deadline, 1, self._max_attempts, 0, out, dl)
+        if dead:
+            self._note_dead(now)
+        if not out:
+            return out
+        due, seq, shard_no, attempt, epoch, _ = out[0]
+        body = None
+        if self._cache:
+            with self._cache_lock:
+                body = self._cache.get(seq)
+        try:
+            payload = self._decode(body) if body is not None else _GONE
+        except Exception:  # noqa: BLE001 - _read_payloads dead-letters it
+            payload = _GONE
+        if payload is _GONE:
+            payload = self._read_payloads([(shard_no, due, seq, epoch)])[0]
+            if payload is _GONE:
+                return []
+        new = tuple.__new__  # the NamedTuples without their Python-level __new__
+        return [new(Lease, (seq, payload, attempt, dl, new(LeaseToken, (self._handle, shard_no, due, seq, epoch))))]
 
     def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")
