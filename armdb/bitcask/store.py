@@ -373,8 +373,17 @@ class BitcaskStore:
         sh.dirty = True
         sh.hint.add(gsn_word, off, vlen, kf)
         _fail.point("bitcask.after_append")
-        if value is not None and key not in sh.index and key not in sh.tombs:
-            sh.index[key] = (act.fid, off, size, gsn_word, None)  # a new key: nothing older to mask
+        index = sh.index
+        if value is not None:
+            if key not in index and key not in sh.tombs:
+                index[key] = (act.fid, off, size, gsn_word, None)  # a new key: nothing older to mask
+            else:
+                self._index_update(sh, key, act.fid, off, size, gsn_word)
+        elif (old := index.get(key)) is not None and old[4] is None and old[0] == act.fid:
+            # The common delete (a var ack's body): a put in this same file that no older
+            # file's record can outlive, so both it and the tombstone are garbage at once.
+            del index[key]
+            act.dead += old[2] + size
         else:
             self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
@@ -991,10 +1000,12 @@ class BitcaskStore:
         StorageError, DbClosed, ConfigError, PayloadTypeError
             As for :meth:`put`.
         """
-        key = self._key_len_ok(self._key_arg(key))
-        if value is not None:
+        if type(key) is not bytes or len(key) > MAX_KEY_LEN:
+            key = self._key_len_ok(self._key_arg(key))
+        if value is not None and (type(value) is not bytes or len(value) > MAX_VALUE_LEN):
             value = self._value_arg(value)
-        sh = self._shard(key)
+        shards = self._shards
+        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
         if sh.closed or self._poisoned is not None:
             # Only this shard's own state: a commit that holds this lock while close
             # begins (the store flagged closed, this shard not yet) applies in full.
