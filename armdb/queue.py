@@ -653,8 +653,13 @@ class Queue(Generic[T]):
         store.put(seq.to_bytes(8, "big"), body)  # the body first (Q15); qrows.body_key
         with self._counter_lock:
             self._payload_writes += 1
-        if self._cache_budget > 0:
-            self._cache_put(seq, body)
+        budget = self._cache_budget
+        if 0 < len(body) <= budget:  # _cache_put
+            with self._cache_lock:
+                self._cache[seq] = body
+                self._cache_bytes += len(body)
+                if self._cache_bytes > budget:
+                    self._cache_evict()
         _fail.point("queue.var_push.after_body")
         shards = self._shards
         sh = shards[seq % len(shards)]
@@ -1508,7 +1513,9 @@ class Queue(Generic[T]):
         """
         # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
         # A var queue's: the header removal and the body delete share one log commit (Q14).
-        token = as_token(token)
+        if type(token) is not LeaseToken or type(token[0]) is not int or type(token[1]) is not int \
+                or type(token[2]) is not int or type(token[3]) is not int or type(token[4]) is not int:
+            token = as_token(token)  # a Lease, or NotALease
         if self._lease_timeouts:
             self._lease_timeouts.pop((token.seq, token.epoch), None)
         if self._closed or self._db._closed or self._next_retention <= self._clock():
