@@ -445,7 +445,7 @@ class Queue(Generic[T]):
             if layouts:
                 self._codec.use_layouts(layouts, layout)  # type: ignore[union-attr]
                 self._encode = self._codec.encode
-                self._decode = self._codec.decode
+                self._decode = self._codec.decode  # type: ignore[union-attr]
             if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
                 raise ConfigError(
                     f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "
