@@ -577,9 +577,10 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
             fixed.check_writable()
         if payload._poisoned is not None or payload._closed:
             payload.check_writable()
-        seqmap = db.seqmap
-        gsn = seqmap.draw("gsn")
-        seqmap.reserve_through("gsn", gsn)
+        # The body tombstone's gsn, reserved on disk before it is returned (as a Bitcask
+        # put's is): the checks that can refuse this ack ran above, so only a failed log
+        # append can leave it unused, and an unused gsn is a gap, which nothing reads.
+        gsn = db.seqmap.next("gsn")
         fhead, bhead = q._ack_heads
         end = txlog.append([], [(2, q._ack_rows.pack(fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version, DELETED,
                                                       0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))])
