@@ -385,6 +385,7 @@ class Queue(Generic[T]):
         # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
         # when the body store has one shard (set at open); None: found per ack.
         self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None
+        self._body_sealed = False  # whether the bodies are encrypted (set at open)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -485,6 +486,7 @@ class Queue(Generic[T]):
             if self._payload is not None:
                 self._drop_headers_without_body()
                 self._orphan_pass()
+                self._body_sealed = self._payload.encrypted  # fixed at open (the ack's key check)
                 body_locks = self._payload.all_locks()
                 if len(body_locks) == 1:
                     ((bdir, _), block), = body_locks

@@ -557,7 +557,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     txlog = db.txlog
     payload = q._payload
     assert payload is not None
-    if txlog.sealer is None and payload.encrypted:
+    if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
         raise _log_key_required()
     shards = q._shards
     if token.handle != q._handle or not 0 <= token.shard < len(shards):
