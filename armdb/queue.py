@@ -403,6 +403,7 @@ class Queue(Generic[T]):
         self._last_deadline = (-1, ms_to_datetime(0))  # (ms, datetime) of the last lease deadline
         self._nwaiters = 0
         self._payload_writes = 0
+        self._pushed_bodies = 0  # Queue.push's body writes (guarded by _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
         # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
@@ -653,11 +654,10 @@ class Queue(Generic[T]):
         body = self._encode(payload)
         seq = self._next_id(self._seq_name)
         store.put(seq.to_bytes(8, "big"), body)  # the body first (Q15); qrows.body_key
-        with self._counter_lock:
-            self._payload_writes += 1
         budget = self._cache_budget
-        if 0 < len(body) <= budget:  # _cache_put
-            with self._cache_lock:
+        with self._cache_lock:  # one lock for the count and _cache_put
+            self._pushed_bodies += 1
+            if len(body) <= budget:
                 self._cache[seq] = body
                 self._cache_bytes += len(body)
                 if self._cache_bytes > budget:
@@ -1165,10 +1165,8 @@ class Queue(Generic[T]):
         if not out:
             return out
         due, seq, shard_no, attempt, epoch, _ = out[0]
-        body = None
-        if self._cache:
-            with self._cache_lock:
-                body = self._cache.get(seq)
+        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
+        body = self._cache.get(seq)
         try:
             payload = self._decode(body) if body is not None else _GONE
         except Exception:  # noqa: BLE001 - _read_payloads dead-letters it
@@ -1867,7 +1865,7 @@ class Queue(Generic[T]):
             version_vector_bytes=sum(s.versions.nbytes for s in shards),
             header_file_logical_bytes=sum(s.logical_bytes() for s in shards),
             header_file_physical_bytes=sum(s.physical_bytes() for s in shards),
-            payload_writes=self._payload_writes,
+            payload_writes=self._payload_writes + self._pushed_bodies,
             compaction_bytes=0,  # FixedStore updates in place and never compacts (Q15)
             payload_compaction_bytes=int(pstats.get("compaction_bytes", 0)),
             pushes=sum(sh.pushes for sh in self._shards),
