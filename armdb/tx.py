@@ -568,41 +568,50 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     pair = q._ack_locks
     first, second = pair[token.shard] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
     fixed = sh.fixed
-    with first, second:
-        slot, version = sh.settle_slot(token.due, seq, token.epoch)
-        if slot < 0:
-            raise q._stale(token, version == ABSENT)
-        # Refused before anything is logged: a store fenced by a failed sync, a closed one.
-        if fixed.poisoned is not None or fixed.sf.closed:
-            fixed.check_writable()
-        if payload._poisoned is not None or payload._closed:
-            payload.check_writable()
-        # The body tombstone's gsn, reserved on disk before it is returned (as a Bitcask
-        # put's is): the checks that can refuse this ack ran above, so only a failed log
-        # append can leave it unused, and an unused gsn is a gap, which nothing reads.
-        gsn = db.seqmap.next("gsn")
-        fhead, bhead = q._ack_heads
-        end = txlog.append([], [(2, q._ack_rows.pack(fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version, DELETED,
-                                                      0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))])
-        if db.tx_config.durable:
-            try:
-                txlog.sync_to(end)  # write-ahead: on disk before anything is applied
-            except BaseException as e:
-                err = _fence_after_log((q,), [fixed], [payload], e, True)
-                txlog.done()
-                raise err from e
+    # The locks by acquire and release, not ``with``: a with statement looks up and binds
+    # __enter__ and __exit__ at every pass (about 1k instructions each).
+    first.acquire()
+    try:
+        second.acquire()
         try:
-            sh.ack_slot(token.due, seq, slot, version)
-            if q._cache:
-                q._cache_drop(seq)
-            payload.write_locked(key, None, gsn)
-            _fail.point("txlog.after_apply")
-            fixed.raise_sync_error()  # applied in full; its sync failed
-        except BaseException as e:
-            err = _fence_after_log((q,), [fixed], [payload], e)
-            txlog.done()  # only once the stores are fenced: a checkpoint may follow
-            raise err from e
-        checkpoint_due = txlog.done()
+            slot, version = sh.settle_slot(token.due, seq, token.epoch)
+            if slot < 0:
+                raise q._stale(token, version == ABSENT)
+            # Refused before anything is logged: a store fenced by a failed sync, a closed one.
+            if fixed.poisoned is not None or fixed.sf.closed:
+                fixed.check_writable()
+            if payload._poisoned is not None or payload._closed:
+                payload.check_writable()
+            # The body tombstone's gsn, reserved on disk before it is returned (as a Bitcask
+            # put's is): the checks that can refuse this ack ran above, so only a failed log
+            # append can leave it unused, and an unused gsn is a gap, which nothing reads.
+            gsn = db.seqmap.next("gsn")
+            fhead, bhead = q._ack_heads
+            end = txlog.append([], [(2, q._ack_rows.pack(fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version, DELETED,
+                                                         0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))])
+            if db.tx_config.durable:
+                try:
+                    txlog.sync_to(end)  # write-ahead: on disk before anything is applied
+                except BaseException as e:
+                    err = _fence_after_log((q,), [fixed], [payload], e, True)
+                    txlog.done()
+                    raise err from e
+            try:
+                sh.ack_slot(token.due, seq, slot, version)
+                if q._cache:
+                    q._cache_drop(seq)
+                payload.write_locked(key, None, gsn)
+                _fail.point("txlog.after_apply")
+                fixed.raise_sync_error()  # applied in full; its sync failed
+            except BaseException as e:
+                err = _fence_after_log((q,), [fixed], [payload], e)
+                txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                raise err from e
+            checkpoint_due = txlog.done()
+        finally:
+            second.release()
+    finally:
+        first.release()
     if checkpoint_due:
         txlog.checkpoint_after_commit()
     payload.maybe_compact()
