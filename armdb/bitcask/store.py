@@ -609,12 +609,16 @@ class BitcaskStore:
             value = self._value_arg(value)
         shards = self._shards
         sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
-        with sh.lock:
+        lock = sh.lock
+        lock.acquire()  # not ``with``, which looks up and binds __enter__ and __exit__ each time
+        try:
             if self._closed or self._poisoned is not None:
                 self.check_writable()
             seq = self._next_seq(sh)
             rotated = self._write(sh, key, value, seq)
             self._maybe_sync(sh)
+        finally:
+            lock.release()
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return seq
