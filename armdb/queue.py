@@ -41,6 +41,7 @@ import html
 import itertools
 import logging
 import os
+import struct
 import threading
 import time
 import typing
@@ -359,6 +360,7 @@ class Queue(Generic[T]):
         self._codec: FixedCodec | VarCodec = VarCodec(spec.payload) if spec.var else FixedCodec(spec.dtype)
         # Looked up once for the hot path (config is frozen, the seqmap lives as long as the Db).
         self._encode = self._codec.encode
+        self._decode: Any = getattr(self._codec, "decode", None)  # a var body's decode (lease(1))
         self._next_id = db.seqmap.next
         self._max_depth = config.max_depth
         self._max_attempts = config.max_attempts
@@ -373,6 +375,18 @@ class Queue(Generic[T]):
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
+        self._payload_name = spec.payload_name
+        # A var ack's log rows, ["F", name, shard, slot, version, DELETED, b""] and ["B",
+        # payload name, key, None, gsn], packed in one call (armdb.tx.commit_settle): the
+        # msgpack bytes packb would decode to those rows (ints at a fixed width, as the
+        # compiled batch rows of armdb._core.qshard write them).
+        heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
+        self._ack_heads = heads
+        self._ack_rows = struct.Struct(f">{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
+        # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
+        # when the body store has one shard (set at open); None: found per ack.
+        self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None
+        self._body_sealed = False  # whether the bodies are encrypted (set at open)
         self._clock = db.clock
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
@@ -390,6 +404,7 @@ class Queue(Generic[T]):
         self._last_deadline = (-1, ms_to_datetime(0))  # (ms, datetime) of the last lease deadline
         self._nwaiters = 0
         self._payload_writes = 0
+        self._pushed_bodies = 0  # Queue.push's body writes (guarded by _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
         # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
@@ -433,6 +448,7 @@ class Queue(Generic[T]):
             if layouts:
                 self._codec.use_layouts(layouts, layout)  # type: ignore[union-attr]
                 self._encode = self._codec.encode
+                self._decode = self._codec.decode  # type: ignore[union-attr]
             if hcfg.shard_count is not None and hcfg.shard_count != shard_count:
                 raise ConfigError(
                     f"queue {self.name!r} has {shard_count} header shard(s); it was reopened with "
@@ -472,6 +488,12 @@ class Queue(Generic[T]):
             if self._payload is not None:
                 self._drop_headers_without_body()
                 self._orphan_pass()
+                self._body_sealed = self._payload.encrypted  # fixed at open (the ack's key check)
+                body_locks = self._payload.all_locks()
+                if len(body_locks) == 1:
+                    ((bdir, _), block), = body_locks
+                    self._ack_locks = [(sh.lock, block) if sh.fixed.directory < bdir else (block, sh.lock)
+                                       for sh in self._shards]
             self._schedule_retention()
             if not self.spec.var:
                 codec = typing.cast(FixedCodec, self._codec)
@@ -622,7 +644,45 @@ class Queue(Generic[T]):
         DbClosed
             The database is closed.
         """
-        return self._push(payload, delay)  # a fixed queue's push is FixedFast.push (see _open)
+        # A fixed queue's push is FixedFast.push (see _open).  A var queue's common push
+        # (no delay, no max_depth) runs here, in this one frame: _push's steps, in order.
+        store = self._payload
+        if store is None or delay is not None or self._max_depth is not None:
+            return self._push(payload, delay)
+        now = int(self._clock())
+        if self._closed or self._db._closed or now >= self._next_retention:
+            now = self._check()  # DbClosed; or the retention pass, when due
+        body = self._encode(payload)
+        seq = self._next_id(self._seq_name)
+        store.put(seq.to_bytes(8, "big"), body)  # the body first (Q15); qrows.body_key
+        # The locks by acquire and release, not ``with``: a with statement looks up and
+        # binds __enter__ and __exit__ at every pass (about 1k instructions each).
+        budget = self._cache_budget
+        lock = self._cache_lock
+        lock.acquire()  # one lock for the count and _cache_put
+        try:
+            self._pushed_bodies += 1
+            if len(body) <= budget:
+                self._cache[seq] = body
+                self._cache_bytes += len(body)
+                if self._cache_bytes > budget:
+                    self._cache_evict()
+        finally:
+            lock.release()
+        _fail.point("queue.var_push.after_body")
+        shards = self._shards
+        sh = shards[seq % len(shards)]
+        lock = sh.lock
+        lock.acquire()
+        try:
+            sh.push(now, seq, now, seq, b"")
+        finally:
+            lock.release()
+        self._gen = next(self._gens)  # _notify, whose other steps are for waiters
+        waker = self._db._waker
+        if self._nwaiters or waker is not None and waker._waiters:
+            self._notify()
+        return seq
 
     def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
@@ -1085,7 +1145,45 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
-        return self._lease(n, lease_timeout)  # a fixed queue's lease is FixedFast.lease (see _open)
+        # A fixed queue's lease is FixedFast.lease (see _open).  A var queue's lease(1) of
+        # one header shard, at the queue's timeout, runs here in this one frame: _lease's
+        # steps, the body from the cache (any other way: _read_payloads).
+        if n != 1 or type(n) is not int or lease_timeout is not None or self._payload is None \
+                or len(self._shards) != 1:
+            return self._lease(n, lease_timeout)
+        now = int(self._clock())
+        if self._closed or self._db._closed or now >= self._next_retention:
+            now = self._check()  # DbClosed; or the retention pass, when due
+        deadline = now + self._lease_ms
+        last = self._last_deadline
+        if last[0] != deadline:
+            last = self._last_deadline = (deadline, ms_to_datetime(deadline))
+        dl = last[1]
+        out: list[Any] = []
+        sh = self._shards[0]
+        lock = sh.lock
+        lock.acquire()  # not ``with``: see push
+        try:
+            dead = sh.claim(now, deadline, 1, self._max_attempts, 0, out, dl)
+        finally:
+            lock.release()
+        if dead:
+            self._note_dead(now)
+        if not out:
+            return out
+        due, seq, shard_no, attempt, epoch, _ = out[0]
+        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
+        body = self._cache.get(seq)
+        try:
+            payload = self._decode(body) if body is not None else _GONE
+        except Exception:  # noqa: BLE001 - _read_payloads dead-letters it
+            payload = _GONE
+        if payload is _GONE:
+            payload = self._read_payloads([(shard_no, due, seq, epoch)])[0]
+            if payload is _GONE:
+                return []
+        new = tuple.__new__  # the NamedTuples without their Python-level __new__
+        return [new(Lease, (seq, payload, attempt, dl, new(LeaseToken, (self._handle, shard_no, due, seq, epoch))))]
 
     def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")
@@ -1420,7 +1518,19 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        self._ack(token)  # a fixed queue's ack is FixedFast.ack (see _open)
+        # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
+        # A var queue's: the header removal and the body delete share one log commit (Q14).
+        if type(token) is not LeaseToken or type(token[0]) is not int or type(token[1]) is not int \
+                or type(token[2]) is not int or type(token[3]) is not int or type(token[4]) is not int:
+            token = as_token(token)  # a Lease, or NotALease
+        if self._lease_timeouts:
+            self._lease_timeouts.pop((token.seq, token.epoch), None)
+        if self._closed or self._db._closed or self._next_retention <= self._clock():
+            self._check()  # DbClosed; or the retention pass, when due
+        if self._payload is not None:
+            self._commit_settle(self._db, self, token, True)
+            return
+        self._ack(token)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:
         token = as_token(token)
@@ -1762,7 +1872,7 @@ class Queue(Generic[T]):
             version_vector_bytes=sum(s.versions.nbytes for s in shards),
             header_file_logical_bytes=sum(s.logical_bytes() for s in shards),
             header_file_physical_bytes=sum(s.physical_bytes() for s in shards),
-            payload_writes=self._payload_writes,
+            payload_writes=self._payload_writes + self._pushed_bodies,
             compaction_bytes=0,  # FixedStore updates in place and never compacts (Q15)
             payload_compaction_bytes=int(pstats.get("compaction_bytes", 0)),
             pushes=sum(sh.pushes for sh in self._shards),
@@ -1845,6 +1955,12 @@ class Queue(Generic[T]):
         if body and self._payload is not None:
             k, lock = self._payload.shard_lock(seq.to_bytes(8, "big"))  # qrows.body_key
             locks[k] = lock
+
+    def _tx_ack_locks(self, sh: _Shard, key: bytes) -> dict[str, threading.Lock]:
+        """The locks of a var ack of the row with body ``key`` in header shard ``sh``, by
+        their global order keys (armdb.tx.commit_settle, when the body store has shards)."""
+        k, lock = self._payload.shard_lock(key)  # type: ignore[union-attr]
+        return {sh.fixed.directory: sh.lock, k: lock}
 
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
         """Add every lock of the queue: a change stream's destination (T7)."""

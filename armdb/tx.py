@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from . import _fail
 from ._clock import to_ms
+from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
     EncryptionKeyRequired,
@@ -51,6 +52,7 @@ from .errors import (
     StreamSourceRequiresTx,
     TxFailedAfterLog,
 )
+from .fixed import DELETED
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
@@ -336,25 +338,8 @@ class Tx:
     def _failed_after_log(self, steps: list[Any], plan: Plan, e: BaseException, *,
                           sync_failed: bool = False) -> TxFailedAfterLog:
         """Fence the stores of a commit that was logged but not (fully) applied."""
-        reason = f"a logged transaction failed to apply ({e}); reopen the database"
-        for q in {s.queue for s in steps if type(s) in (_Push, _Settle, _DeadRows, _Batch)}:
-            q._tx_fence()  # Q25
-        # Later writes to these stores would take versions and gsns that make
-        # replay skip the logged rows: refuse them until the reopen replays.
-        for fixed_shard in plan.fixed:
-            if fixed_shard.poisoned is None:
-                fixed_shard.poisoned = e
-        for bitcask in plan.bitcask:
-            bitcask.poison(reason)
-        if sync_failed and isinstance(e, StorageError):
-            return TxSyncFailed(
-                f"the transaction was logged but the log sync failed ({e}); nothing of it was applied. "
-                f"Reopen the database: the commit is there if its record reached the disk"
-            )
-        return TxFailedAfterLog(
-            f"the transaction was logged but applying it failed ({e}); reopen the database "
-            f"to finish it"
-        )
+        queues = {s.queue for s in steps if type(s) in (_Push, _Settle, _DeadRows, _Batch)}
+        return _fence_after_log(queues, plan.fixed, plan.bitcask, e, sync_failed)
 
     # -- commit helpers ------------------------------------------------------------------------
     def _stream_destinations(self, steps: list[Any]) -> list[Queue[Any]]:
@@ -511,23 +496,125 @@ class Tx:
         plan.apply.append(lambda: m._tx_write(raw_key, raw_value, gsn))
 
 
+def _fence_after_log(queues: Any, fixed: list[Any], bitcask: list[Any], e: BaseException,
+                     sync_failed: bool = False) -> TxFailedAfterLog:
+    """Fence what a commit that was logged but not (fully) applied touched: its
+    ``queues`` pause retention (Q25), its ``fixed`` header shards and ``bitcask`` stores
+    refuse later writes until the reopen replays the record.  Returns the error to raise.
+    The one copy of this handling: :meth:`Tx._failed_after_log` and the lean ack of
+    :func:`commit_settle` both call it."""
+    reason = f"a logged transaction failed to apply ({e}); reopen the database"
+    for q in queues:
+        q._tx_fence()  # Q25
+    # Later writes to these stores would take versions and gsns that make
+    # replay skip the logged rows: refuse them until the reopen replays.
+    for fixed_shard in fixed:
+        if fixed_shard.poisoned is None:
+            fixed_shard.poisoned = e
+    for store in bitcask:
+        store.poison(reason)
+    if sync_failed and isinstance(e, StorageError):
+        return TxSyncFailed(
+            f"the transaction was logged but the log sync failed ({e}); nothing of it was applied. "
+            f"Reopen the database: the commit is there if its record reached the disk"
+        )
+    return TxFailedAfterLog(
+        f"the transaction was logged but applying it failed ({e}); reopen the database "
+        f"to finish it"
+    )
+
+
 def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms: int | None = None,
                   dead: bool = False, poisoned: bool = False) -> None:
     """``db.tx().ack(q, token).commit()`` (or ``.nack(...)``) for a var queue's own
-    ``Queue.ack``/``nack`` (Q7, Q14), without the builder: the step is built directly and
-    committed by the same :meth:`Tx._commit_locked`, whose planner hands a lone settle
-    straight to ``Queue._tx_settle``.  It emits no stream jobs, so there is no stream pass
-    and no stream destination to lock, and a nack takes only its header shard's lock (it
-    leaves the body alone).  (A copy of the commit's skeleton for this path alone saved
-    2-4k instructions of a 220k var cycle, within the count's noise: not kept.)
+    ``Queue.ack``/``nack`` (Q7, Q14), without the builder.
+
+    An ack runs the commit protocol here, in this one frame, without a plan: both locks
+    (the header shard's and the body's payload shard's, in the global order, which the
+    queue keeps ready per header shard), the lease check (``QueueShard.settle_slot``),
+    one log record with the header's delete and the body's tombstone, then both applied;
+    a failure after the log append fences the stores through :func:`_fence_after_log`,
+    the same handling as every other commit's.  (The last profile gave the general
+    path's plan, closures, step and builder objects about 60k of a var ack's 107k
+    instructions.)
+
+    A nack builds the step and commits it by :meth:`Tx._commit_locked`, whose planner
+    hands a lone settle straight to ``Queue._tx_settle``; it takes only its header
+    shard's lock (it leaves the body alone).  Neither emits stream jobs, so there is no
+    stream pass and no stream destination to lock.
 
     ``poisoned``: the dead-letter of a row whose body a lease could not decode
     (``Queue._dead_letter_poisoned``); the same transition as ``nack(dead=True)``,
     not counted as a nack.
     """
-    locks: dict[str, threading.Lock] = {}
-    q._tx_locks(locks, 0, token, body=ack)  # none for a token of no shard of q: the plan refuses it as stale
-    _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), _ordered(locks))
+    if not ack:
+        locks: dict[str, threading.Lock] = {}
+        q._tx_locks(locks, 0, token, body=False)  # none for a token of no shard of q: the plan refuses it
+        _commit_queue_step(db, q, _Settle(q, token, ack, delay_ms, dead, poisoned), _ordered(locks))
+        return
+    if db._closed:
+        db.check_open()
+    txlog = db.txlog
+    payload = q._payload
+    assert payload is not None
+    if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
+        raise _log_key_required()
+    shards = q._shards
+    if token.handle != q._handle or not 0 <= token.shard < len(shards):
+        q._token_shard(token)  # raises StaleToken: a token of another handle
+    sh = shards[token.shard]
+    seq = token.seq
+    key = seq.to_bytes(8, "big")  # qrows.body_key
+    pair = q._ack_locks
+    first, second = pair[token.shard] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
+    fixed = sh.fixed
+    # The locks by acquire and release, not ``with``: a with statement looks up and binds
+    # __enter__ and __exit__ at every pass (about 1k instructions each).
+    first.acquire()
+    try:
+        second.acquire()
+        try:
+            slot, version = sh.settle_slot(token.due, seq, token.epoch)
+            if slot < 0:
+                raise q._stale(token, version == ABSENT)
+            # Refused before anything is logged: a store fenced by a failed sync, a closed one.
+            if fixed.poisoned is not None or fixed.sf.closed:
+                fixed.check_writable()
+            if payload._poisoned is not None or payload._closed:
+                payload.check_writable()
+            # The body tombstone's gsn, reserved on disk before it is returned (as a Bitcask
+            # put's is): the checks that can refuse this ack ran above, so only a failed log
+            # append can leave it unused, and an unused gsn is a gap, which nothing reads.
+            gsn = db.seqmap.next("gsn")
+            fhead, bhead = q._ack_heads
+            end = txlog.append([], [(2, q._ack_rows.pack(fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version, DELETED,
+                                                         0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))])
+            if db.tx_config.durable:
+                try:
+                    txlog.sync_to(end)  # write-ahead: on disk before anything is applied
+                except BaseException as e:
+                    err = _fence_after_log((q,), [fixed], [payload], e, True)
+                    txlog.done()
+                    raise err from e
+            try:
+                sh.ack_slot(token.due, seq, slot, version)
+                if q._cache:
+                    q._cache_drop(seq)
+                payload.write_locked(key, None, gsn)
+                _fail.point("txlog.after_apply")
+                fixed.raise_sync_error()  # applied in full; its sync failed
+            except BaseException as e:
+                err = _fence_after_log((q,), [fixed], [payload], e)
+                txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                raise err from e
+            checkpoint_due = txlog.done()
+        finally:
+            second.release()
+    finally:
+        first.release()
+    if checkpoint_due:
+        txlog.checkpoint_after_commit()
+    payload.maybe_compact()
 
 
 def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive: bool, delay_ms: int) -> int:

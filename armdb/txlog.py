@@ -372,10 +372,14 @@ class TxLog:
         ``packed``: more rows of the record, already packed as msgpack by a batch's
         compiled plan, as ``(how many rows, bytes)``; they follow ``rows``.
         """
-        body = packb(rows)
-        if packed:
-            body = _list_header(len(rows) + sum(c for c, _ in packed)) + body[len(_list_header(len(rows))):] \
-                + b"".join(b for _, b in packed)
+        if not packed:
+            body = packb(rows)
+        else:
+            if not rows and len(packed) == 1:  # one block of pre-packed rows (a lone var ack, a batch)
+                body = _list_header(packed[0][0]) + packed[0][1]
+            else:
+                body = _list_header(len(rows) + sum(c for c, _ in packed)) + packb(rows)[len(_list_header(len(rows))):] \
+                    + b"".join(b for _, b in packed)
             if len(body) > MAX_BODY:
                 raise ConfigError(
                     f"this commit's log record would be {len(body):,} bytes, above the limit of {MAX_BODY:,}; "

@@ -44,6 +44,7 @@ from libc.errno cimport EINTR, EINVAL, EIO, errno
 from libc.limits cimport LLONG_MAX
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from posix.stat cimport fchmod, struct_stat
 from posix.stat cimport stat as c_stat
 
@@ -95,10 +96,20 @@ cdef extern from "<stdio.h>" nogil:
 cdef Py_ssize_t _BIG_WRITE = 256 * 1024
 
 
-def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
-    """Write all of ``data`` at ``offset`` of ``fd``, holding the GIL for writes of up to
-    256 KiB (module docstring).  Raises ``OSError`` as ``os.pwrite`` would."""
-    cdef Py_ssize_t n = data.shape[0]
+def pwrite_all(int fd, data, long long offset):
+    """Write all of ``data`` (bytes, or any contiguous buffer) at ``offset`` of ``fd``,
+    holding the GIL for writes of up to 256 KiB (module docstring).  Raises ``OSError`` as
+    ``os.pwrite`` would.  Bytes are written from their own storage: a typed memoryview of
+    them cost more than the write itself for a small record."""
+    cdef const unsigned char[::1] view
+    if type(data) is bytes:
+        _pwrite_all(fd, <const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), offset)
+    else:
+        view = data
+        _pwrite_all(fd, &view[0] if view.shape[0] else NULL, view.shape[0], offset)
+
+
+cdef int _pwrite_all(int fd, const unsigned char* data, Py_ssize_t n, long long offset) except -1:
     cdef Py_ssize_t done = 0
     cdef ssize_t w
     cdef int e
@@ -108,10 +119,10 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
         if n - done > _BIG_WRITE:
             # A long copy (compaction, a large value): worth handing the GIL over.
             with nogil:
-                w = c_pwrite(fd, &data[done], n - done, offset + done)
+                w = c_pwrite(fd, data + done, n - done, offset + done)
                 e = errno
         else:
-            w = c_pwrite(fd, &data[done], n - done, offset + done)
+            w = c_pwrite(fd, data + done, n - done, offset + done)
             e = errno
         if w < 0:
             if e == EINTR:
@@ -120,6 +131,7 @@ def pwrite_all(int fd, const unsigned char[::1] data, long long offset):
         if w == 0:
             raise OSError(EIO, "pwrite wrote nothing")
         done += w
+    return 0
 
 
 def msync_range(const unsigned char[::1] mapped, Py_ssize_t offset, Py_ssize_t length):

@@ -347,7 +347,12 @@ class BitcaskStore:
         # true, as a new data file is created durably).
         if act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
             gsn_word |= SYNCED_BEFORE
-        rec, kf, vlen = self._encode(key, value, gsn_word)
+        if self._sealer is None:  # _encode, one call less
+            kf = key
+            vlen = 0 if value is None else len(value)
+            rec = bitcask_record(gsn_word, key, b"" if value is None else value, RECORD_MAGIC)
+        else:
+            rec, kf, vlen = self._encode(key, value, gsn_word)
         rotated = False
         if act.total and act.size + len(rec) > self.config.max_file_size:
             try:
@@ -368,7 +373,19 @@ class BitcaskStore:
         sh.dirty = True
         sh.hint.add(gsn_word, off, vlen, kf)
         _fail.point("bitcask.after_append")
-        self._index_update(sh, key, act.fid, off, size, gsn_word)
+        index = sh.index
+        if value is not None:
+            if key not in index and key not in sh.tombs:
+                index[key] = (act.fid, off, size, gsn_word, None)  # a new key: nothing older to mask
+            else:
+                self._index_update(sh, key, act.fid, off, size, gsn_word)
+        elif (old := index.get(key)) is not None and old[4] is None and old[0] == act.fid:
+            # The common delete (a var ack's body): a put in this same file that no older
+            # file's record can outlive, so both it and the tombstone are garbage at once.
+            del index[key]
+            act.dead += old[2] + size
+        else:
+            self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
         return rotated
 
@@ -586,14 +603,22 @@ class BitcaskStore:
         DbClosed
             The store is closed.
         """
-        key = self._key_len_ok(self._key_arg(key))
-        value = self._value_arg(value)
-        sh = self._shard(key)
-        with sh.lock:
-            self.check_writable()
+        if type(key) is not bytes or len(key) > MAX_KEY_LEN:
+            key = self._key_len_ok(self._key_arg(key))
+        if type(value) is not bytes or len(value) > MAX_VALUE_LEN:
+            value = self._value_arg(value)
+        shards = self._shards
+        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
+        lock = sh.lock
+        lock.acquire()  # not ``with``, which looks up and binds __enter__ and __exit__ each time
+        try:
+            if self._closed or self._poisoned is not None:
+                self.check_writable()
             seq = self._next_seq(sh)
             rotated = self._write(sh, key, value, seq)
             self._maybe_sync(sh)
+        finally:
+            lock.release()
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return seq
@@ -979,10 +1004,12 @@ class BitcaskStore:
         StorageError, DbClosed, ConfigError, PayloadTypeError
             As for :meth:`put`.
         """
-        key = self._key_len_ok(self._key_arg(key))
-        if value is not None:
+        if type(key) is not bytes or len(key) > MAX_KEY_LEN:
+            key = self._key_len_ok(self._key_arg(key))
+        if value is not None and (type(value) is not bytes or len(value) > MAX_VALUE_LEN):
             value = self._value_arg(value)
-        sh = self._shard(key)
+        shards = self._shards
+        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
         if sh.closed or self._poisoned is not None:
             # Only this shard's own state: a commit that holds this lock while close
             # begins (the store flagged closed, this shard not yet) applies in full.
