@@ -63,6 +63,7 @@ HWM_REDO_OFFSET = 32
 HWM_STEP = 64  # slots copy A may lag behind while writes keep coming (see _sync_locked)
 _HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
 HWM_MAGIC = b"ARMHWM01"
+_monotonic = time.monotonic
 
 
 def encode_hwm(generation: int, mark: int) -> bytes:
@@ -448,6 +449,10 @@ class FixedShard(_k.SlotStore):
         # Only a test's recording file system wants each store reported (armdb._fs).
         base = _fs.MappedFile.wrote
         self._report = type(self.mapped).wrote is not base or type(self.redo_mapped).wrote is not base
+        # A durable store whose syncs need no hook (report, replication): after_write's
+        # one-frame sync (_durable_flush).
+        self._lean = (self.ordered and self.sync_every == 0 and not self._report
+                      and type(self.mapped).durable is _fs.MappedFile.durable)
 
     @property
     def occupied(self) -> int:
@@ -630,8 +635,43 @@ class FixedShard(_k.SlotStore):
     def after_write(self, slot: int) -> None:
         """What follows a slot write made by armdb._core.qshard: the report and the
         timed sync (a failure stashed), then the failpoint."""
+        if self._lean and not _fail.armed() and self._durable_flush():
+            return
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
+
+    def _durable_flush(self) -> bool:
+        """The common sync of a durable store's write, in one frame: the dirty range
+        (the page just written) flushed, copy B of the mark rewritten, a failure stashed,
+        exactly as :meth:`_sync_locked` does.  Returns ``False`` (nothing done) when the
+        sync must also rewrite copy A or there is nothing dirty: the general path then
+        runs.  Only on a store without a reporting or replicating map (``_lean``).
+
+        A durable push spent about 3 us of Python in the general path (five frames,
+        two clock reads, a tuple), against one msync of one page: 2-3 % of a push on a
+        disk that syncs in 90 us, and the push/durable row stood at 0.78-0.79x the raw
+        ``pwrite`` + ``fdatasync`` loop."""
+        sf = self.sf
+        lo = sf.dirty_lo
+        synced = self._hwm_synced
+        if lo < 0 or synced - self._hwm_a >= HWM_STEP:
+            return False
+        hi = sf.dirty_hi
+        mark = sf.hwm
+        sf.last_sync = _monotonic()
+        if synced > self._hwm_b:
+            self._write_hwm(synced, data=False)
+        sf.dirty_lo = sf.dirty_hi = -1
+        try:
+            self.mapped.flush(lo, hi - lo)
+        except OSError as e:
+            err = self._sync_failed(e)
+            err.__cause__ = e
+            self.sync_error = err
+            return True
+        if mark > synced:
+            self._hwm_synced = mark
+        return True
 
     def _wrote(self, slot: int) -> None:
         """Report a slot write (to a recording file system) and sync when one is due.
