@@ -61,6 +61,7 @@ FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
 HWM_DATA_OFFSET = 512
 HWM_REDO_OFFSET = 32
 HWM_STEP = 64  # slots copy A may lag behind while writes keep coming (see _sync_locked)
+BUSY_SYNC_GAP = 0.05  # s: a durable store that synced within this is busy (sync() leaves it)
 _HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
 HWM_MAGIC = b"ARMHWM01"
 _monotonic = time.monotonic
@@ -760,6 +761,13 @@ class FixedShard(_k.SlotStore):
         so writers go on meanwhile; their new writes stay in the dirty range for the next
         sync.  A file system of the tests gets the flush under the lock, in order.
         """
+        if self.ordered and self.sf.dirty_lo < 0 and time.monotonic() - self.sf.last_sync < BUSY_SYNC_GAP:
+            # A durable store that synced a write of its own moments ago: nothing is dirty,
+            # and copy A of the mark follows within HWM_STEP slots on the writers' path.
+            # Taking the lock here only made the writers wait: for the shard lock, then
+            # for an msync of the header page that holds the GIL (every tick, 50 ms).  The
+            # first tick after the writes stop refreshes copy A.
+            return
         if self.ordered or not _fs.background_sync_ok():
             with self.lock:
                 if self.poisoned is None and self.config.enable_fsync and not self.sf.closed:

@@ -200,3 +200,28 @@ def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     for jid in checked:
         assert got[jid] == pushed[jid], (jid, pushed[jid])
     assert armdb.check(path).ok
+
+
+def test_s5_background_tick_leaves_a_busy_durable_store_and_refreshes_an_idle_one(tmp_path: Path) -> None:
+    # SPEC S5 (durable writes sync themselves); the mark's copy A is refreshed once idle
+    fs = MsyncLog()
+    with _fs.use(fs):
+        db = Db.open(tmp_path / "db", clock=FakeClock())
+        try:
+            for w in db._workers:
+                w.stop()
+                w.join()
+            q = db.open_queue(Pings, durable_config())
+            shard = _shard(q)
+            for i in range(10):
+                q.push((i, 0))
+            before = len(fs.calls)
+            shard.sync()  # the flusher's tick right after a write: nothing to do
+            assert fs.calls[before:] == []
+            assert shard._hwm_a < shard._hwm_synced  # copy A lags (fewer than HWM_STEP slots)
+            shard.sf.last_sync -= 1.0  # no write for a second: the store is idle
+            shard.sync()
+            assert ("fixed.data", 0, 4096) in fs.calls[before:]  # the header page, copy A
+            assert shard._hwm_a == shard._hwm_synced
+        finally:
+            db.shutdown()
