@@ -45,15 +45,23 @@ _GEN_WRAP = 0xFFFFFFFF
 
 def cell(identity: bytes, mark: int, generation: int) -> bytes:
     """One cell naming ``mark`` for the file whose header is ``identity``."""
+    return _cell(_digest(identity), mark, generation)
+
+
+def _cell(digest: bytes, mark: int, generation: int) -> bytes:
     body = struct.pack("<QI", mark, generation)
-    return body + struct.pack("<I", _crc(body, identity))
+    return body + struct.pack("<I", zlib.crc32(digest, zlib.crc32(body)))
 
 
-def _crc(body: bytes, identity: bytes) -> int:
+def _digest(identity: bytes) -> bytes:
     # The identity enters through a hash, not the CRC itself: a header ends with its own
     # CRC, and CRC-32 is linear, so mixing a header into a CRC adds the same constant (its
     # residue) whatever the header.
-    return zlib.crc32(hashlib.blake2b(identity, digest_size=8).digest(), zlib.crc32(body))
+    return hashlib.blake2b(identity, digest_size=8).digest()
+
+
+def _crc(body: bytes, identity: bytes) -> int:
+    return zlib.crc32(_digest(identity), zlib.crc32(body))
 
 
 def parse_cells(raw: bytes, identity: bytes) -> tuple[int, int]:
@@ -111,12 +119,14 @@ class MarkWriter:
     def __init__(self, fd: int, identity: bytes, mark: int, generation: int = 0) -> None:
         self.fd = fd
         self.identity = identity
+        self._digest = _digest(identity)  # hashed once, not at every sync's cell
         self.mark = mark  # the highest mark written (or read at open)
         self.generation = generation  # that of the valid cell with the highest one (0: none)
 
     def rebind(self, fd: int, identity: bytes, mark: int, generation: int = 0) -> None:
         """The appendable file changed (rotation, a reset header): later cells go to it."""
         self.fd, self.identity, self.mark, self.generation = fd, identity, mark, generation
+        self._digest = _digest(identity)
 
     def write(self, mark: int, *, force: bool = False) -> None:
         """Record that a completed sync covered the file up to ``mark`` (a page-cache
@@ -129,7 +139,7 @@ class MarkWriter:
         # u32, wrapping from 2**32 - 1 to 1: for the one write after a wrap the older
         # cell wins, whose mark is smaller, which only makes open less sure.
         generation = self.generation % _GEN_WRAP + 1
-        _fs.FS.pwrite(self.fd, cell(self.identity, mark, generation), AREA_OFFSET + (generation % 2) * CELL_SIZE)
+        _fs.FS.pwrite(self.fd, _cell(self._digest, mark, generation), AREA_OFFSET + (generation % 2) * CELL_SIZE)
         self.generation = generation
         self.mark = mark
 

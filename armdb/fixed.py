@@ -61,8 +61,10 @@ FREE, OCCUPIED, DELETED, TORN = _k.FREE, _k.OCCUPIED, _k.DELETED, _k.TORN
 HWM_DATA_OFFSET = 512
 HWM_REDO_OFFSET = 32
 HWM_STEP = 64  # slots copy A may lag behind while writes keep coming (see _sync_locked)
+BUSY_SYNC_GAP = 0.05  # s: a durable store that synced within this is busy (sync() leaves it)
 _HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
 HWM_MAGIC = b"ARMHWM01"
+_monotonic = time.monotonic
 
 
 def encode_hwm(generation: int, mark: int) -> bytes:
@@ -448,6 +450,10 @@ class FixedShard(_k.SlotStore):
         # Only a test's recording file system wants each store reported (armdb._fs).
         base = _fs.MappedFile.wrote
         self._report = type(self.mapped).wrote is not base or type(self.redo_mapped).wrote is not base
+        # A durable store whose syncs need no hook (report, replication): after_write's
+        # one-frame sync (_durable_flush).
+        self._lean = (self.ordered and self.sync_every == 0 and not self._report
+                      and type(self.mapped).durable is _fs.MappedFile.durable)
 
     @property
     def occupied(self) -> int:
@@ -630,8 +636,43 @@ class FixedShard(_k.SlotStore):
     def after_write(self, slot: int) -> None:
         """What follows a slot write made by armdb._core.qshard: the report and the
         timed sync (a failure stashed), then the failpoint."""
+        if self._lean and not _fail.armed() and self._durable_flush():
+            return
         self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
+
+    def _durable_flush(self) -> bool:
+        """The common sync of a durable store's write, in one frame: the dirty range
+        (the page just written) flushed, copy B of the mark rewritten, a failure stashed,
+        exactly as :meth:`_sync_locked` does.  Returns ``False`` (nothing done) when the
+        sync must also rewrite copy A or there is nothing dirty: the general path then
+        runs.  Only on a store without a reporting or replicating map (``_lean``).
+
+        A durable push spent about 3 us of Python in the general path (five frames,
+        two clock reads, a tuple), against one msync of one page: 2-3 % of a push on a
+        disk that syncs in 90 us, and the push/durable row stood at 0.78-0.79x the raw
+        ``pwrite`` + ``fdatasync`` loop."""
+        sf = self.sf
+        lo = sf.dirty_lo
+        synced = self._hwm_synced
+        if lo < 0 or synced - self._hwm_a >= HWM_STEP:
+            return False
+        hi = sf.dirty_hi
+        mark = sf.hwm
+        sf.last_sync = _monotonic()
+        if synced > self._hwm_b:
+            self._write_hwm(synced, data=False)
+        sf.dirty_lo = sf.dirty_hi = -1
+        try:
+            self.mapped.flush(lo, hi - lo)
+        except OSError as e:
+            err = self._sync_failed(e)
+            err.__cause__ = e
+            self.sync_error = err
+            return True
+        if mark > synced:
+            self._hwm_synced = mark
+        return True
 
     def _wrote(self, slot: int) -> None:
         """Report a slot write (to a recording file system) and sync when one is due.
@@ -720,6 +761,13 @@ class FixedShard(_k.SlotStore):
         so writers go on meanwhile; their new writes stay in the dirty range for the next
         sync.  A file system of the tests gets the flush under the lock, in order.
         """
+        if self.ordered and self.sf.dirty_lo < 0 and time.monotonic() - self.sf.last_sync < BUSY_SYNC_GAP:
+            # A durable store that synced a write of its own moments ago: nothing is dirty,
+            # and copy A of the mark follows within HWM_STEP slots on the writers' path.
+            # Taking the lock here only made the writers wait: for the shard lock, then
+            # for an msync of the header page that holds the GIL (every tick, 50 ms).  The
+            # first tick after the writes stop refreshes copy A.
+            return
         if self.ordered or not _fs.background_sync_ok():
             with self.lock:
                 if self.poisoned is None and self.config.enable_fsync and not self.sf.closed:
