@@ -1427,11 +1427,14 @@ def targets(results: Sequence[CaseResult], idle_shard_bytes: int | None, open_ro
         beside = f" (direct calls {direct:,.0f} jobs/s: {sb / direct:.2f}× them)" if direct else ""
         if remote is not None:
             beside += f"; the client in another process {remote:,.0f} jobs/s"
-        acked = _find(results, f"serve/batch-var-100B-{SERVE_BATCH}", "armdb var queue with lease_batch(ack=), through")
-        if acked is not None:
-            beside += f"; with lease_batch(ack=) {acked:,.0f} jobs/s"
         out.append(Target(f"serve/batch-var-100B-{SERVE_BATCH}, one client through the socket", "≥ 100,000 jobs/s",
                           f"{sb:,.0f} jobs/s{beside}", sb >= 100_000))
+    acked = _find(results, f"serve/batch-var-100B-{SERVE_BATCH}", "armdb var queue with lease_batch(ack=), through")
+    if acked is not None:
+        # The same jobs, pushes, leases and acks, with the acks carried by the next lease
+        # request (two round trips a batch instead of three): judged on its own line.
+        out.append(Target(f"serve/batch-var-100B-{SERVE_BATCH}, one client through the socket, the acks carried by "
+                          f"lease_batch(ack=)", "≥ 100,000 jobs/s", f"{acked:,.0f} jobs/s", acked >= 100_000))
     w2 = _find(results, "worker/cpu-1ms", "armdb Worker(processes=2)")
     w1 = _find(results, "worker/cpu-1ms", "armdb Worker(processes=1)")
     if w2 is not None and w1 is not None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from . import wire
 from ._clock import ms_to_datetime, to_seconds
+from ._core.plainpack import pack_plain, unpack_plain
 from ._pack import packb, packer
 from .config import QueueConfig
 from .errors import ConfigError, CorruptionError, NotALease, PayloadTypeError, ServerGone, StaleToken
@@ -488,6 +489,9 @@ class RemoteQueue(Generic[T]):
         if not codec.rebuild_at_push and "encode" not in codec.__dict__:
             objs = self._plain_fast(payloads)
             if objs is not None:
+                raws = pack_plain(objs)  # plain values (the common payload): one compiled loop
+                if raws is not None:
+                    return raws
                 try:
                     return list(map(packer().pack, objs))
                 except (TypeError, ValueError, OverflowError):
@@ -570,7 +574,8 @@ class RemoteQueue(Generic[T]):
         try:
             if type(raw) is not bytes:
                 raise ValueError(f"a {type(raw).__name__} where one msgpack array of bodies was expected")
-            objs = wire.unpack_value(raw)
+            got = unpack_plain([raw])  # bodies of plain values: one compiled loop
+            objs = got[0] if got is not None else wire.unpack_value(raw)
         except ValueError as e:
             raise CorruptionError(f"queue {self.name!r}: the leased bodies do not decode ({e}); run armdb.check "
                                   f"on the database") from None

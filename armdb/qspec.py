@@ -21,6 +21,7 @@ from typing import Any, Generic, Literal, TypeVar
 import msgpack
 import numpy as np
 
+from ._core import plain as _plain
 from ._core.plain import reads_back
 from ._core.plainpack import pack_plain, unpack_plain
 from ._pack import check_round_trip, decodes_all, packb, packer, unpackb
@@ -457,6 +458,23 @@ class VarCodec:
                                    f"({type(e).__name__}: {e})") from None
         return self.encode(value)
 
+    def accept_encoded_many(self, raws: list[bytes]) -> list[bytes] | None:
+        """:meth:`accept_encoded` of each of ``raws``, when every one is accepted as it came
+        and a compiled walk of the bytes shows it (``armdb._core.plain.bodies_decode``:
+        one value each, decodable, of the declared outer type) without decoding them;
+        None otherwise (then :meth:`accept_encoded` of each, which names what it refuses)."""
+        if not self.stored_plain:
+            return None
+        if self.is_dataclass:
+            kind, arity = _plain.KIND_FIELDS, len(self.fields)
+        elif self.any:
+            kind, arity = _plain.KIND_ANY, 0
+        else:
+            kind, arity = _BODY_KINDS.get(self.payload, -1), 0
+        if kind < 0 or not _plain.bodies_decode(raws, kind, arity):
+            return None
+        return raws
+
     def _which_field(self, value: Any) -> str:
         """``"field 'x' of Job holds a set: "`` for the first dataclass field msgpack refuses."""
         for name in self.fields if self.is_dataclass else ():
@@ -630,6 +648,13 @@ def _rebuilds_plainly(cls: type) -> bool:
     except (TypeError, ValueError):
         return False
     return [p.name for p in params] == names and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+
+
+# A declared payload type as the outer msgpack type its bodies must have (a tuple is
+# stored as an array); a type not here is checked by decoding.
+_BODY_KINDS: dict[Any, int] = {dict: _plain.KIND_MAP, list: _plain.KIND_ARRAY, tuple: _plain.KIND_ARRAY,
+                               str: _plain.KIND_STR, bytes: _plain.KIND_BIN, int: _plain.KIND_INT,
+                               float: _plain.KIND_FLOAT, bool: _plain.KIND_BOOL}
 
 
 def _is_instance(value: Any, tp: type) -> bool:

@@ -722,7 +722,10 @@ class Queue(Generic[T]):
         delay_ms = self._delay_ms(delay, now)
         if self._payload is None:
             raise PayloadTypeError(f"queue {self.name!r} is a fixed queue: push its records, not encoded bodies")
-        return self._push_encoded(_each_payload(typing.cast(VarCodec, self._codec).accept_encoded, bodies), delay_ms)
+        codec = typing.cast(VarCodec, self._codec)
+        checked = codec.accept_encoded_many(bodies)
+        return self._push_encoded(checked if checked is not None else _each_payload(codec.accept_encoded, bodies),
+                                  delay_ms)
 
     def _push_encoded(self, bodies: list[bytes], delay_ms: int) -> list[int]:
         """The commit of :meth:`push_many` once its payloads are encoded bodies."""

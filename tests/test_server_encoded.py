@@ -6,6 +6,7 @@ payload of the queue's type is refused before anything is stored."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import struct
@@ -286,3 +287,20 @@ def test_encoded_body_shape_matches_plain() -> None:
     bodies = [packb(codec.plain(v)) for v in vals]
     blob = server_mod._ARRAY32 + len(bodies).to_bytes(4, "big") + b"".join(bodies)
     assert msgpack.unpackb(blob) == [list(dataclasses.astuple(v)) for v in vals]
+
+
+def test_p2_a_client_batch_of_values_the_compiled_codec_leaves_to_msgpack_round_trips(
+        owner: tuple[Db, server_mod.Server]) -> None:
+    # SPEC P2, Q1: the client packs and unpacks plain payloads with the compiled loop
+    # (armdb._core.plainpack); values it does not take (a dict subclass, an extension type,
+    # an int beyond 64 bits is refused by msgpack itself) go through msgpack, in the same batch
+    plain = [{"n": i, "tags": ["a", "é"], "f": 1.5, "b": b"\x00"} for i in range(3)]
+    odd = [{"od": collections.OrderedDict(a=1)}, {"ext": msgpack.ExtType(7, b"xy")}]
+    with armdb.connect(owner[0].path, timeout=10) as c:
+        q = c.open_queue(Anything)
+        assert q.push_many(plain) == [1, 2, 3]
+        assert q.lease_batch(10).payloads == plain
+        assert q.push_many(odd) == [4, 5]
+        assert q.lease_batch(10).payloads == [{"od": {"a": 1}}, {"ext": msgpack.ExtType(7, b"xy")}]
+        with pytest.raises(PayloadTypeError, match="payload 1 of the batch"):
+            q.push_many([{"ok": 1}, {"big": 2**70}])
