@@ -197,6 +197,9 @@ def _as_stored(body: bytes) -> bytes:
     return body
 
 
+_DEADLINE_DTYPE = np.dtype("datetime64[ms]")
+
+
 class LeaseBatch(Generic[T]):
     """Leases taken by one :meth:`Queue.lease_batch` call (Q32), as arrays.
 
@@ -221,7 +224,8 @@ class LeaseBatch(Generic[T]):
         self._deadline = deadline[1]
         self.ids = ids
         self.attempts = attempts
-        self.deadlines = np.full(len(ids), deadline[0], dtype="datetime64[ms]")
+        self.deadlines = np.empty(len(ids), _DEADLINE_DTYPE)  # (np.full with a dtype name: 6 us)
+        self.deadlines.fill(deadline[0])
         self.payloads = payloads
 
     def __len__(self) -> int:
@@ -751,7 +755,8 @@ class Queue(Generic[T]):
                 return np.empty(0, dtype=np.uint64)
             first = self._commit_batch(self._db, self, True, (arr.view(np.uint8).reshape(-1), n, delay_ms))
             return np.arange(first, first + n, dtype=np.uint64)
-        if isinstance(payloads, (str, bytes, bytearray, memoryview, dict)) or not isinstance(payloads, Iterable):
+        if type(payloads) is not list and (isinstance(payloads, (str, bytes, bytearray, memoryview, dict))
+                                           or not isinstance(payloads, Iterable)):
             raise PayloadTypeError(
                 f"push_many takes a sequence of payloads (e.g. a list), not {type(payloads).__name__}; "
                 f"push one payload with push()"
@@ -788,8 +793,8 @@ class Queue(Generic[T]):
         if n == 0:
             return []
         if self._payload is not None:
-            big = max(bodies, key=len)
-            if len(big) > MAX_VALUE_LEN:
+            if max(map(len, bodies)) > MAX_VALUE_LEN:
+                big = max(bodies, key=len)
                 raise ConfigError(
                     f"payload {bodies.index(big)} of the batch encodes to {len(big):,} bytes, above the limit of "
                     f"{MAX_VALUE_LEN:,}; nothing was pushed"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _fs, _syncmark
+from .._core.fixed import crc32 as _crc32
 from .._core.fixed import hint_append
 from .._crcshift import crc_shift
 from .._crypto import OVERHEAD
@@ -155,7 +156,7 @@ class _HintBuilder:
         if self.broken:
             return
         self.buf += entries
-        self.crc = zlib.crc32(entries, self.crc)
+        self.crc = _crc32(entries, self.crc)  # (zlib's CRC-32, by the kernels' carry-less multiply)
         self.count += count
         if len(self.buf) >= _HINT_SPILL:
             self._spill_or_give_up()
