@@ -349,6 +349,10 @@ class VarCodec:
                     f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
                 )
             obj = value
+        if not self.rebuild_at_push:
+            got = pack_plain([obj])  # a plain value (the common payload): packed and vouched for in one pass
+            if got is not None:
+                return got[0]
         try:
             raw = packb(obj)
         except (TypeError, ValueError, OverflowError) as e:
@@ -550,7 +554,8 @@ class VarCodec:
         return objs  # type: ignore[no-any-return]
 
     def decode(self, raw: bytes) -> Any:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        got = unpack_plain([raw])  # a body of plain values: the compiled loop; anything else msgpack
+        obj = got[0] if got is not None else msgpack.unpackb(raw, raw=False, strict_map_key=False)
         if self.is_dataclass:
             return self.payload(*obj)
         if self.payload is tuple:
