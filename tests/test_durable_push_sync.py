@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,31 +54,39 @@ def _shard(q: Any) -> FixedShard:
     return shard
 
 
+@contextmanager
+def _quiet_db(path: Path, fs: _fs.FS) -> Iterator[Db]:
+    """A database on ``fs`` with a fake clock and no background sync (only the writes'
+    own syncs reach ``fs``), shut at the end."""
+    with _fs.use(fs):
+        db = Db.open(path, clock=FakeClock())
+        try:
+            for w in db._workers:
+                w.stop()
+                w.join()
+            yield db
+        finally:
+            db.shutdown()
+
+
 def _run(path: Path, *, lean: bool) -> tuple[list[tuple[str, int, int]], list[list[tuple[str, int, int]]], tuple[int, ...]]:
     """Durable pushes, leases and acks; returns every msync, the msyncs of each push, and
     the shard's marks at the end."""
     fs = MsyncLog()
     per_push: list[list[tuple[str, int, int]]] = []
-    with _fs.use(fs):
-        db = Db.open(path, clock=FakeClock())
-        try:
-            for w in db._workers:  # no background sync: only the writes' own
-                w.stop()
-                w.join()
-            q = db.open_queue(Pings, durable_config())
-            shard = _shard(q)
-            assert shard._lean  # a plain map: the one-frame sync
-            shard._lean = lean
-            for i in range(150):
-                before = len(fs.calls)
-                q.push((i, 0))
-                per_push.append(fs.calls[before:])
-                if i % 3 == 2:
-                    (lease,) = q.lease(1)
-                    q.ack(lease.token)  # an overwrite of a live row: redo record first
-            marks = (shard._hwm_a, shard._hwm_b, shard._hwm_synced, shard._hwm_gen, int(shard.sf.hwm))
-        finally:
-            db.shutdown()
+    with _quiet_db(path, fs) as db:
+        q = db.open_queue(Pings, durable_config())
+        shard = _shard(q)
+        assert shard._lean  # a plain map: the one-frame sync
+        shard._lean = lean
+        for i in range(150):
+            before = len(fs.calls)
+            q.push((i, 0))
+            per_push.append(fs.calls[before:])
+            if i % 3 == 2:
+                (lease,) = q.lease(1)
+                q.ack(lease.token)  # an overwrite of a live row: redo record first
+        marks = (shard._hwm_a, shard._hwm_b, shard._hwm_synced, shard._hwm_gen, int(shard.sf.hwm))
     return fs.calls, per_push, marks
 
 
@@ -108,32 +118,25 @@ def test_s12_one_frame_durable_sync_failure_poisons_the_store(tmp_path: Path) ->
             super()._msync(mf, offset, length)
 
     fs = Fails()
-    with _fs.use(fs):
-        db = Db.open(tmp_path / "db", clock=FakeClock())
+    with _quiet_db(tmp_path / "db", fs) as db:
+        q = db.open_queue(Pings, durable_config())
+        assert _shard(q)._lean
+        ids = [q.push((i, 0)) for i in range(3)]
+        fs.fail = True
         try:
-            for w in db._workers:
-                w.stop()
-                w.join()
-            q = db.open_queue(Pings, durable_config())
-            assert _shard(q)._lean
-            ids = [q.push((i, 0)) for i in range(3)]
-            fs.fail = True
-            try:
-                q.push((9, 0))
-            except armdb.StorageError as e:
-                assert "injected msync failure" in str(e)
-                assert isinstance(e.__cause__, OSError)
-            else:
-                raise AssertionError("a push whose sync failed returned")
-            fs.fail = False
-            try:
-                q.push((10, 0))
-            except armdb.StorageError as e:
-                assert "refused" in str(e)
-            else:
-                raise AssertionError("a poisoned store took a write")
-        finally:
-            db.shutdown()
+            q.push((9, 0))
+        except armdb.StorageError as e:
+            assert "injected msync failure" in str(e)
+            assert isinstance(e.__cause__, OSError)
+        else:
+            raise AssertionError("a push whose sync failed returned")
+        fs.fail = False
+        try:
+            q.push((10, 0))
+        except armdb.StorageError as e:
+            assert "refused" in str(e)
+        else:
+            raise AssertionError("a poisoned store took a write")
     with Db.open(tmp_path / "db") as db:
         q = db.open_queue(Pings, durable_config())
         assert set(ids) <= set(q.snapshot()["id"].tolist())
@@ -194,10 +197,12 @@ def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     with Db.open(path) as db:
         q = db.open_queue(Pings, durable_config(256))
         got = {lz.id: int(lz.payload["doc"]) for lz in q.lease(1_000_000)}
-    # A row whose lease the kill cut short stays leased for now: the others are ready.
-    checked = [jid for jid in pushed if jid in got]
-    assert len(checked) > len(pushed) // 2
-    for jid in checked:
+    # A row whose lease the kill cut short stays leased for now (its "L" line may not
+    # have been printed yet) and an acked row is gone; each row the lease hands out
+    # carries the payload its push was given (rows are checked present above).
+    seen = [jid for jid in got if jid in pushed]
+    assert len(seen) > 50
+    for jid in seen:
         assert got[jid] == pushed[jid], (jid, pushed[jid])
     assert armdb.check(path).ok
 
@@ -205,23 +210,16 @@ def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
 def test_s5_background_tick_leaves_a_busy_durable_store_and_refreshes_an_idle_one(tmp_path: Path) -> None:
     # SPEC S5 (durable writes sync themselves); the mark's copy A is refreshed once idle
     fs = MsyncLog()
-    with _fs.use(fs):
-        db = Db.open(tmp_path / "db", clock=FakeClock())
-        try:
-            for w in db._workers:
-                w.stop()
-                w.join()
-            q = db.open_queue(Pings, durable_config())
-            shard = _shard(q)
-            for i in range(10):
-                q.push((i, 0))
-            before = len(fs.calls)
-            shard.sync()  # the flusher's tick right after a write: nothing to do
-            assert fs.calls[before:] == []
-            assert shard._hwm_a < shard._hwm_synced  # copy A lags (fewer than HWM_STEP slots)
-            shard.sf.last_sync -= 1.0  # no write for a second: the store is idle
-            shard.sync()
-            assert ("fixed.data", 0, 4096) in fs.calls[before:]  # the header page, copy A
-            assert shard._hwm_a == shard._hwm_synced
-        finally:
-            db.shutdown()
+    with _quiet_db(tmp_path / "db", fs) as db:
+        q = db.open_queue(Pings, durable_config())
+        shard = _shard(q)
+        for i in range(10):
+            q.push((i, 0))
+        before = len(fs.calls)
+        shard.sync()  # the flusher's tick right after a write: nothing to do
+        assert fs.calls[before:] == []
+        assert shard._hwm_a < shard._hwm_synced  # copy A lags (fewer than HWM_STEP slots)
+        shard.sf.last_sync -= 1.0  # no write for a second: the store is idle
+        shard.sync()
+        assert ("fixed.data", 0, 4096) in fs.calls[before:]  # the header page, copy A
+        assert shard._hwm_a == shard._hwm_synced
