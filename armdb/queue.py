@@ -408,7 +408,7 @@ class Queue(Generic[T]):
         self._last_deadline = (-1, ms_to_datetime(0))  # (ms, datetime) of the last lease deadline
         self._nwaiters = 0
         self._payload_writes = 0
-        self._pushed_bodies = 0  # Queue.push's body writes (guarded by _cache_lock): payload_writes adds them
+        self._pushed_bodies = 0  # lone pushes' body writes (_put_body, under _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
         # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
@@ -658,24 +658,11 @@ class Queue(Generic[T]):
             now = self._check()  # DbClosed; or the retention pass, when due
         body = self._encode(payload)
         seq = self._next_id(self._seq_name)
-        store.put(seq.to_bytes(8, "big"), body)  # the body first (Q15); qrows.body_key
-        # The locks by acquire and release, not ``with``: a with statement looks up and
-        # binds __enter__ and __exit__ at every pass (about 1k instructions each).
-        budget = self._cache_budget
-        lock = self._cache_lock
-        lock.acquire()  # one lock for the count and _cache_put
-        try:
-            self._pushed_bodies += 1
-            if len(body) <= budget:
-                self._cache[seq] = body
-                self._cache_bytes += len(body)
-                if self._cache_bytes > budget:
-                    self._cache_evict()
-        finally:
-            lock.release()
-        _fail.point("queue.var_push.after_body")
+        self._put_body(store, seq, body)
         shards = self._shards
         sh = shards[seq % len(shards)]
+        # The lock by acquire and release, not ``with``: a with statement looks up and
+        # binds __enter__ and __exit__ at every pass (about 1k instructions each).
         lock = sh.lock
         lock.acquire()
         try:
@@ -700,11 +687,7 @@ class Queue(Generic[T]):
             )
         seq = self._next_id(self._seq_name)
         if self._payload is not None:
-            self._payload.put(self._key_bytes(seq), body)
-            with self._counter_lock:
-                self._payload_writes += 1
-            self._cache_put(seq, body)
-            _fail.point("queue.var_push.after_body")
+            self._put_body(self._payload, seq, body)
             pid, inline = seq, b""
         else:
             pid, inline = 0, body
@@ -1054,6 +1037,25 @@ class Queue(Generic[T]):
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
         return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs)))
+
+    def _put_body(self, store: BitcaskStore, seq: int, body: bytes) -> None:
+        """A lone push's body: written first (Q15), counted, and cached, the count and
+        the cache under one hold of the cache's lock (taken by acquire and release: a
+        ``with`` binds ``__enter__`` and ``__exit__`` at every pass)."""
+        store.put(seq.to_bytes(8, "big"), body)  # qrows.body_key
+        budget = self._cache_budget
+        lock = self._cache_lock
+        lock.acquire()
+        try:
+            self._pushed_bodies += 1
+            if len(body) <= budget:
+                self._cache[seq] = body
+                self._cache_bytes += len(body)
+                if self._cache_bytes > budget:
+                    self._cache_evict()
+        finally:
+            lock.release()
+        _fail.point("queue.var_push.after_body")
 
     def _cache_put(self, seq: int, body: bytes) -> None:
         if self._cache_budget <= 0 or len(body) > self._cache_budget:
