@@ -55,7 +55,7 @@ import numpy as np
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_put, cache_take
-from ._core.fixed import body_rows, ring_next
+from ._core.fixed import body_rows, push_body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
 from ._pack import packb
@@ -2119,13 +2119,13 @@ class Queue(Generic[T]):
             # Their log rows ["B", payload name, key (qrows.body_key), body, gsn] come
             # packed by a compiled loop, as the headers' do.
             g0 = plan.gsns(n)
-            packed, items = body_rows(self._body_row_head, np.arange(first, first + n, dtype=np.uint64), payloads, g0)
+            packed, keys = push_body_rows(self._body_row_head, first, payloads, g0)
             plan.packed.append((n, packed))
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
             def apply_bodies() -> None:
-                payload.write_many_locked(items)
+                payload.write_puts_locked(keys, payloads, g0)
                 self._cache_put_many(first, payloads)
 
             plan.apply.append(apply_bodies)

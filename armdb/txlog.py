@@ -378,8 +378,12 @@ class TxLog:
             if not rows and len(packed) == 1:  # one block of pre-packed rows (a lone var ack, a batch)
                 body = _list_header(packed[0][0]) + packed[0][1]
             else:
-                body = _list_header(len(rows) + sum(c for c, _ in packed)) + packb(rows)[len(_list_header(len(rows))):] \
-                    + b"".join(b for _, b in packed)
+                # One join: each row's bytes are copied once into the body.
+                parts = [_list_header(len(rows) + sum(c for c, _ in packed))]
+                if rows:
+                    parts.append(packb(rows)[len(_list_header(len(rows))):])
+                parts.extend(b for _, b in packed)
+                body = b"".join(parts)
             if len(body) > MAX_BODY:
                 raise ConfigError(
                     f"this commit's log record would be {len(body):,} bytes, above the limit of {MAX_BODY:,}; "

@@ -18,6 +18,8 @@ value), table-driven "slice-by-8" as in Intel's and zlib's implementations.
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
@@ -906,3 +908,122 @@ cdef class SlotStore:
         e, self.sync_error = self.sync_error, None
         if e is not None:
             raise e
+
+
+cdef inline int _uint_width(uint64_t v) noexcept nogil:
+    """How many bytes :func:`_pack_uint` writes for ``v``."""
+    if v < 0x80:
+        return 1
+    if v < 0x100:
+        return 2
+    if v < 0x10000:
+        return 3
+    if v < (<uint64_t>1 << 32):
+        return 5
+    return 9
+
+
+def push_body_rows(bytes head not None, uint64_t first, list bodies not None, uint64_t g0):
+    """:func:`body_rows` of a push batch (ids ``first``, ``first + 1``, ...; every body a
+    ``bytes``): the same packed log rows, written at their exact size (no copy to trim
+    them), and the bodies' keys (``armdb.qrows.body_key`` of each id), without an item
+    tuple or a gsn int a row.  Returns ``(packed, keys)``."""
+    cdef Py_ssize_t n = len(bodies), i, hlen = len(head), total = 0, blen
+    cdef object body
+    for i in range(n):
+        body = bodies[i]
+        if type(body) is not bytes:
+            raise TypeError("push_body_rows takes bytes bodies")
+        blen = len(<bytes>body)
+        total += hlen + 10 + (2 if blen < 0x100 else 3 if blen < 0x10000 else 5) + blen + _uint_width(g0 + i)
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(out)
+    cdef list keys = PyList_New(n)
+    for i in range(n):
+        key = PyBytes_FromStringAndSize(NULL, 8)
+        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(first + <uint64_t>i))
+        memcpy(p, PyBytes_AS_STRING(head), hlen)
+        p += hlen
+        p[0] = 0xc4
+        p[1] = 8
+        memcpy(p + 2, PyBytes_AS_STRING(key), 8)
+        p += 10
+        body = bodies[i]
+        blen = len(<bytes>body)
+        if blen < 0x100:
+            p[0] = 0xc4
+            p[1] = <uint8_t>blen
+            p += 2
+        elif blen < 0x10000:
+            p[0] = 0xc5
+            p[1] = <uint8_t>(blen >> 8)
+            p[2] = <uint8_t>blen
+            p += 3
+        else:
+            p[0] = 0xc6
+            p[1] = <uint8_t>(blen >> 24)
+            p[2] = <uint8_t>(blen >> 16)
+            p[3] = <uint8_t>(blen >> 8)
+            p[4] = <uint8_t>blen
+            p += 5
+        memcpy(p, PyBytes_AS_STRING(body), blen)
+        p += blen
+        p = _pack_uint(p, g0 + <uint64_t>i)
+        Py_INCREF(key)
+        PyList_SET_ITEM(keys, i, key)
+    return out, keys
+
+
+def bitcask_puts(list keys not None, list values not None, uint64_t g0, uint64_t highest, uint64_t flag,
+                 uint16_t magic, object fid, Py_ssize_t off, Py_ssize_t max_key, Py_ssize_t max_value):
+    """:func:`bitcask_group` of puts given as two lists, ``keys[i]`` written with
+    ``values[i]`` and gsn ``g0 + i`` (a push batch's bodies): the same records, hint
+    entries and index entries, without an item tuple a row.  Returns ``(data, hints,
+    entries)``, or None when a key or value is not a ``bytes`` within its limit, the
+    lists differ in length, or ``g0`` is 0, not above ``highest`` or the gsns pass the
+    gsn mask (the caller then takes the general path, which raises the right error)."""
+    cdef Py_ssize_t n = len(keys), i, klen, vlen, total = 0, htotal = 0, rsize
+    cdef uint64_t word
+    cdef object key, value
+    if len(values) != n or n == 0 or g0 == 0 or g0 <= highest or g0 + <uint64_t>n - 1 > _SEQ_MASK:
+        return None
+    for i in range(n):
+        key = keys[i]
+        value = values[i]
+        if type(key) is not bytes or type(value) is not bytes:
+            return None
+        klen = len(<bytes>key)
+        vlen = len(<bytes>value)
+        if klen > max_key or vlen > max_value:
+            return None
+        rsize = 20 + klen + vlen
+        total += rsize + ((-rsize) & 7)
+        htotal += 22 + klen
+    data = PyBytes_FromStringAndSize(NULL, total)
+    hints = PyBytes_FromStringAndSize(NULL, htotal)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
+    cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
+    cdef Py_ssize_t at = off
+    cdef list entries = PyList_New(n)
+    for i in range(n):
+        key = keys[i]
+        value = values[i]
+        word = g0 + <uint64_t>i
+        if i == 0:
+            word |= flag
+        klen = len(<bytes>key)
+        vlen = len(<bytes>value)
+        rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, PyBytes_AS_STRING(value), vlen, magic)
+        store_u64(h, word)
+        store_u64(h + 8, <uint64_t>at)
+        store_u32(h + 16, <uint32_t>vlen)
+        h[20] = <uint8_t>klen
+        h[21] = <uint8_t>(klen >> 8)
+        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
+        h += 22 + klen
+        entry = (fid, at, rsize, word, None)
+        Py_INCREF(entry)
+        PyList_SET_ITEM(entries, i, entry)
+        p += rsize
+        at += rsize
+    return data, hints, entries

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_record
+from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_puts, bitcask_record
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
@@ -439,9 +439,9 @@ class BitcaskStore:
         act.total += len(data)
         sh.dirty = True
         _fail.point("bitcask.after_append")
-        index, tombs, fid = sh.index, sh.tombs, act.fid
         if self._sealer is not None:
             hint_add = sh.hint.add
+            fid = act.fid
             for (key, _, _), (rec, kf, vlen, gsn_word) in zip(items, recs, strict=True):
                 hint_add(gsn_word, off, vlen, kf)
                 keys.append(key)
@@ -449,6 +449,14 @@ class BitcaskStore:
                 off += len(rec)
         else:
             sh.hint.add_raw(hints, len(keys))
+        self._group_index(sh, keys, entries, deletes)
+        sh.highest = items[-1][2]
+        return False
+
+    def _group_index(self, sh: _Shard, keys: list[bytes], entries: list[Any], deletes: int) -> None:
+        """The index changes of a group write once its records are appended."""
+        act = sh.active
+        index, tombs, fid = sh.index, sh.tombs, act.fid
         if not deletes and not tombs and index.keys().isdisjoint(keys):
             index.update(zip(keys, entries))  # new keys only (a push's bodies): nothing older to mask
         else:
@@ -464,8 +472,6 @@ class BitcaskStore:
                     entry = entries[i]
                     self._index_update(sh, keys[i], fid, entry[1], entry[2], entry[3])
                     i += 1
-        sh.highest = items[-1][2]
-        return False
 
     def _index_update(self, sh: _Shard, key: bytes, fid: int, off: int, size: int, gsn_word: int) -> None:
         old = sh.index.pop(key, None)
@@ -1085,6 +1091,35 @@ class BitcaskStore:
                 sh.compact_due = True
                 self._compact_deferred = True
             self._maybe_sync(sh)
+
+    def write_puts_locked(self, keys: list[bytes], values: list[bytes], g0: int) -> None:
+        """:meth:`write_many_locked` of puts, ``keys[i]`` with ``values[i]`` at gsn ``g0 + i``
+        (a push batch's bodies; the caller holds every key's shard lock): the same records,
+        hint entries and index, built from the two lists by a compiled loop
+        (:func:`bitcask_puts`) with no item tuple a row.  Anything but one unencrypted
+        shard with room in its active file goes through :meth:`write_many_locked`."""
+        shards = self._shards
+        if len(shards) == 1 and self._sealer is None:
+            sh = shards[0]
+            if sh.closed or self._poisoned is not None:
+                self.check_writable()
+            act = sh.active
+            got = bitcask_puts(keys, values, g0, sh.highest, self._group_flag(sh), RECORD_MAGIC, act.fid, act.size,
+                               MAX_KEY_LEN, MAX_VALUE_LEN)
+            if got is not None and not (act.total and act.size + len(got[0]) > self.config.max_file_size):
+                data, hints, entries = got
+                off = act.size
+                self._pwrite(act, data, off)
+                act.size = off + len(data)
+                act.total += len(data)
+                sh.dirty = True
+                _fail.point("bitcask.after_append")
+                sh.hint.add_raw(hints, len(keys))
+                self._group_index(sh, keys, entries, 0)
+                sh.highest = g0 + len(keys) - 1
+                self._maybe_sync(sh)
+                return
+        self.write_many_locked(list(zip(keys, values, range(g0, g0 + len(keys)), strict=True)))
 
     def maybe_compact(self) -> None:
         """Run the compactions that rotations under a caller's lock deferred (never raises)."""
