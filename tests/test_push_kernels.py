@@ -1,0 +1,131 @@
+"""The compiled loops of a var queue's ``push_many`` (armdb._core.fixed.push_body_rows and
+bitcask_puts, and ``BitcaskStore.write_puts_locked`` that runs the second): the same log
+rows, Bitcask records, hint entries and index as the general batch kernels
+(``body_rows``, ``bitcask_group``, ``write_many_locked``) give for the same batch, which
+tests/test_bitcask.py checks record by record.  They only skip the item tuple a row.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from armdb._core.fixed import bitcask_group, bitcask_puts, body_rows, push_body_rows
+from armdb.bitcask import DATA_START, RECORD_MAGIC, BitcaskStore
+from armdb.config import Config
+
+HEAD = b"\x95" + msgpack.packb("B") + msgpack.packb("jobs.payload")
+MAX_KEY = 0xFFFF - 28
+
+
+@settings(max_examples=150, deadline=None)
+@given(bodies=st.lists(st.binary(max_size=300), max_size=20),
+       first=st.integers(0, 2**64 - 21), g0=st.integers(0, 2**64 - 21))
+def test_q31_push_body_rows_are_the_log_rows_body_rows_packs(bodies, first, g0):
+    # SPEC Q31: a push batch's log record holds every row, packed as msgpack packs it
+    packed, keys = push_body_rows(HEAD, first, bodies, g0)
+    want, items = body_rows(HEAD, np.arange(first, first + len(bodies), dtype=np.uint64), bodies, g0)
+    assert packed == want
+    assert keys == [k for k, _, _ in items]
+    rows = msgpack.unpackb(bytes([0xDD]) + len(bodies).to_bytes(4, "big") + packed,  # an array 32 of the rows
+                           raw=False)
+    assert rows == [["B", "jobs.payload", (first + i).to_bytes(8, "big"), b, g0 + i] for i, b in enumerate(bodies)]
+
+
+def test_q31_push_body_rows_refuses_a_body_that_is_not_bytes():
+    # SPEC Q31: the caller hands bytes only; anything else is a bug, never a silent row
+    with pytest.raises(TypeError):
+        push_body_rows(HEAD, 1, [b"a", "b"], 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.tuples(st.binary(max_size=40), st.binary(max_size=500)), min_size=1, max_size=30),
+       g0=st.integers(1, 2**40), flag=st.sampled_from([0, 1 << 62]), off=st.integers(0, 2**40))
+def test_s6_bitcask_puts_writes_what_the_group_encoder_writes(rows, g0, flag, off):
+    # SPEC S6: the records, hint entries and index entries of a batch of puts are those of
+    # the group encoder (itself checked record by record in tests/test_bitcask.py)
+    keys = [k for k, _ in rows]
+    values = [v for _, v in rows]
+    items = [(k, v, g0 + i) for i, (k, v) in enumerate(rows)]
+    want = bitcask_group(items, {}, 0, flag, RECORD_MAGIC, 7, off, MAX_KEY, 2**32)
+    assert want is not None
+    got = bitcask_puts(keys, values, g0, g0 - 1, flag, RECORD_MAGIC, 7, off, MAX_KEY, 2**32)
+    assert got == (want[0], want[1], want[3])
+
+
+@pytest.mark.parametrize(("keys", "values", "g0", "highest"), [
+    (["k"], [b"v"], 1, 0),                  # a key that is not bytes
+    ([b"k"], ["v"], 1, 0),                  # a value that is not bytes
+    ([b"k"], [None], 1, 0),                 # a delete: not a put
+    ([b"k", b"j"], [b"v"], 1, 0),           # lists of two lengths
+    ([b"k"], [b"v"], 0, 0),                 # gsn 0
+    ([b"k", b"j"], [b"v", b"w"], (1 << 60) - 1, 0),  # the last gsn above the gsn mask
+    ([b"k"], [b"v"], 5, 5),                 # not above the shard's highest gsn
+    ([b"k" * 70000], [b"v"], 1, 0),         # a key above the limit
+    ([b"k"], [b"v" * 11], 1, 0),            # a value above the limit (10 here)
+    ([], [], 1, 0),                         # nothing to write
+])
+def test_s6_bitcask_puts_leaves_anything_not_plain_to_the_checked_path(keys, values, g0, highest):
+    # SPEC S6: the compiled pass never writes what the per-record path would refuse
+    assert bitcask_puts(keys, values, g0, highest, 0, RECORD_MAGIC, 1, 0, MAX_KEY, 10) is None
+
+
+class _Gsn:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _open(path: Path, gsn: _Gsn, **cfg: object) -> BitcaskStore:
+    cfg.setdefault("enable_fsync", False)
+    store = BitcaskStore.open(str(path), Config(**cfg), gsn)  # type: ignore[arg-type]
+    gsn.n = max(gsn.n, store.max_gsn)
+    return store
+
+
+def _records(root: Path) -> dict[str, bytes]:
+    """The records of every data file (after the file header, whose nonce is random)."""
+    return {str(p.relative_to(root)): p.read_bytes()[DATA_START:] for p in sorted(root.rglob("*.data"))}
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_s6_write_puts_locked_leaves_the_files_and_index_write_many_locked_leaves(tmp_path: Path, shards: int):
+    # SPEC S6, S8: batches of new keys through write_puts_locked (its compiled path, and the
+    # general one for two shards and for a batch that rotates the active file) leave the
+    # same data and hint files and index as the same batches through write_many_locked,
+    # and a reopen reads every value back
+    rng = random.Random(shards)
+    cfg = {"max_file_size": 64 * 1024, "shard_count": shards}
+    a, b = _Gsn(), _Gsn()
+    sa, sb = _open(tmp_path / "a", a, **cfg), _open(tmp_path / "b", b, **cfg)
+    model: dict[bytes, bytes] = {}
+    n = 0
+    try:
+        for _ in range(40):
+            size = rng.choice([1, 5, 64, 300])
+            keys = [(n + i).to_bytes(8, "big") for i in range(size)]
+            values = [rng.randbytes(rng.randrange(0, 200)) for _ in range(size)]
+            n += size
+            g0 = a.n + 1
+            a.n += size
+            sa.write_puts_locked(keys, values, g0)
+            sb.write_many_locked([(k, v, b()) for k, v in zip(keys, values, strict=True)])
+            model.update(zip(keys, values, strict=True))
+        assert [dict(sh.index) for sh in sa._shards] == [dict(sh.index) for sh in sb._shards]
+        assert len(sa._shards[0].files) > 1  # a batch rotated the active file
+    finally:
+        sa.close()
+        sb.close()
+    assert _records(tmp_path / "a") == _records(tmp_path / "b") != {}
+    with _open(tmp_path / "a", _Gsn(), **cfg) as ra, _open(tmp_path / "b", _Gsn(), **cfg) as rb:
+        assert [dict(sh.index) for sh in ra._shards] == [dict(sh.index) for sh in rb._shards]  # the hints agree
+        assert all(ra.get(k) == v for k, v in model.items())
