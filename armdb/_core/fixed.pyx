@@ -23,6 +23,10 @@ from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    void PyObject_GC_UnTrack(void* op)
+
 import numpy as np
 
 from armdb._core._util cimport load_le, load_u32, load_u64, store_u32, store_u64
@@ -1022,6 +1026,9 @@ def bitcask_puts(list keys not None, list values not None, uint64_t g0, uint64_t
         memcpy(h + 22, PyBytes_AS_STRING(key), klen)
         h += 22 + klen
         entry = (fid, at, rsize, word, None)
+        # Ints and None: no cycle can run through it, so the collector need not see it
+        # (what its first collection would conclude, _PyTuple_MaybeUntrack, done now).
+        PyObject_GC_UnTrack(<PyObject*>entry)
         Py_INCREF(entry)
         PyList_SET_ITEM(entries, i, entry)
         p += rsize

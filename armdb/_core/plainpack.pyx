@@ -31,7 +31,7 @@ from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_FromDouble
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.long cimport (PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
                            PyLong_FromUnsignedLongLong)
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
@@ -141,9 +141,42 @@ cdef int _blob(Buf* b, const char* s, Py_ssize_t n, uint8_t fix, Py_ssize_t fixm
     return 0
 
 
-cdef int _pack(Buf* b, object o, int depth, bint key) except -1:
-    """Pack ``o``; 1 if it is not plain (nothing to trust in ``b`` then)."""
-    cdef type t = type(o)
+cdef extern from "Python.h":
+    # The packer's view of a value: borrowed pointers, no reference count touched.
+    PyTypeObject* _type_of "Py_TYPE"(PyObject* o)
+    PyTypeObject _STR "PyUnicode_Type"
+    PyTypeObject _INT "PyLong_Type"
+    PyTypeObject _FLOAT "PyFloat_Type"
+    PyTypeObject _BOOL "PyBool_Type"
+    PyTypeObject _BYTES "PyBytes_Type"
+    PyTypeObject _DICT "PyDict_Type"
+    PyTypeObject _LIST "PyList_Type"
+    PyTypeObject _TUPLE "PyTuple_Type"
+    PyObject* _NONE "Py_None"
+    PyObject* _TRUE "Py_True"
+    bint _ascii "PyUnicode_IS_COMPACT_ASCII"(PyObject* o)
+    Py_ssize_t _ulen "PyUnicode_GET_LENGTH"(PyObject* o)
+    void* _udata "PyUnicode_DATA"(PyObject* o)
+    const char* _utf8 "PyUnicode_AsUTF8AndSize"(PyObject* o, Py_ssize_t* n)
+    long long _as_ll "PyLong_AsLongLongAndOverflow"(PyObject* o, int* overflow)
+    unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(PyObject* o)
+    double _fval "PyFloat_AS_DOUBLE"(PyObject* o)
+    Py_ssize_t _bsize "PyBytes_GET_SIZE"(PyObject* o)
+    char* _bdata "PyBytes_AS_STRING"(PyObject* o)
+    Py_ssize_t _dsize "PyDict_GET_SIZE"(PyObject* o)
+    int _dnext "PyDict_Next"(PyObject* o, Py_ssize_t* pos, PyObject** k, PyObject** v)
+    Py_ssize_t _lsize "PyList_GET_SIZE"(PyObject* o)
+    PyObject* _litem "PyList_GET_ITEM"(PyObject* o, Py_ssize_t i)
+    Py_ssize_t _tsize "PyTuple_GET_SIZE"(PyObject* o)
+    PyObject* _titem "PyTuple_GET_ITEM"(PyObject* o, Py_ssize_t i)
+    PyObject* _err_occurred "PyErr_Occurred"()
+    void _err_clear "PyErr_Clear"()
+
+
+cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
+    """Pack ``o``; 1 if it is not plain (nothing to trust in ``b`` then).  ``o`` is
+    borrowed from its container, which the caller keeps alive."""
+    cdef PyTypeObject* t = _type_of(o)
     cdef int overflow = 0
     cdef long long d
     cdef unsigned long long u
@@ -154,69 +187,68 @@ cdef int _pack(Buf* b, object o, int depth, bint key) except -1:
     cdef PyObject* k
     cdef PyObject* v
     cdef uint8_t* p
-    if t is str:
-        if PyUnicode_IS_COMPACT_ASCII(o):
-            s = <const char*>PyUnicode_DATA(o)
-            n = PyUnicode_GET_LENGTH(o)
+    if t == &_STR:
+        if _ascii(o):
+            s = <const char*>_udata(o)
+            n = _ulen(o)
         else:
-            try:
-                s = PyUnicode_AsUTF8AndSize(o, &n)
-            except UnicodeError:  # a lone surrogate: msgpack refuses it, on the caller's path
+            s = _utf8(o, &n)
+            if s == NULL:  # a lone surrogate: msgpack refuses it, on the caller's path
+                _err_clear()
                 return 1
         if n > 0xFFFFFFFF:
             return 1
         return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
-    if t is int:
-        d = PyLong_AsLongLongAndOverflow(o, &overflow)
+    if t == &_INT:
+        d = _as_ll(o, &overflow)
         p = _room(b, 9)
         if overflow == 0:
             b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
             return 0
         if overflow < 0:
             return 1
-        try:
-            u = PyLong_AsUnsignedLongLong(o)
-        except OverflowError:
+        u = _as_ull(o)
+        if u == <unsigned long long>-1 and _err_occurred() != NULL:  # above 64 bits
+            _err_clear()
             return 1
         b.n += _w_uint(p, <uint64_t>u)
         return 0
-    if o is None or t is bool:
+    if o == _NONE or t == &_BOOL:
         p = _room(b, 1)
-        p[0] = 0xc0 if o is None else 0xc3 if o is True else 0xc2
+        p[0] = 0xc0 if o == _NONE else 0xc3 if o == _TRUE else 0xc2
         b.n += 1
         return 0
-    if t is float:
-        f = PyFloat_AS_DOUBLE(o)
+    if t == &_FLOAT:
+        f = _fval(o)
         memcpy(&bits, &f, 8)
         p = _room(b, 9)
         b.n += _tagged(p, 0xcb, bits, 8)
         return 0
-    if t is bytes:
-        n = PyBytes_GET_SIZE(o)
+    if t == &_BYTES:
+        n = _bsize(o)
         if n > 0xFFFFFFFF:
             return 1
-        return _blob(b, PyBytes_AS_STRING(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
+        return _blob(b, _bdata(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
     if key or depth >= _DEPTH:  # a container key does not read back; too deep for msgpack
         return 1
-    if t is dict:
-        n = PyDict_Size(o)
+    if t == &_DICT:
+        n = _dsize(o)
         if n > 0xFFFFFFFF:
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
-        while PyDict_Next(o, &pos, &k, &v):
-            if _pack(b, <object>k, depth + 1, True) or _pack(b, <object>v, depth + 1, False):
+        while _dnext(o, &pos, &k, &v):
+            if _pack(b, k, depth + 1, True) or _pack(b, v, depth + 1, False):
                 return 1
         return 0
-    if t is list or t is tuple:
-        n = PyList_GET_SIZE(o) if t is list else PyTuple_GET_SIZE(o)
+    if t == &_LIST or t == &_TUPLE:
+        n = _lsize(o) if t == &_LIST else _tsize(o)
         if n > 0xFFFFFFFF:
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
         for i in range(n):
-            if _pack(b, <object>(PyList_GET_ITEM(o, i) if t is list else PyTuple_GET_ITEM(o, i)), depth + 1,
-                     False):
+            if _pack(b, _litem(o, i) if t == &_LIST else _titem(o, i), depth + 1, False):
                 return 1
         return 0
     return 1
@@ -235,7 +267,7 @@ def pack_plain(list values):
     try:
         for i in range(n):
             b.n = 0
-            if _pack(&b, <object>PyList_GET_ITEM(values, i), 0, False):
+            if _pack(&b, <PyObject*>PyList_GET_ITEM(values, i), 0, False):
                 return None
             raw = PyBytes_FromStringAndSize(<char*>b.p, b.n)
             Py_INCREF(raw)
