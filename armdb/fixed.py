@@ -523,7 +523,8 @@ class FixedShard(_k.SlotStore):
 
     def alloc(self) -> int:
         """Pop a free slot, growing the file when none is left."""
-        self.check_writable()
+        if self.poisoned is not None or self.sf.closed:
+            self.check_writable()  # raises
         slot = self.sf.pop_free()
         if slot < 0:
             self.grow()

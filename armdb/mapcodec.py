@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+from ._core.plainpack import pack_plain
 from ._pack import check_round_trip, packb
 from .errors import CorruptionError, PayloadTypeError
 
@@ -102,6 +103,9 @@ def encode_value(value: object) -> bytes:
         If msgpack cannot encode the value (an arbitrary object, an int beyond
         64 bits, ...) or could not decode it back (a tuple dict key).
     """
+    got = pack_plain([value])  # a plain value (the common one): packed and vouched for in one pass
+    if got is not None:
+        return got[0]  # type: ignore[no-any-return]
     try:
         raw = packb(value)
     except (TypeError, ValueError, OverflowError) as e:

@@ -1927,7 +1927,7 @@ class Queue(Generic[T]):
     # A commit reaches a queue through these methods and the public ``name``, ``config``
     # and ``len()``, nothing else: it checks the handle (_belongs_to), encodes a payload
     # (_encode, bound at open), draws row ids (_tx_new_id), asks whether a log key is
-    # needed (_tx_encrypted), collects the locks of its steps (_tx_locks, _tx_all_locks),
+    # needed (_body_sealed, read at open), collects the locks of its steps (_tx_locks, _tx_all_locks),
     # plans each push and settle into its armdb.plan.Plan under those locks (_tx_push,
     # _tx_settle), and afterwards counts body writes (_tx_count_payload_writes), wakes
     # waiters (_notify) or, when the commit failed after its log append, pauses retention
@@ -1939,10 +1939,6 @@ class Queue(Generic[T]):
     def _tx_new_id(self, plan: Plan) -> int:
         """A row id for a push the commit plans (reserved only if it goes ahead, T5)."""
         return plan.draw(self._seq_name)
-
-    def _tx_encrypted(self) -> bool:
-        """Whether the queue's bodies are encrypted: a commit touching it needs a sealed log (T4)."""
-        return self._payload is not None and self._payload.encrypted
 
     def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object, *, body: bool = True) -> None:
         """Add the locks a push of row ``seq`` (``token`` None) or a settle of ``token``

