@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from armdb._core.fixed import bitcask_group, bitcask_puts, body_rows, push_body_rows
+from armdb._core.fixed import bitcask_group, bitcask_index_put_new, bitcask_puts, body_rows, push_body_rows
 from armdb.bitcask import DATA_START, RECORD_MAGIC, BitcaskStore
 from armdb.config import Config
 
@@ -113,14 +113,19 @@ def test_s6_write_puts_locked_leaves_the_files_and_index_write_many_locked_leave
         for _ in range(40):
             size = rng.choice([1, 5, 64, 300])
             keys = [(n + i).to_bytes(8, "big") for i in range(size)]
-            values = [rng.randbytes(rng.randrange(0, 200)) for _ in range(size)]
+            if model and rng.random() < 0.2:  # overwrite some keys: the index's general update
+                old = rng.sample(sorted(model), min(len(model), 3))
+                keys = [k for k in keys if k not in old] + old
+            values = [rng.randbytes(rng.randrange(0, 200)) for _ in keys]
             n += size
             g0 = a.n + 1
-            a.n += size
+            a.n += len(keys)
             sa.write_puts_locked(keys, values, g0)
             sb.write_many_locked([(k, v, b()) for k, v in zip(keys, values, strict=True)])
             model.update(zip(keys, values, strict=True))
         assert [dict(sh.index) for sh in sa._shards] == [dict(sh.index) for sh in sb._shards]
+        assert ([{fid: f.dead for fid, f in sh.files.items()} for sh in sa._shards]
+                == [{fid: f.dead for fid, f in sh.files.items()} for sh in sb._shards])  # the garbage accounted
         assert len(sa._shards[0].files) > 1  # a batch rotated the active file
     finally:
         sa.close()
@@ -129,3 +134,21 @@ def test_s6_write_puts_locked_leaves_the_files_and_index_write_many_locked_leave
     with _open(tmp_path / "a", _Gsn(), **cfg) as ra, _open(tmp_path / "b", _Gsn(), **cfg) as rb:
         assert [dict(sh.index) for sh in ra._shards] == [dict(sh.index) for sh in rb._shards]  # the hints agree
         assert all(ra.get(k) == v for k, v in model.items())
+
+
+def test_s8_index_put_new_inserts_new_keys_and_stops_at_one_the_index_or_tombs_holds():
+    # SPEC S8: a key already held (a put or a tombstone) is left to the general update, which
+    # accounts its older record; the keys before it are inserted, the ones after untouched
+    keys = [b"a", b"b", b"c", b"d"]
+    entries = [(1, i, 10, i + 1, None) for i in range(4)]
+    index = {b"c": "old"}
+    assert bitcask_index_put_new(index, {}, keys, entries) == 2
+    assert index == {b"a": entries[0], b"b": entries[1], b"c": "old"}
+    index = {}
+    assert bitcask_index_put_new(index, {b"b": "tomb"}, keys, entries) == 1
+    assert index == {b"a": entries[0]}
+    index = {}
+    assert bitcask_index_put_new(index, {}, keys, entries) == 4
+    assert index == dict(zip(keys, entries, strict=True))
+    with pytest.raises(ValueError):
+        bitcask_index_put_new({}, {}, keys, entries[:3])

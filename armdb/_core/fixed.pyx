@@ -26,6 +26,8 @@ from libc.string cimport memcpy, memset
 cdef extern from "Python.h":
     ctypedef struct PyObject
     void PyObject_GC_UnTrack(void* op)
+    PyObject* PyDict_SetDefault(object d, object key, object default) except? NULL
+    Py_ssize_t PyDict_Size(object d)
 
 import numpy as np
 
@@ -1034,3 +1036,27 @@ def bitcask_puts(list keys not None, list values not None, uint64_t g0, uint64_t
         p += rsize
         at += rsize
     return data, hints, entries
+
+
+def bitcask_index_put_new(dict index not None, dict tombs not None, list keys not None, list entries not None):
+    """The index change of a group write of puts (``armdb.bitcask``'s
+    ``write_puts_locked``) for keys neither ``index`` nor ``tombs`` holds: each inserted
+    with one dict operation (``dict.setdefault``: one probe, where a membership test then
+    an insert take two).  Stops at the first key either holds, leaving it untouched, for
+    the caller's general update; returns where it stopped (``len(keys)`` when done)."""
+    cdef Py_ssize_t n = len(keys), i
+    cdef object key, entry
+    cdef PyObject* got
+    if len(entries) != n:
+        raise ValueError("bitcask_index_put_new needs one entry per key")
+    for i in range(n):
+        key = keys[i]
+        if PyDict_Size(tombs) and key in tombs:
+            return i
+        entry = entries[i]
+        got = PyDict_SetDefault(index, key, entry)
+        if got == NULL:
+            raise MemoryError()
+        if got != <PyObject*>entry:
+            return i
+    return n

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_puts, bitcask_record
+from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_index_put_new, bitcask_puts, bitcask_record
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
@@ -1115,7 +1115,9 @@ class BitcaskStore:
                 sh.dirty = True
                 _fail.point("bitcask.after_append")
                 sh.hint.add_raw(hints, len(keys))
-                self._group_index(sh, keys, entries, 0)
+                i = bitcask_index_put_new(sh.index, sh.tombs, keys, entries)  # new keys, the common case
+                if i < len(keys):
+                    self._group_index(sh, keys[i:], entries[i:], 0)
                 sh.highest = g0 + len(keys) - 1
                 self._maybe_sync(sh)
                 return
