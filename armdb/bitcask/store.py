@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
-from .._core.fixed import bitcask_group, bitcask_index_apply, bitcask_index_put_new, bitcask_puts, bitcask_record
+from .._core.fixed import (
+    bitcask_group,
+    bitcask_index_apply,
+    bitcask_index_put_new,
+    bitcask_puts,
+    bitcask_record,
+)
 from .._crypto import Sealer
 from ..config import Config
 from ..errors import (
