@@ -16,6 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import armdb
+from armdb import Db
 from armdb._core.fixed import bitcask_group, bitcask_index_put_new, bitcask_puts, body_rows, push_body_rows
 from armdb.bitcask import DATA_START, RECORD_MAGIC, BitcaskStore
 from armdb.config import Config
@@ -152,3 +154,28 @@ def test_s8_index_put_new_inserts_new_keys_and_stops_at_one_the_index_or_tombs_h
     assert index == dict(zip(keys, entries, strict=True))
     with pytest.raises(ValueError):
         bitcask_index_put_new({}, {}, keys, entries[:3])
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["bitcask.after_append", "txlog.after_apply"])
+def test_q31_a_kill_after_the_bodies_group_write_is_finished_by_replay(tmp_path: Path, point: str):
+    # SPEC Q31, T2: a var push batch killed once its bodies are appended to Bitcask by the
+    # compiled group write (its headers not yet applied), or once all of it is applied,
+    # reopens with the whole batch: replay applies the logged headers and skips the bodies
+    # the store already holds; check finds nothing wrong
+    from .conftest import child_env, run_child
+    from .test_batches import REPLAY_CHILD, doc_of, open_q, payloads
+
+    path = tmp_path / "db"
+    with Db.open(path) as db:
+        q = open_q(db, "var", shards=2)
+        q.push_many(payloads("var", range(100)))
+    r = run_child(REPLAY_CHILD.format(flavour="var", path=str(path), op="q.push_many(payloads(flavour, range(100, 200)))"),
+                  env=child_env(ARMDB_FAILPOINT=point))
+    assert r.returncode == 86, r.stderr
+    with Db.open(path) as db:
+        q = open_q(db, "var", shards=2)
+        assert len(q) == 200 and len(q._payload) == 200
+        assert sorted(doc_of(j.payload) for j in q.peek(1000)) == list(range(200))
+    report = armdb.check(path)
+    assert report.ok, report
