@@ -331,11 +331,15 @@ class BitcaskStore:
     def _next_seq(self, sh: _Shard) -> int:
         seq = self._gsn()
         if not isinstance(seq, int) or not sh.highest < seq <= SEQ_MASK:
-            raise ArmdbError(
-                f"the gsn source returned {seq!r}, which is not above this shard's highest gsn "
-                f"{sh.highest}; seed the Db's counter from BitcaskStore.max_gsn"
-            )
+            raise self._bad_gsn(sh, seq)
         return seq
+
+    @staticmethod
+    def _bad_gsn(sh: _Shard, seq: object) -> ArmdbError:
+        return ArmdbError(
+            f"the gsn source returned {seq!r}, which is not above this shard's highest gsn "
+            f"{sh.highest}; seed the Db's counter from BitcaskStore.max_gsn"
+        )
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -366,7 +370,10 @@ class BitcaskStore:
             act = sh.active
             rotated = True
         off = act.size
-        self._pwrite(act, rec, off)
+        try:
+            _fs.FS.pwrite(act.fd, rec, off)  # _pwrite, its frame saved on this path
+        except OSError as e:
+            raise self._append_failed(act, off, e) from e
         size = len(rec)
         act.size = off + size
         act.total += size
@@ -391,15 +398,19 @@ class BitcaskStore:
 
     def _pwrite(self, act: Any, data: bytes, off: int) -> None:
         """Append ``data`` at ``off`` of the active file, or undo the partial write."""
-        fs = _fs.FS
         try:
-            fs.pwrite(act.fd, data, off)
+            _fs.FS.pwrite(act.fd, data, off)
         except OSError as e:
-            try:
-                fs.ftruncate(act.fd, off)
-            except OSError:
-                self._poisoned = f"could not undo a failed append to {act.path}"
-            raise _storage_error(e, f"append to {act.path} failed; nothing was written") from e
+            raise self._append_failed(act, off, e) from e
+
+    def _append_failed(self, act: Any, off: int, e: OSError) -> StorageError:
+        """An append at ``off`` of the active file failed: cut the file back to ``off``
+        (poison the store if that fails too); returns the error to raise."""
+        try:
+            _fs.FS.ftruncate(act.fd, off)
+        except OSError:
+            self._poisoned = f"could not undo a failed append to {act.path}"
+        return _storage_error(e, f"append to {act.path} failed; nothing was written")
 
     @staticmethod
     def _group_flag(sh: _Shard) -> int:
@@ -614,7 +625,9 @@ class BitcaskStore:
         try:
             if self._closed or self._poisoned is not None:
                 self.check_writable()
-            seq = self._next_seq(sh)
+            seq = self._gsn()  # _next_seq, its frame saved on this path
+            if type(seq) is not int or not sh.highest < seq <= SEQ_MASK:
+                raise self._bad_gsn(sh, seq)
             rotated = self._write(sh, key, value, seq)
             self._maybe_sync(sh)
         finally:
