@@ -559,14 +559,15 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     assert payload is not None
     if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
         raise _log_key_required()
+    # The fields by one unpacking: a NamedTuple's field by name is a descriptor call each.
+    handle, shard_no, due, seq, epoch = token
     shards = q._shards
-    if token.handle != q._handle or not 0 <= token.shard < len(shards):
+    if handle != q._handle or not 0 <= shard_no < len(shards):
         q._token_shard(token)  # raises StaleToken: a token of another handle
-    sh = shards[token.shard]
-    seq = token.seq
+    sh = shards[shard_no]
     key = seq.to_bytes(8, "big")  # qrows.body_key
     pair = q._ack_locks
-    first, second = pair[token.shard] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
+    first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
     fixed = sh.fixed
     # The locks by acquire and release, not ``with``: a with statement looks up and binds
     # __enter__ and __exit__ at every pass (about 1k instructions each).
@@ -574,7 +575,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     try:
         second.acquire()
         try:
-            slot, version = sh.settle_slot(token.due, seq, token.epoch)
+            slot, version = sh.settle_slot(due, seq, epoch)
             if slot < 0:
                 raise q._stale(token, version == ABSENT)
             # Refused before anything is logged: a store fenced by a failed sync, a closed one.
@@ -597,7 +598,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                     txlog.done()
                     raise err from e
             try:
-                sh.ack_slot(token.due, seq, slot, version)
+                sh.ack_slot(due, seq, slot, version)
                 if q._cache:
                     q._cache_drop(seq)
                 payload.write_locked(key, None, gsn)

@@ -344,7 +344,8 @@ class BitcaskStore:
     # -- writing ---------------------------------------------------------------------------
 
     def _write(self, sh: _Shard, key: bytes, value: bytes | None, seq: int) -> bool:
-        """Append one record and update the index (under ``sh.lock``); True if the shard rotated."""
+        """Append one record, update the index and run the timed sync when due (under
+        ``sh.lock``); True if the shard rotated."""
         gsn_word = seq | (TOMBSTONE if value is None else 0)
         act = sh.active
         # Everything before this record was synced: say so (a rotation below keeps it
@@ -394,6 +395,13 @@ class BitcaskStore:
         else:
             self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
+        # _maybe_sync, which every single write ran next, without its frame (sh.dirty is
+        # set above): the timed sync when due.
+        cfg = self.config
+        if cfg.enable_fsync:
+            now = time.monotonic()
+            if not cfg.sync_interval or now - sh.last_sync >= cfg.sync_interval:
+                self._sync_due(sh, now)
         return rotated
 
     def _pwrite(self, act: Any, data: bytes, off: int) -> None:
@@ -506,14 +514,20 @@ class BitcaskStore:
             sh.index[key] = (fid, off, size, gsn_word, holders)
 
     def _maybe_sync(self, sh: _Shard) -> None:
+        """The timed sync, when due (:meth:`_write` runs the same test at its end)."""
         cfg = self.config
         if not cfg.enable_fsync or not sh.dirty:
             return
         now = time.monotonic()
         if cfg.sync_interval and now - sh.last_sync < cfg.sync_interval:
             return
-        # Due: wake the Db's flusher, which syncs without the lock (_sync_shard), rather
-        # than make this writer and every thread waiting on the lock wait for the disk.
+        self._sync_due(sh, now)
+
+    def _sync_due(self, sh: _Shard, now: float) -> None:
+        """A timed sync is due (under ``sh.lock``)."""
+        cfg = self.config
+        # Wake the Db's flusher, which syncs without the lock (_sync_shard), rather than
+        # make this writer and every thread waiting on the lock wait for the disk.
         kick = self.kick
         if cfg.sync_interval and kick is not None and _fs.background_sync_ok() and kick():
             sh.last_sync = now
@@ -628,8 +642,7 @@ class BitcaskStore:
             seq = self._gsn()  # _next_seq, its frame saved on this path
             if type(seq) is not int or not sh.highest < seq <= SEQ_MASK:
                 raise self._bad_gsn(sh, seq)
-            rotated = self._write(sh, key, value, seq)
-            self._maybe_sync(sh)
+            rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
         finally:
             lock.release()
         if rotated or sh.compact_due:
@@ -660,8 +673,7 @@ class BitcaskStore:
             if key not in sh.index:
                 return False
             seq = self._next_seq(sh)
-            rotated = self._write(sh, key, None, seq)
-            self._maybe_sync(sh)
+            rotated = self._write(sh, key, None, seq)  # and the timed sync, when due
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return True
@@ -703,8 +715,7 @@ class BitcaskStore:
                 return False
             if value is None and key not in sh.index:
                 return True
-            rotated = self._write(sh, key, value, gsn)
-            self._maybe_sync(sh)
+            rotated = self._write(sh, key, value, gsn)  # and the timed sync, when due
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return True
@@ -1034,10 +1045,9 @@ class BitcaskStore:
                 f"gsn {gsn!r} is not above this shard's highest gsn {sh.highest}; draw gsns for a "
                 f"commit while holding the shard lock"
             )
-        if self._write(sh, key, value, gsn):
+        if self._write(sh, key, value, gsn):  # and the timed sync, when due
             sh.compact_due = True
             self._compact_deferred = True
-        self._maybe_sync(sh)
         return True
 
     def write_many_locked(self, items: list[tuple[bytes, bytes | None, int]]) -> None:
