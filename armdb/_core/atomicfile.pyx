@@ -321,5 +321,5 @@ cdef class AtomicWriter:
 @cython.always_allow_keywords(False)
 def disarmed_point(name):
     """``armdb._fail.point`` while no failpoint is set: a compiled call that does nothing
-    (a Python function's frame cost about 600 instructions at each of the five points a
-    queue cycle passes)."""
+    (a var queue cycle passes five points; with ``RealFS.pwrite`` made compiled too, the
+    Python frames gone saved about 2,000 instructions a cycle)."""
