@@ -5,12 +5,18 @@ reaches ``point(name)``; ``ARMDB_FAILPOINT=name:n`` lets it pass ``n`` times fir
 ``os._exit`` runs no ``finally`` block, no atexit hook and flushes no Python
 buffer, so it is as close to SIGKILL as Python gets.  Every name lives in
 :data:`ALL`, so tests can be parametrized over the registry and a new point
-cannot go untested.  The check is one global read when no failpoint is set.
+cannot go untested.  While no failpoint is set, :func:`point` is a compiled function
+that does nothing (``armdb._core.atomicfile.disarmed_point``): callers spell it
+``_fail.point(...)``, looked up at each call, so :func:`_configure` (and a test that
+replaces it) rebinds it for every caller.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+from ._core.atomicfile import disarmed_point
 
 EXIT_CODE = 86
 
@@ -52,18 +58,21 @@ _skip = 0
 
 
 def _configure(spec: str | None) -> None:
-    global _name, _skip
+    global _name, _skip, point
     if not spec:
         _name, _skip = None, 0
+        point = disarmed_point
         return
     name, _, skip = spec.partition(":")
     if name not in ALL:
         raise ValueError(f"ARMDB_FAILPOINT names unknown failpoint {name!r}; see armdb.failpoints()")
     _name, _skip = name, int(skip or 0)
+    point = armed_point
 
 
-def point(name: str) -> None:
-    """Exit the process here if ``ARMDB_FAILPOINT`` selects ``name``."""
+def armed_point(name: str) -> None:
+    """Exit the process here if ``ARMDB_FAILPOINT`` selects ``name`` (:func:`point` while
+    a failpoint is set)."""
     global _skip
     if _name is None or _name != name:
         return
@@ -71,6 +80,10 @@ def point(name: str) -> None:
         _skip -= 1
         return
     os._exit(EXIT_CODE)
+
+
+point: Callable[[str], None] = armed_point
+"""Exit the process here if ``ARMDB_FAILPOINT`` selects ``name`` (bound by :func:`_configure`)."""
 
 
 def armed() -> bool:

@@ -21,6 +21,7 @@ only a weak reference to the Db so that dropping the last reference closes it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -464,7 +465,9 @@ class Db:
         open had to wait for its key) are applied before it is returned.
         """
         # Every gsn on disk is below the block reserved in seqmap (T5): refuse anything else.
-        store = BitcaskStore.open(self.collection_dir(name), config, self.gsn, gsn_limit=self.seqmap.reserved("gsn"))
+        # The gsn source: what gsn() returns, without its frame (every Bitcask write draws one).
+        gsn = functools.partial(self.seqmap.next, "gsn")
+        store = BitcaskStore.open(self.collection_dir(name), config, gsn, gsn_limit=self.seqmap.reserved("gsn"))
         try:
             self.seqmap.advance("gsn", store.max_gsn)
             txlog = getattr(self, "txlog", None)

@@ -333,8 +333,17 @@ class VarCodec:
         # (no layout tag), which decodes to a payload whenever its shape is right:
         # accept_encoded and Queue._lease_batch_encoded pass such bodies through as bytes.
         self.stored_plain = not self.rebuild_at_push
+        # encode's and decode's common case, tested first: a payload of exactly this
+        # (non-dataclass, not Any) type, packed by the compiled plain codec; and a body
+        # that decodes to the payload as it is (no class to rebuild, no tuple).
+        self._plain_type: Any = None if self.is_dataclass or self.any else payload
+        self._decodes_as_is = not self.is_dataclass and payload is not tuple
 
     def encode(self, value: Any) -> bytes:
+        if type(value) is self._plain_type:
+            got = pack_plain([value])
+            if got is not None:
+                return got[0]
         if self.is_dataclass:
             if type(value) is not self.payload:
                 raise PayloadTypeError(
@@ -555,6 +564,8 @@ class VarCodec:
 
     def decode(self, raw: bytes) -> Any:
         got = unpack_plain([raw])  # a body of plain values: the compiled loop; anything else msgpack
+        if got is not None and self._decodes_as_is:
+            return got[0]
         obj = got[0] if got is not None else msgpack.unpackb(raw, raw=False, strict_map_key=False)
         if self.is_dataclass:
             return self.payload(*obj)

@@ -380,13 +380,14 @@ class Queue(Generic[T]):
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._payload_name = spec.payload_name
-        # A var ack's log rows, ["F", name, shard, slot, version, DELETED, b""] and ["B",
-        # payload name, key, None, gsn], packed in one call (armdb.tx.commit_settle): the
-        # msgpack bytes packb would decode to those rows (ints at a fixed width, as the
-        # compiled batch rows of armdb._core.qshard write them).
+        # A var ack's log record body, the list of its two rows ["F", name, shard, slot,
+        # version, DELETED, b""] and ["B", payload name, key, None, gsn], packed in one
+        # call (armdb.tx.commit_settle): the msgpack bytes packb would decode to that list
+        # (its header 0x92, then ints at a fixed width, as the compiled batch rows of
+        # armdb._core.qshard write them).
         heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
         self._ack_heads = heads
-        self._ack_rows = struct.Struct(f">{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
+        self._ack_record = struct.Struct(f">B{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
         # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
         # when the body store has one shard (set at open); None: found per ack.
         self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None
@@ -1111,11 +1112,15 @@ class Queue(Generic[T]):
             return self._cache.get(seq)
 
     def _cache_drop(self, seq: int) -> None:
-        if self._cache:
-            with self._cache_lock:
-                body = self._cache.pop(seq, None)
-                if body is not None:
-                    self._cache_bytes -= len(body)
+        """Drop ``seq``'s cached body, if any (the lock by acquire and release: see _put_body)."""
+        lock = self._cache_lock
+        lock.acquire()
+        try:
+            body = self._cache.pop(seq, None)
+            if body is not None:
+                self._cache_bytes -= len(body)
+        finally:
+            lock.release()
 
     def _notify(self) -> None:
         """Wake blocking and async waiters at once (Q19).

@@ -54,6 +54,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _fail, _fs, _syncmark
+from ._core.fixed import log_record
 from ._core.groupsync import GroupSync
 from ._crypto import Sealer
 from ._pack import packb
@@ -375,7 +376,7 @@ class TxLog:
         if not packed:
             body = packb(rows)
         else:
-            if not rows and len(packed) == 1:  # one block of pre-packed rows (a lone var ack, a batch)
+            if not rows and len(packed) == 1:  # one block of pre-packed rows (a batch)
                 body = _list_header(packed[0][0]) + packed[0][1]
             else:
                 # One join: each row's bytes are copied once into the body.
@@ -389,38 +390,50 @@ class TxLog:
                     f"this commit's log record would be {len(body):,} bytes, above the limit of {MAX_BODY:,}; "
                     f"split the batch into smaller ones"
                 )
-        with self._lock:
+        return self.append_body(body)
+
+    def append_body(self, body: bytes) -> int:
+        """:meth:`append` of a record body already packed whole (the msgpack list of its
+        rows, at most ``MAX_BODY`` bytes): a lone var ack packs its two rows in one call
+        (``armdb.tx.commit_settle``).  The caller must call :meth:`done` after it."""
+        # The lock by acquire and release, not ``with`` (which binds __enter__ and
+        # __exit__ at every pass).
+        lock = self._lock
+        lock.acquire()
+        try:
             while self._idle_waiting:  # a checkpoint is about to start a new file
                 self._idle.wait()
             if self._fd < 0:  # Db.close closed the log once every store was closed
                 raise DbClosed(f"the database of {self._path!r}")
-            if self.poisoned is not None or self._group.err:
-                failure = self.poisoned or os.strerror(self._group.err)
+            group = self._group
+            if self.poisoned is not None or group.err:
+                failure = self.poisoned or os.strerror(group.err)
                 raise StorageError(f"{self._path}: an earlier log sync failed ({failure}); reopen the database")
             txid = self._next_txid
+            end = self._end
             # The flag says that everything before this record was synced: a bad record
             # before it is then damage, never a tail that a power cut reordered.
-            flags = FLAG_SYNCED_BEFORE if self._end == self._group.synced else 0
+            flags = FLAG_SYNCED_BEFORE if end == group.synced else 0
             if self.sealer is not None:
                 body = self.sealer.seal(body, record_aad(FORMAT_VERSION, self.db_id, txid))
                 flags |= FLAG_SEALED
-            raw = encode_record(txid, body, flags)
-            end = self._end
-            fs = _fs.FS
+            raw = log_record(REC_MAGIC, flags, txid, body)  # logformat.encode_record
             try:
-                fs.pwrite(self._fd, raw, end)
+                _fs.FS.pwrite(self._fd, raw, end)
             except OSError as e:
                 try:
-                    fs.ftruncate(self._fd, end)
+                    _fs.FS.ftruncate(self._fd, end)
                 except OSError:
                     self.poisoned = e
                 raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e
             self._next_txid = txid + 1
             end += len(raw)
             self._end = end
-            self._group.wrote(end)
+            group.wrote(end)
             self._inflight += 1
             self.commits += 1
+        finally:
+            lock.release()
         _fail.point("txlog.after_append")
         return end
 
@@ -473,11 +486,15 @@ class TxLog:
         """A commit finished applying (or gave up).  Returns whether the log is due a
         :meth:`checkpoint`, which the caller runs once it holds no store lock: the
         checkpoint takes those locks to sync the stores."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: see append_body
+        try:
             self._inflight -= 1
-            if self._inflight == 0 and self._idle_waiting:
+            if self._idle_waiting and self._inflight == 0:
                 self._idle.notify_all()
             return self._end > self._checkpoint_bytes and not self.pending
+        finally:
+            lock.release()
 
     def checkpoint(self, *, wait: bool = True) -> None:
         """Trim the applied log: start a fresh log file, sync every store, then remove the

@@ -2,10 +2,11 @@
 
 from typing import final
 
-__all__ = ["AtomicWriter", "msync_range", "pwrite_all"]
+__all__ = ["AtomicWriter", "disarmed_point", "msync_range", "pwrite_all"]
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None: ...
 def msync_range(mapped: object, offset: int, length: int) -> None: ...
+def disarmed_point(name: str, /) -> None: ...
 
 @final
 class AtomicWriter:

@@ -337,16 +337,21 @@ class BitcaskStore:
     def _next_seq(self, sh: _Shard) -> int:
         seq = self._gsn()
         if not isinstance(seq, int) or not sh.highest < seq <= SEQ_MASK:
-            raise ArmdbError(
-                f"the gsn source returned {seq!r}, which is not above this shard's highest gsn "
-                f"{sh.highest}; seed the Db's counter from BitcaskStore.max_gsn"
-            )
+            raise self._bad_gsn(sh, seq)
         return seq
+
+    @staticmethod
+    def _bad_gsn(sh: _Shard, seq: object) -> ArmdbError:
+        return ArmdbError(
+            f"the gsn source returned {seq!r}, which is not above this shard's highest gsn "
+            f"{sh.highest}; seed the Db's counter from BitcaskStore.max_gsn"
+        )
 
     # -- writing ---------------------------------------------------------------------------
 
     def _write(self, sh: _Shard, key: bytes, value: bytes | None, seq: int) -> bool:
-        """Append one record and update the index (under ``sh.lock``); True if the shard rotated."""
+        """Append one record, update the index and run the timed sync when due (under
+        ``sh.lock``); True if the shard rotated."""
         gsn_word = seq | (TOMBSTONE if value is None else 0)
         act = sh.active
         # Everything before this record was synced: say so (a rotation below keeps it
@@ -372,7 +377,10 @@ class BitcaskStore:
             act = sh.active
             rotated = True
         off = act.size
-        self._pwrite(act, rec, off)
+        try:
+            _fs.FS.pwrite(act.fd, rec, off)  # _pwrite, its frame saved on this path
+        except OSError as e:
+            raise self._append_failed(act, off, e) from e
         size = len(rec)
         act.size = off + size
         act.total += size
@@ -393,19 +401,30 @@ class BitcaskStore:
         else:
             self._index_update(sh, key, act.fid, off, size, gsn_word)
         sh.highest = seq
+        # _maybe_sync, which every single write ran next, without its frame (sh.dirty is
+        # set above): the timed sync when due.
+        cfg = self.config
+        if cfg.enable_fsync:
+            now = time.monotonic()
+            if not cfg.sync_interval or now - sh.last_sync >= cfg.sync_interval:
+                self._sync_due(sh, now)
         return rotated
 
     def _pwrite(self, act: Any, data: bytes, off: int) -> None:
         """Append ``data`` at ``off`` of the active file, or undo the partial write."""
-        fs = _fs.FS
         try:
-            fs.pwrite(act.fd, data, off)
+            _fs.FS.pwrite(act.fd, data, off)
         except OSError as e:
-            try:
-                fs.ftruncate(act.fd, off)
-            except OSError:
-                self._poisoned = f"could not undo a failed append to {act.path}"
-            raise _storage_error(e, f"append to {act.path} failed; nothing was written") from e
+            raise self._append_failed(act, off, e) from e
+
+    def _append_failed(self, act: Any, off: int, e: OSError) -> StorageError:
+        """An append at ``off`` of the active file failed: cut the file back to ``off``
+        (poison the store if that fails too); returns the error to raise."""
+        try:
+            _fs.FS.ftruncate(act.fd, off)
+        except OSError:
+            self._poisoned = f"could not undo a failed append to {act.path}"
+        return _storage_error(e, f"append to {act.path} failed; nothing was written")
 
     @staticmethod
     def _group_flag(sh: _Shard) -> int:
@@ -507,14 +526,20 @@ class BitcaskStore:
             sh.index[key] = (fid, off, size, gsn_word, holders)
 
     def _maybe_sync(self, sh: _Shard) -> None:
+        """The timed sync, when due (:meth:`_write` runs the same test at its end)."""
         cfg = self.config
         if not cfg.enable_fsync or not sh.dirty:
             return
         now = time.monotonic()
         if cfg.sync_interval and now - sh.last_sync < cfg.sync_interval:
             return
-        # Due: wake the Db's flusher, which syncs without the lock (_sync_shard), rather
-        # than make this writer and every thread waiting on the lock wait for the disk.
+        self._sync_due(sh, now)
+
+    def _sync_due(self, sh: _Shard, now: float) -> None:
+        """A timed sync is due (under ``sh.lock``)."""
+        cfg = self.config
+        # Wake the Db's flusher, which syncs without the lock (_sync_shard), rather than
+        # make this writer and every thread waiting on the lock wait for the disk.
         kick = self.kick
         if cfg.sync_interval and kick is not None and _fs.background_sync_ok() and kick():
             sh.last_sync = now
@@ -626,9 +651,10 @@ class BitcaskStore:
         try:
             if self._closed or self._poisoned is not None:
                 self.check_writable()
-            seq = self._next_seq(sh)
-            rotated = self._write(sh, key, value, seq)
-            self._maybe_sync(sh)
+            seq = self._gsn()  # _next_seq, its frame saved on this path
+            if type(seq) is not int or not sh.highest < seq <= SEQ_MASK:
+                raise self._bad_gsn(sh, seq)
+            rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
         finally:
             lock.release()
         if rotated or sh.compact_due:
@@ -659,8 +685,7 @@ class BitcaskStore:
             if key not in sh.index:
                 return False
             seq = self._next_seq(sh)
-            rotated = self._write(sh, key, None, seq)
-            self._maybe_sync(sh)
+            rotated = self._write(sh, key, None, seq)  # and the timed sync, when due
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return True
@@ -702,8 +727,7 @@ class BitcaskStore:
                 return False
             if value is None and key not in sh.index:
                 return True
-            rotated = self._write(sh, key, value, gsn)
-            self._maybe_sync(sh)
+            rotated = self._write(sh, key, value, gsn)  # and the timed sync, when due
         if rotated or sh.compact_due:
             _auto_compact(self, sh)
         return True
@@ -1033,10 +1057,9 @@ class BitcaskStore:
                 f"gsn {gsn!r} is not above this shard's highest gsn {sh.highest}; draw gsns for a "
                 f"commit while holding the shard lock"
             )
-        if self._write(sh, key, value, gsn):
+        if self._write(sh, key, value, gsn):  # and the timed sync, when due
             sh.compact_due = True
             self._compact_deferred = True
-        self._maybe_sync(sh)
         return True
 
     def write_many_locked(self, items: list[tuple[bytes, bytes | None, int]]) -> None:
