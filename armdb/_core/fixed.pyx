@@ -1041,13 +1041,16 @@ def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, P
         klen = len(<bytes>key)
         rsize = 20 + klen
         rsize += (-rsize) & 7
-        old = index.get(key)
+        old = index.pop(key, None)  # (one lookup: CPython's _PyDict_Pop)
         if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+            if old is not None:
+                # Back for the caller's general update, which takes it out again (a
+                # tombstone never leaves its key in the index), so its place is moot.
+                index[key] = old
             word = (g0 + <uint64_t>i) | _TOMBSTONE
             if i == first:
                 word |= flag
             return dead, i, off, word
-        del index[key]
         dead += <Py_ssize_t>(<tuple>old)[2] + rsize
         off += rsize
     return dead, n, off, 0
