@@ -2095,8 +2095,9 @@ class Queue(Generic[T]):
         return len(picked)
 
     def _tx_batch(self, plan: Plan, push: bool, args: tuple[Any, ...], now: int) -> int:
-        """Plan a ``push_many`` (returns the first id) or an ``ack_many`` (returns how many),
-        every lock of the queue held (armdb.tx.commit_batch)."""
+        """Plan a ``push_many`` (returns the first id), every lock of the queue held
+        (armdb.tx.commit_batch); an ``ack_many`` commits by armdb.tx.commit_ack_many,
+        which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
         if push:
             return self._tx_push_many(plan, *args, now=now)
         raise AssertionError("ack_many commits by armdb.tx.commit_ack_many")
