@@ -659,7 +659,7 @@ def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any,
     if db._closed:
         db.check_open()
     txlog = db.txlog
-    if txlog.sealer is None and q._tx_encrypted():
+    if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
         raise _log_key_required()
     payload = q._payload
     n = len(seqs)
