@@ -55,7 +55,7 @@ import numpy as np
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_put, cache_take
-from ._core.fixed import body_rows, push_body_rows, ring_next
+from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
 from ._pack import packb
@@ -377,7 +377,7 @@ class Queue(Generic[T]):
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
-        # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.body_rows).
+        # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.push_body_rows, tomb_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._payload_name = spec.payload_name
         # A var ack's log record body, the list of its two rows ["F", name, shard, slot,
@@ -2096,11 +2096,12 @@ class Queue(Generic[T]):
         return len(picked)
 
     def _tx_batch(self, plan: Plan, push: bool, args: tuple[Any, ...], now: int) -> int:
-        """Plan a ``push_many`` (returns the first id) or an ``ack_many`` (returns how many),
-        every lock of the queue held (armdb.tx.commit_batch)."""
+        """Plan a ``push_many`` (returns the first id), every lock of the queue held
+        (armdb.tx.commit_batch); an ``ack_many`` commits by armdb.tx.commit_ack_many,
+        which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
         if push:
             return self._tx_push_many(plan, *args, now=now)
-        return self._tx_ack_many(plan, *args)
+        raise AssertionError("ack_many commits by armdb.tx.commit_ack_many")
 
     def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
         """Plan the ``n`` pushes of a batch: ``payloads`` is the rows' bytes end to end
@@ -2152,18 +2153,13 @@ class Queue(Generic[T]):
             rows += len(slots)
         plan.packed.append((rows, bytes(buf)))
 
-    def _tx_ack_many(self, plan: Plan, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
-                     epochs: np.ndarray) -> int:
-        """Plan the acks of a batch (ids distinct); ``StaleToken`` if any lease is no longer held."""
-        payload = self._payload
-        if payload is not None:
-            # The bodies' deletes, logged first (ahead of the headers' rows), applied last.
-            ids = np.ascontiguousarray(seqs, dtype=np.uint64)
-            packed, items = body_rows(self._body_row_head, ids, None, plan.gsns(len(ids)))
-            plan.packed.append((len(ids), packed))
-            plan.add_bitcask(payload)
-        buf = bytearray()
-        rows = 0
+    def _tx_plan_acks(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray, epochs: np.ndarray,
+                      buf: bytearray) -> list[tuple[_Shard, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Plan the header side of an ``ack_many`` (ids distinct; every lock of the queue
+        held, armdb.tx.commit_ack_many): one F row per ack appended to ``buf``, and per
+        shard ``(shard, dues, seqs, slots, versions)`` for :meth:`_tx_apply_acks`;
+        ``StaleToken`` (nothing planned) if any lease is no longer held."""
+        planned = []
         shards = self._shards
         for k, sh in enumerate(shards):
             if len(shards) == 1:
@@ -2171,27 +2167,22 @@ class Queue(Generic[T]):
             else:
                 sel = shard_nos == k
                 d, q, e = dues[sel], seqs[sel], epochs[sel]
-            if not len(q):
-                continue
-            d, q, e = (np.ascontiguousarray(a) for a in (d, q, e))
+                if not len(q):
+                    continue
             slots, versions, bad, code = sh.plan_ack_block(self._name_field, d, q, e, buf)
             if slots is None:
                 if code == DUPLICATE:  # each row lives in one shard: a repeat is seen there
                     raise StaleToken(f"row {int(q[bad])} appears twice in this batch; nothing was acked")
                 tok = LeaseToken(self._handle, k, int(d[bad]), int(q[bad]), int(e[bad]))
                 raise StaleToken(f"{self._stale(tok, code == ABSENT)} (nothing of this batch was acked)")
-            plan.add_fixed(sh.fixed)
-            plan.apply.append(functools.partial(sh.apply_ack_block, d, q, slots, versions))
-            rows += len(slots)
-        plan.packed.append((rows, bytes(buf)))
-        if payload is not None:
+            planned.append((sh, d, q, slots, versions))
+        return planned
 
-            def apply_deletes() -> None:
-                payload.write_many_locked(items)
-                self._cache_drop_many(ids)
-
-            plan.apply.append(apply_deletes)
-        return len(seqs)
+    @staticmethod
+    def _tx_apply_acks(planned: list[tuple[_Shard, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Apply the logged header side of an ``ack_many`` (:meth:`_tx_plan_acks`)."""
+        for sh, d, q, slots, versions in planned:
+            sh.apply_ack_block(d, q, slots, versions)
 
     def _tx_count_payload_writes(self, n: int) -> None:
         with self._counter_lock:

@@ -40,8 +40,11 @@ from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+import numpy as np
+
 from . import _fail
 from ._clock import to_ms
+from ._core.fixed import tomb_rows
 from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
@@ -639,13 +642,96 @@ def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive:
 
 def commit_batch(db: Db, q: Queue[Any], push: bool, args: tuple[Any, ...]) -> Any:
     """``Queue.push_many`` (``push``) and ``Queue.ack_many`` (Q31, Q32): the whole batch in
-    one logged commit, under all of the queue's locks, by the same
-    :meth:`Tx._commit_locked`; returns what the queue's plan of it returned."""
+    one logged commit, under all of the queue's locks; a push batch by the same
+    :meth:`Tx._commit_locked` (returns what the queue's plan of it returned), an ack
+    batch by :func:`commit_ack_many` (returns how many were acked)."""
+    if not push:
+        return commit_ack_many(db, q, *args)
     locks: dict[str, threading.Lock] = {}
     q._tx_all_locks(locks)
     step = _Batch(q, push, args)
     _commit_queue_step(db, q, step, _ordered(locks))
     return step.result
+
+
+def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any, epochs: Any) -> int:
+    """``Queue.ack_many`` (Q14, Q32): the acks of a batch (ids distinct) in one logged
+    commit, all or nothing, run here in one frame without a plan (as the lone ack of
+    :func:`commit_settle`): every lock of the queue in the global order, the leases
+    checked and the header rows built by the queue (``Queue._tx_plan_acks``, nothing
+    changed if one is stale), then one log record with the bodies' tombstones (a var
+    queue) ahead of the headers' deletes, synced first when durable (write-ahead), then
+    the headers applied, then the tombstones (``BitcaskStore.delete_many_locked``) and
+    the cache drops.  A failure after the log append fences the stores through
+    :func:`_fence_after_log`, the same handling as every other commit's.  Returns how
+    many were acked."""
+    if db._closed:
+        db.check_open()
+    txlog = db.txlog
+    if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
+        raise _log_key_required()
+    payload = q._payload
+    n = len(seqs)
+    lockmap: dict[str, threading.Lock] = {}
+    q._tx_all_locks(lockmap)
+    locks = _ordered(lockmap)
+    checkpoint_due = False
+    held = 0
+    try:
+        for lock in locks:
+            lock.acquire()
+            held += 1
+        heads = bytearray()
+        planned = q._tx_plan_acks(shard_nos, dues, seqs, epochs, heads)  # StaleToken: nothing changed
+        # Refused before anything is logged: a store fenced by a failed sync, a closed one.
+        fixed = [p[0].fixed for p in planned]
+        for f in fixed:
+            if f.poisoned is not None or f.sf.closed:
+                f.check_writable()
+        if payload is not None:
+            if payload._poisoned is not None or payload._closed:
+                payload.check_writable()
+            # The tombstones' gsns, reserved on disk before the record that uses them is
+            # logged; the bodies' rows first in the record, as every commit logs them.
+            seqmap = db.seqmap
+            g0 = seqmap.draw_block("gsn", n)
+            seqmap.reserve_through("gsn", g0 + n - 1)
+            ids = np.ascontiguousarray(seqs, dtype=np.uint64)
+            body = bytearray()
+            keys = tomb_rows(q._body_row_head, ids, g0, body)
+            body += heads
+            end = txlog.append([], [(2 * n, bytes(body))])
+        else:
+            end = txlog.append([], [(n, bytes(heads))])
+        if db.tx_config.durable:
+            try:
+                txlog.sync_to(end)  # write-ahead: on disk before anything is applied
+            except BaseException as e:
+                err = _fence_after_log((q,), fixed, [payload] if payload is not None else [], e, True)
+                txlog.done()
+                raise err from e
+        try:
+            q._tx_apply_acks(planned)
+            if payload is not None:
+                payload.delete_many_locked(keys, g0)
+                q._cache_drop_many(ids)
+            _fail.point("txlog.after_apply")
+            for f in fixed:
+                f.raise_sync_error()  # applied in full; its sync failed
+        except BaseException as e:
+            err = _fence_after_log((q,), fixed, [payload] if payload is not None else [], e)
+            txlog.done()  # only once the stores are fenced: a checkpoint may follow
+            raise err from e
+        checkpoint_due = txlog.done()
+    finally:
+        while held:
+            held -= 1
+            locks[held].release()
+    if checkpoint_due:
+        txlog.checkpoint_after_commit()
+    if payload is not None:
+        payload.maybe_compact()
+    return n
 
 
 def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.Lock]) -> None:

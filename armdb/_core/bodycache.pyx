@@ -10,7 +10,7 @@ caller holds the cache's lock and keeps the byte count.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -48,11 +48,9 @@ def cache_take(dict cache, const uint64_t[::1] ids):
 def cache_drop(dict cache, const uint64_t[::1] ids):
     """Drop the bodies of ``ids`` (an id not cached is skipped); returns their bytes."""
     cdef Py_ssize_t i, n = ids.shape[0], freed = 0
-    cdef PyObject* body
+    cdef object body
     for i in range(n):
-        key = ids[i]
-        body = PyDict_GetItem(cache, key)
-        if body != NULL:
-            freed += PyBytes_GET_SIZE(<bytes>body)
-            PyDict_DelItem(cache, key)
+        body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
+        if body is not None:
+            freed += PyBytes_GET_SIZE(<bytes?>body)
     return freed

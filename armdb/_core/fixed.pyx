@@ -18,7 +18,7 @@ value), table-driven "slice-by-8" as in Intel's and zlib's implementations.
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -501,73 +501,6 @@ cdef inline uint8_t* _pack_uint(uint8_t* p, uint64_t v) noexcept:
     return p + 1 + w
 
 
-def body_rows(bytes head not None, const uint64_t[::1] seqs, list bodies, uint64_t g0):
-    """The log rows and Bitcask items of a var batch's bodies, without a Python loop.
-
-    Row ``i`` is ``head`` (the packed start of ``["B", payload_name, ...``: a fixarray of
-    5, "B" and the name) then the key (row ``seqs[i]`` as 8 big-endian bytes, msgpack
-    ``bin 8``), the body (``bodies[i]`` as msgpack ``bin``; nil for a delete: ``bodies``
-    None) and the gsn ``g0 + i``: the bytes ``msgpack.packb`` gives for the row, end to
-    end, for ``TxLog.append``'s packed rows.  Also returns the items
-    ``(key, body or None, gsn)`` for the store's group write.  The caller checked the
-    bodies (``bytes``, within the value limit).
-    """
-    cdef Py_ssize_t n = seqs.shape[0], i, hlen = len(head), total = 0, blen
-    cdef uint64_t q
-    cdef object body
-    if bodies is not None and len(bodies) != n:
-        raise ValueError("body_rows needs one body per row")
-    for i in range(n):
-        total += hlen + 10 + 9 + 1
-        if bodies is not None:
-            body = bodies[i]
-            if type(body) is not bytes:
-                raise TypeError("body_rows takes bytes bodies")
-            total += 5 + len(<bytes>body)
-    out = PyBytes_FromStringAndSize(NULL, total)
-    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(out)
-    cdef uint8_t* start = p
-    cdef list items = []
-    for i in range(n):
-        q = seqs[i]
-        key = PyBytes_FromStringAndSize(NULL, 8)
-        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(q))
-        memcpy(p, PyBytes_AS_STRING(head), hlen)
-        p += hlen
-        p[0] = 0xc4
-        p[1] = 8
-        memcpy(p + 2, PyBytes_AS_STRING(key), 8)
-        p += 10
-        if bodies is None:
-            body = None
-            p[0] = 0xc0
-            p += 1
-        else:
-            body = bodies[i]
-            blen = len(<bytes>body)
-            if blen < 0x100:
-                p[0] = 0xc4
-                p[1] = <uint8_t>blen
-                p += 2
-            elif blen < 0x10000:
-                p[0] = 0xc5
-                p[1] = <uint8_t>(blen >> 8)
-                p[2] = <uint8_t>blen
-                p += 3
-            else:
-                p[0] = 0xc6
-                p[1] = <uint8_t>(blen >> 24)
-                p[2] = <uint8_t>(blen >> 16)
-                p[3] = <uint8_t>(blen >> 8)
-                p[4] = <uint8_t>blen
-                p += 5
-            memcpy(p, PyBytes_AS_STRING(body), blen)
-            p += blen
-        p = _pack_uint(p, g0 + <uint64_t>i)
-        items.append((key, body, g0 + i))
-    return out[:p - start], items
-
-
 cdef inline uint64_t _bswap64(uint64_t v) noexcept nogil:
     """``v`` with its bytes reversed: stored little-endian, it reads as big-endian."""
     cdef uint64_t r = 0
@@ -930,10 +863,12 @@ cdef inline int _uint_width(uint64_t v) noexcept nogil:
 
 
 def push_body_rows(bytes head not None, uint64_t first, list bodies not None, uint64_t g0):
-    """:func:`body_rows` of a push batch (ids ``first``, ``first + 1``, ...; every body a
-    ``bytes``): the same packed log rows, written at their exact size (no copy to trim
-    them), and the bodies' keys (``armdb.qrows.body_key`` of each id), without an item
-    tuple or a gsn int a row.  Returns ``(packed, keys)``."""
+    """The log rows of a push batch's bodies (ids ``first``, ``first + 1``, ...; every body
+    a ``bytes``): row ``i`` is ``head`` (the packed start of ``["B", payload_name, ...``)
+    then the key (msgpack ``bin 8``), the body (msgpack ``bin``) and the gsn ``g0 + i``,
+    the bytes ``msgpack.packb`` gives for the row, written at their exact size; and the
+    bodies' keys (``armdb.qrows.body_key`` of each id).  No item tuple and no gsn int a
+    row.  Returns ``(packed, keys)``."""
     cdef Py_ssize_t n = len(bodies), i, hlen = len(head), total = 0, blen
     cdef object body
     for i in range(n):
@@ -1060,3 +995,149 @@ def bitcask_index_put_new(dict index not None, dict tombs not None, list keys no
         if got != <PyObject*>entry:
             return i
     return n
+
+
+# -- a var batch's body deletes (Queue.ack_many): keys, log rows, tombstones, index -------------
+
+def tomb_rows(bytes head not None, const uint64_t[::1] seqs, uint64_t g0, bytearray out not None):
+    """The log rows of a var batch's body deletes appended to ``out``: the bytes
+    ``msgpack.packb`` gives for ``[B, name, key, nil, gsn]`` (gsn ``g0 + i``, the rest as
+    :func:`push_body_rows` packs them); returns the keys (row ``seqs[i]`` as 8 big-endian bytes,
+    ``armdb.qrows.body_key``) for the store's :func:`bitcask_tombs`.  No item tuple and no
+    gsn int per row."""
+    cdef Py_ssize_t n = seqs.shape[0], i, hlen = len(head), at = len(out)
+    cdef uint8_t* p
+    cdef uint8_t* start
+    cdef list keys = PyList_New(n)  # (items NULL until set, which the list's free skips)
+    if PyByteArray_Resize(out, at + n * (hlen + 20)) < 0:
+        raise MemoryError()
+    start = <uint8_t*>PyByteArray_AS_STRING(out)
+    p = start + at
+    for i in range(n):
+        key = PyBytes_FromStringAndSize(NULL, 8)
+        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(seqs[i]))
+        Py_INCREF(key)
+        PyList_SET_ITEM(keys, i, key)
+        memcpy(p, PyBytes_AS_STRING(head), hlen)
+        p += hlen
+        p[0] = 0xc4
+        p[1] = 8
+        memcpy(p + 2, PyBytes_AS_STRING(key), 8)
+        p[10] = 0xc0
+        p = _pack_uint(p + 11, g0 + <uint64_t>i)
+    if PyByteArray_Resize(out, p - start) < 0:
+        raise MemoryError()
+    return keys
+
+
+def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t flag, uint16_t magic,
+                  Py_ssize_t off, Py_ssize_t max_key):
+    """The tombstones of a batch of deletes (key ``keys[i]`` at gsn ``g0 + i``) for one
+    unencrypted Bitcask shard, to append in one write: what :func:`bitcask_group` gives
+    for the items ``(keys[i], None, g0 + i)``, without the item tuples and index entries.
+    A key ``index`` does not hold writes nothing; the first record written carries
+    ``flag`` and must be above ``highest``.
+
+    Returns ``(data, hints, kept, count)``: the records end to end (the first at file
+    offset ``off``), their hint entries end to end, ``n`` bytes (1 for a key written) and
+    how many were written; or None when a key is not ``bytes`` or longer than
+    ``max_key``, or a gsn is 0, above the gsn mask or not above ``highest``: the caller's
+    general path checks the batch and raises the right error."""
+    cdef Py_ssize_t n = len(keys), i, klen, total = 0, htotal = 0, rsize, count = 0, first = -1
+    cdef uint64_t word
+    cdef object key
+    if n == 0:
+        return (b"", b"", b"", 0)
+    if g0 == 0 or g0 > _SEQ_MASK or <uint64_t>(n - 1) > _SEQ_MASK - g0:
+        return None
+    kept = PyBytes_FromStringAndSize(NULL, n)
+    cdef uint8_t* kp = <uint8_t*>PyBytes_AS_STRING(kept)
+    for i in range(n):
+        key = <object>PyList_GET_ITEM(keys, i)
+        if type(key) is not bytes:
+            return None
+        klen = len(<bytes>key)
+        if klen > max_key:
+            return None
+        if key not in index:
+            kp[i] = 0  # deleting a missing key writes nothing
+            continue
+        kp[i] = 1
+        if first < 0:
+            first = i
+            if g0 + <uint64_t>i <= highest:
+                return None
+        rsize = 20 + klen
+        total += rsize + ((-rsize) & 7)
+        htotal += 22 + klen
+        count += 1
+    if not count:
+        return (b"", b"", kept, 0)
+    data = PyBytes_FromStringAndSize(NULL, total)
+    hints = PyBytes_FromStringAndSize(NULL, htotal)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
+    cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
+    cdef Py_ssize_t at = off
+    for i in range(first, n):
+        if not kp[i]:
+            continue
+        key = <object>PyList_GET_ITEM(keys, i)
+        klen = len(<bytes>key)
+        word = (g0 + <uint64_t>i) | _TOMBSTONE
+        if i == first:
+            word |= flag
+        rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, NULL, 0, magic)
+        store_u64(h, word)
+        store_u64(h + 8, <uint64_t>at)
+        store_u32(h + 16, 0)
+        h[20] = <uint8_t>klen
+        h[21] = <uint8_t>(klen >> 8)
+        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
+        h += 22 + klen
+        p += rsize
+        at += rsize
+    return (data, hints, kept, count)
+
+
+def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, Py_ssize_t off, uint64_t g0,
+                       uint64_t flag, Py_ssize_t start):
+    """The index changes of :func:`bitcask_tombs`'s records once appended at file offset
+    ``off`` of file ``fid`` (the record of ``keys[start]`` or, if not written, of the next
+    key written is at ``off``), from ``keys[start]`` on, for the common delete with no
+    Python loop: a key whose put lies in the same file with no older holder (entry[4]
+    None) leaves the index, both records garbage at once (what ``bitcask_index_apply``
+    does for such a delete).  Stops at the first written key of another case.
+
+    Returns ``(dead, stop, off, word)``: the bytes found dead, the key it stopped at
+    (``len(keys)`` when done), and that key's record offset and gsn word, for the
+    caller's general update of it."""
+    cdef Py_ssize_t n = len(keys), i, klen, rsize, dead = 0, first = -1
+    cdef const uint8_t* kp = <const uint8_t*>PyBytes_AS_STRING(kept)
+    cdef object key, old
+    cdef uint64_t word
+    if len(kept) != n:
+        raise ValueError("bitcask_tomb_index: one flag per key")
+    for i in range(n):
+        if kp[i]:
+            first = i
+            break
+    for i in range(start, n):
+        if not kp[i]:
+            continue
+        key = <object>PyList_GET_ITEM(keys, i)
+        klen = len(<bytes>key)
+        rsize = 20 + klen
+        rsize += (-rsize) & 7
+        old = index.pop(key, None)  # (one lookup: CPython's _PyDict_Pop)
+        if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+            if old is not None:
+                # Back for the caller's general update, which takes it out again (a
+                # tombstone never leaves its key in the index), so its place is moot.
+                index[key] = old
+            word = (g0 + <uint64_t>i) | _TOMBSTONE
+            if i == first:
+                word |= flag
+            return dead, i, off, word
+        dead += <Py_ssize_t>(<tuple>old)[2] + rsize
+        off += rsize
+    return dead, n, off, 0

@@ -46,6 +46,24 @@ import numpy as np
 cnp.import_array()
 import_datetime()
 
+
+cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
+    """The data and length of ``a``, a one-dimensional C-contiguous NumPy array of
+    native unsigned ints of ``itemsize`` bytes (``writable`` if asked): what a typed
+    memoryview argument checks, for about 30 instructions instead of 1,700 (the batch
+    kernels take several arrays per call)."""
+    if not cnp.PyArray_Check(a):
+        raise TypeError(f"expected a NumPy array of uint{8 * itemsize}, got {type(a).__name__}")
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    if (cnp.PyArray_NDIM(arr) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
+            or cnp.PyArray_ITEMSIZE(arr) != itemsize or not cnp.PyArray_ISUNSIGNED(arr)
+            or not cnp.PyArray_ISNOTSWAPPED(arr) or (writable and not cnp.PyArray_ISWRITEABLE(arr))):
+        raise ValueError(f"expected a one-dimensional contiguous{' writable' if writable else ''} array of "
+                         f"uint{8 * itemsize}, got {a.dtype} of shape {a.shape}")
+    data[0] = <char*>cnp.PyArray_DATA(arr)
+    n[0] = cnp.PyArray_DIM(arr, 0)
+    return 0
+
 from armdb._core._util cimport load_be64, load_le, monotonic_s
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
@@ -630,14 +648,14 @@ cdef class QueueShard:
         self._end_batch()
         self.hook_ran = False
 
-    def plan_ack_block(self, bytes name_field not None, const uint64_t[::1] dues, const uint64_t[::1] seqs,
-                       const uint32_t[::1] epochs, bytearray log_out not None):
+    def plan_ack_block(self, bytes name_field not None, object dues_a, object seqs_a, object epochs_a,
+                       bytearray log_out not None):
         """Plan acks of the leases ``(dues[j], seqs[j], epochs[j])`` of this shard:
         ``(slots, versions, -1, 0)`` with one msgpack F row per ack appended to ``log_out``,
         or ``(None, None, j, code)`` for the first lease ``j`` that is no longer held (code
         ABSENT or RELEASED) or that an earlier ``j`` already named (DUPLICATE), and then
         nothing changed and ``log_out`` is left as it was."""
-        cdef Py_ssize_t j, k, count = seqs.shape[0], name_len = len(name_field)
+        cdef Py_ssize_t j, k, count, name_len = len(name_field)
         cdef Py_ssize_t b = 0, pos = 0
         cdef int r = 0
         cdef const uint8_t* name = <const uint8_t*>(<char*>name_field)
@@ -645,12 +663,19 @@ cdef class QueueShard:
         cdef uint8_t* out
         cdef Entry* e
         cdef Entry** found
-        if dues.shape[0] != count or epochs.shape[0] != count:
+        cdef const uint64_t* dues
+        cdef const uint64_t* seqs
+        cdef const uint32_t* epochs
+        cdef Py_ssize_t nd, ne
+        _vec(dues_a, 8, False, <char**>&dues, &nd)
+        _vec(seqs_a, 8, False, <char**>&seqs, &count)
+        _vec(epochs_a, 4, False, <char**>&epochs, &ne)
+        if nd != count or ne != count:
             raise ValueError("plan_ack_block: arrays of different lengths")
-        slots = np.empty(count, dtype=np.uint32)
-        versions = np.empty(count, dtype=np.uint32)
-        cdef uint32_t[::1] sl = slots
-        cdef uint32_t[::1] vs = versions
+        cdef cnp.ndarray slots = np.empty(count, dtype=np.uint32)
+        cdef cnp.ndarray versions = np.empty(count, dtype=np.uint32)
+        cdef uint32_t* sl = <uint32_t*>cnp.PyArray_DATA(slots)
+        cdef uint32_t* vs = <uint32_t*>cnp.PyArray_DATA(versions)
         self.sf._alive()  # the rows are read from the mapped file
         self.live._enter()
         found = <Entry**>malloc_array(count + 1, sizeof(Entry*))
@@ -684,15 +709,22 @@ cdef class QueueShard:
             out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_DELETED, NULL, 0)
         return slots, versions, -1, 0
 
-    def apply_ack_block(self, const uint64_t[::1] dues, const uint64_t[::1] seqs, const uint32_t[::1] slots,
-                        const uint32_t[::1] versions):
+    def apply_ack_block(self, object dues_a, object seqs_a, object slots_a, object versions_a):
         """Apply the logged acks :meth:`plan_ack_block` planned (see :meth:`ack_slot`): the
         slots first, then their keys leave the index in one pass (``KeyIndex._remove_keys``),
         also when a write fails midway (for the rows written)."""
-        cdef Py_ssize_t j, done = 0, count = slots.shape[0]
+        cdef Py_ssize_t j, done = 0, count, nd, nq, nv
         cdef int64_t one
         cdef int64_t* gone
-        if dues.shape[0] != count or seqs.shape[0] != count or versions.shape[0] != count:
+        cdef const uint64_t* dues
+        cdef const uint64_t* seqs
+        cdef const uint32_t* slots
+        cdef const uint32_t* versions
+        _vec(dues_a, 8, False, <char**>&dues, &nd)
+        _vec(seqs_a, 8, False, <char**>&seqs, &nq)
+        _vec(slots_a, 4, False, <char**>&slots, &count)
+        _vec(versions_a, 4, False, <char**>&versions, &nv)
+        if nd != count or nq != count or nv != count:
             raise ValueError("apply_ack_block: arrays of different lengths")
         if count == 0:
             return
@@ -714,24 +746,25 @@ cdef class QueueShard:
         self.hook_ran = False
 
     def claim_block(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts,
-                    uint64_t[::1] dues, uint64_t[::1] seqs, uint16_t[::1] attempts, uint32_t[::1] epochs,
-                    uint8_t[::1] payloads, Py_ssize_t at):
+                    object dues_a, object seqs_a, object attempts_a, object epochs_a, object payloads_a,
+                    Py_ssize_t at):
         """:meth:`claim` into arrays: lease up to ``n`` due rows in key order, writing the
         j-th lease at index ``at + j`` of ``dues``, ``seqs``, ``attempts``, ``epochs``
         and (its inline payload) of ``payloads`` (``payload_size`` bytes a row).
         Returns ``(leased, dead_lettered)``; no Python object is made per row."""
         cdef _Sink sink
-        cdef Py_ssize_t dead = 0, got
+        cdef Py_ssize_t dead = 0, got, nd, nq, na, ne, npl
+        _vec(dues_a, 8, True, <char**>&sink.dues, &nd)
+        _vec(seqs_a, 8, True, <char**>&sink.seqs, &nq)
+        _vec(attempts_a, 2, True, <char**>&sink.attempts, &na)
+        _vec(epochs_a, 4, True, <char**>&sink.epochs, &ne)
+        _vec(payloads_a, 1, True, <char**>&sink.payloads, &npl)
         if n <= 0 or now < 0:
             return 0, 0
-        if at < 0 or at + n > seqs.shape[0] or dues.shape[0] < at + n or attempts.shape[0] < at + n \
-                or epochs.shape[0] < at + n or payloads.shape[0] < (at + n) * self.psize:
+        if at < 0 or at + n > nq or nd < at + n or na < at + n or ne < at + n or npl < (at + n) * self.psize:
             raise ValueError("claim_block: the output arrays are too short")
-        sink.dues = &dues[0]
-        sink.seqs = &seqs[0]
-        sink.attempts = &attempts[0]
-        sink.epochs = &epochs[0]
-        sink.payloads = &payloads[0] if payloads.shape[0] else NULL
+        if not npl:
+            sink.payloads = NULL
         sink.at = at
         got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
         return got, dead

@@ -30,6 +30,8 @@ from .._core.fixed import (
     bitcask_index_put_new,
     bitcask_puts,
     bitcask_record,
+    bitcask_tomb_index,
+    bitcask_tombs,
 )
 from .._crypto import Sealer
 from ..config import Config
@@ -1151,6 +1153,47 @@ class BitcaskStore:
                 self._maybe_sync(sh)
                 return
         self.write_many_locked(list(zip(keys, values, range(g0, g0 + len(keys)), strict=True)))
+
+    def delete_many_locked(self, keys: list[bytes], g0: int) -> None:
+        """:meth:`write_many_locked` of the deletes ``(keys[i], None, g0 + i)`` (a var
+        ``ack_many``'s bodies; the caller holds every key's shard lock): the same records,
+        hint entries and index changes, built by compiled loops with no item tuple or index
+        entry per key.  Anything but the common case (several shards, encryption, a
+        rotation, a key not plain) goes through :meth:`write_many_locked`."""
+        shards = self._shards
+        if len(shards) == 1 and self._sealer is None and keys:
+            sh = shards[0]
+            if sh.closed or self._poisoned is not None:
+                self.check_writable()
+            act = sh.active
+            flag = self._group_flag(sh)
+            got = bitcask_tombs(keys, sh.index, g0, sh.highest, flag, RECORD_MAGIC, act.size, MAX_KEY_LEN)
+            if got is not None:
+                data, hints, kept, count = got
+                if not count:
+                    return
+                if not (act.total and act.size + len(data) > self.config.max_file_size):
+                    off = act.size
+                    self._pwrite(act, data, off)
+                    act.size = off + len(data)
+                    act.total += len(data)
+                    sh.dirty = True
+                    _fail.point("bitcask.after_append")
+                    sh.hint.add_raw(hints, count)
+                    index, fid, n, i = sh.index, act.fid, len(keys), 0
+                    while i < n:
+                        dead, i, off, word = bitcask_tomb_index(index, keys, kept, fid, off, g0, flag, i)
+                        act.dead += dead
+                        if i < n:  # a delete of another case: the general update, in order
+                            size = 20 + len(keys[i])
+                            size += -size & 7
+                            self._index_update(sh, keys[i], fid, off, size, word)
+                            off += size
+                            i += 1
+                    sh.highest = g0 + n - 1
+                    self._maybe_sync(sh)
+                    return
+        self.write_many_locked([(k, None, g0 + i) for i, k in enumerate(keys)])
 
     def maybe_compact(self) -> None:
         """Run the compactions that rotations under a caller's lock deferred (never raises)."""
