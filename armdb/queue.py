@@ -2095,17 +2095,11 @@ class Queue(Generic[T]):
                 plan.apply.append(functools.partial(self._cache_drop, rid))
         return len(picked)
 
-    def _tx_batch(self, plan: Plan, push: bool, args: tuple[Any, ...], now: int) -> int:
-        """Plan a ``push_many`` (returns the first id), every lock of the queue held
-        (armdb.tx.commit_batch); an ``ack_many`` commits by armdb.tx.commit_ack_many,
-        which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
-        if push:
-            return self._tx_push_many(plan, *args, now=now)
-        raise AssertionError("ack_many commits by armdb.tx.commit_ack_many")
-
     def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
-        """Plan the ``n`` pushes of a batch: ``payloads`` is the rows' bytes end to end
-        (fixed) or the list of bodies (var).  ``QueueFull`` on the whole batch (Q21)."""
+        """Plan the ``n`` pushes of a batch, every lock of the queue held (armdb.tx.commit_batch;
+        returns the first id): ``payloads`` is the rows' bytes end to end (fixed) or the list
+        of bodies (var).  ``QueueFull`` on the whole batch (Q21).  An ``ack_many`` commits by
+        armdb.tx.commit_ack_many, which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
         cap = self._max_depth
         if cap is not None:
             live = sum(len(sh.live) for sh in self._shards)

@@ -102,11 +102,11 @@ class _DeadRows:
 
 @dataclass(slots=True)
 class _Batch:
-    """A queue's ``push_many`` or ``ack_many`` (Q31, Q32): one logged commit for the whole
-    batch, planned by the queue (``Queue._tx_batch``), which leaves its result here."""
+    """A queue's ``push_many`` (Q31): one logged commit for the whole batch, planned by the
+    queue (``Queue._tx_push_many``), which leaves its first id here.  (An ``ack_many``
+    commits by :func:`commit_ack_many`, without a step.)"""
 
     queue: Queue[Any]
-    push: bool
     args: tuple[Any, ...]
     result: Any = None
 
@@ -285,7 +285,7 @@ class Tx:
                 ids.append(s.seq)
             # A push, and a nack that makes its row ready again, can end a wait (Q19).
             if (t is _Push or (t is _Settle and not s.ack) or (t is _DeadRows and s.redrive)
-                    or (t is _Batch and s.push)) and s.queue not in notified:
+                    or t is _Batch) and s.queue not in notified:
                 notified.append(s.queue)
                 s.queue._notify()
         return ids
@@ -434,7 +434,7 @@ class Tx:
     def _plan(self, steps: list[Any], plan: Plan, now: int) -> None:
         if len(steps) == 1 and type(steps[0]) is _Batch:
             b = steps[0]
-            b.result = b.queue._tx_batch(plan, b.push, b.args, now)
+            b.result = b.queue._tx_push_many(plan, *b.args, now=now)
             return
         if len(steps) == 1 and type(steps[0]) is _DeadRows:
             d = steps[0]
@@ -649,7 +649,7 @@ def commit_batch(db: Db, q: Queue[Any], push: bool, args: tuple[Any, ...]) -> An
         return commit_ack_many(db, q, *args)
     locks: dict[str, threading.Lock] = {}
     q._tx_all_locks(locks)
-    step = _Batch(q, push, args)
+    step = _Batch(q, args)
     _commit_queue_step(db, q, step, _ordered(locks))
     return step.result
 
