@@ -60,7 +60,11 @@ def test_s5_fixed_flush_runs_outside_the_lock(db_path, monkeypatch):
     gate = _Gate(_fs.msync_range)
     with armdb.Db.open(db_path) as db:
         _stop_flusher(db)
-        q = db.open_queue(Fixed)
+        # A timed sync an hour apart: with the 50 ms default, a host slow enough to take
+        # 50 ms between the background flush and the second push made that push sync the
+        # shard itself, into the held gate.
+        header = armdb.FixedConfig.balanced().sync_interval(3600).build()
+        q = db.open_queue(Fixed, armdb.QueueConfig.balanced().header_config(header).build())
         q.push((1, 1))
         shard = q._shards[0].fixed
         monkeypatch.setattr(_fs, "msync_range", gate)
