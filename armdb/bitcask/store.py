@@ -434,6 +434,18 @@ class BitcaskStore:
         act = sh.active
         return SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
 
+    def _append_group(self, sh: _Shard, act: Any, data: bytes) -> int:
+        """Append a group's records (under ``sh.lock``) to the active file ``act``; returns
+        the offset they start at.  The one copy of these steps for every group write
+        (:meth:`_write_group`, :meth:`write_puts_locked`, :meth:`delete_many_locked`)."""
+        off = act.size
+        self._pwrite(act, data, off)
+        act.size = off + len(data)
+        act.total += len(data)
+        sh.dirty = True
+        _fail.point("bitcask.after_append")
+        return off
+
     def _write_group(self, sh: _Shard, items: list[tuple[bytes, bytes | None, int]], got: Any = None) -> bool:
         """:meth:`_write` of several records (gsns increasing) in one append; True if the
         shard rotated (then each record went on its own, as a rotation may fall between).
@@ -460,12 +472,7 @@ class BitcaskStore:
                 if value is not None or key in sh.index:  # a delete of a missing key writes nothing
                     rotated = self._write(sh, key, value, seq) or rotated
             return rotated
-        off = act.size
-        self._pwrite(act, data, off)
-        act.size = off + len(data)
-        act.total += len(data)
-        sh.dirty = True
-        _fail.point("bitcask.after_append")
+        off = self._append_group(sh, act, data)
         if self._sealer is not None:
             hint_add = sh.hint.add
             fid = act.fid
@@ -1139,12 +1146,7 @@ class BitcaskStore:
                                MAX_KEY_LEN, MAX_VALUE_LEN)
             if got is not None and not (act.total and act.size + len(got[0]) > self.config.max_file_size):
                 data, hints, entries = got
-                off = act.size
-                self._pwrite(act, data, off)
-                act.size = off + len(data)
-                act.total += len(data)
-                sh.dirty = True
-                _fail.point("bitcask.after_append")
+                self._append_group(sh, act, data)
                 sh.hint.add_raw(hints, len(keys))
                 i = bitcask_index_put_new(sh.index, sh.tombs, keys, entries)  # new keys, the common case
                 if i < len(keys):
@@ -1173,12 +1175,7 @@ class BitcaskStore:
                 if not count:
                     return
                 if not (act.total and act.size + len(data) > self.config.max_file_size):
-                    off = act.size
-                    self._pwrite(act, data, off)
-                    act.size = off + len(data)
-                    act.total += len(data)
-                    sh.dirty = True
-                    _fail.point("bitcask.after_append")
+                    off = self._append_group(sh, act, data)
                     sh.hint.add_raw(hints, count)
                     index, fid, n, i = sh.index, act.fid, len(keys), 0
                     while i < n:
