@@ -340,7 +340,8 @@ class VarCodec:
         self._decodes_as_is = not self.is_dataclass and payload is not tuple
 
     def encode(self, value: Any) -> bytes:
-        if type(value) is self._plain_type:
+        tried = type(value) is self._plain_type
+        if tried:
             got = pack_plain([value])
             if got is not None:
                 return got[0]
@@ -358,7 +359,7 @@ class VarCodec:
                     f"payload must be of type {self.payload.__name__}, not {type(value).__name__}"
                 )
             obj = value
-        if not self.rebuild_at_push:
+        if not self.rebuild_at_push and not tried:  # a value of the plain type was packed above if it could be
             got = pack_plain([obj])  # a plain value (the common payload): packed and vouched for in one pass
             if got is not None:
                 return got[0]

@@ -1071,18 +1071,28 @@ class BitcaskStore:
             self._compact_deferred = True
         return True
 
+    def _lone_plain_shard(self) -> _Shard | None:
+        """The one shard of an unencrypted store with one shard, refused if it cannot be
+        written (closed, fenced): the case the compiled group writes handle.  None for any
+        other store, which takes the general group write."""
+        shards = self._shards
+        if len(shards) != 1 or self._sealer is not None:
+            return None
+        sh = shards[0]
+        if sh.closed or self._poisoned is not None:
+            self.check_writable()
+        return sh
+
     def write_many_locked(self, items: list[tuple[bytes, bytes | None, int]]) -> None:
         """:meth:`write_locked` of a batch's committed rows (the caller holds the lock of
         every key's shard; gsns increase in item order): the records of each shard are
         appended to its data file in one write.  A delete of a missing key writes nothing."""
         shards = self._shards
-        if len(shards) == 1 and self._sealer is None:
+        sh = self._lone_plain_shard()
+        if sh is not None:
             # One shard, no key: the compiled group encoder checks the items and skips
             # deletes of missing keys in the same pass; anything it finds not plain goes
             # the general way below, which raises the matching error.
-            sh = shards[0]
-            if sh.closed or self._poisoned is not None:
-                self.check_writable()
             act = sh.active
             got = bitcask_group(items, sh.index, sh.highest, self._group_flag(sh), RECORD_MAGIC, act.fid, act.size,
                                 MAX_KEY_LEN, MAX_VALUE_LEN)
@@ -1136,11 +1146,8 @@ class BitcaskStore:
         hint entries and index, built from the two lists by a compiled loop
         (:func:`bitcask_puts`) with no item tuple a row.  Anything but one unencrypted
         shard with room in its active file goes through :meth:`write_many_locked`."""
-        shards = self._shards
-        if len(shards) == 1 and self._sealer is None:
-            sh = shards[0]
-            if sh.closed or self._poisoned is not None:
-                self.check_writable()
+        sh = self._lone_plain_shard()
+        if sh is not None:
             act = sh.active
             got = bitcask_puts(keys, values, g0, sh.highest, self._group_flag(sh), RECORD_MAGIC, act.fid, act.size,
                                MAX_KEY_LEN, MAX_VALUE_LEN)
@@ -1162,11 +1169,8 @@ class BitcaskStore:
         hint entries and index changes, built by compiled loops with no item tuple or index
         entry per key.  Anything but the common case (several shards, encryption, a
         rotation, a key not plain) goes through :meth:`write_many_locked`."""
-        shards = self._shards
-        if len(shards) == 1 and self._sealer is None and keys:
-            sh = shards[0]
-            if sh.closed or self._poisoned is not None:
-                self.check_writable()
+        sh = self._lone_plain_shard() if keys else None
+        if sh is not None:
             act = sh.active
             flag = self._group_flag(sh)
             got = bitcask_tombs(keys, sh.index, g0, sh.highest, flag, RECORD_MAGIC, act.size, MAX_KEY_LEN)
