@@ -1931,7 +1931,8 @@ class Queue(Generic[T]):
     # -- what a db.tx() commit calls (armdb.tx; private to armdb) ---------------------------------
     # A commit reaches a queue through these methods and the public ``name``, ``config``
     # and ``len()``, nothing else: it checks the handle (_belongs_to), encodes a payload
-    # (_encode, bound at open), draws row ids (_tx_new_id), asks whether a log key is
+    # (_encode, bound at open), draws row ids from its plan by the queue's sequence name
+    # (_seq_name, read at open), asks whether a log key is
     # needed (_body_sealed, read at open), collects the locks of its steps (_tx_locks, _tx_all_locks),
     # plans each push and settle into its armdb.plan.Plan under those locks (_tx_push,
     # _tx_settle), and afterwards counts body writes (_tx_count_payload_writes), wakes
@@ -1940,10 +1941,6 @@ class Queue(Generic[T]):
 
     def _belongs_to(self, db: Db) -> bool:
         return self._db is db
-
-    def _tx_new_id(self, plan: Plan) -> int:
-        """A row id for a push the commit plans (reserved only if it goes ahead, T5)."""
-        return plan.draw(self._seq_name)
 
     def _tx_locks(self, locks: dict[str, threading.Lock], seq: int, token: object, *, body: bool = True) -> None:
         """Add the locks a push of row ``seq`` (``token`` None) or a settle of ``token``

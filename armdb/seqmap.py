@@ -133,26 +133,38 @@ class SeqMap:
                     if n >= end:
                         end = n + ID_BLOCK
                         self._reserve(name, end)
-                # Hand out a quarter of a block at a time.  From the second quarter on,
-                # until the next block is reserved, each return here posts its
-                # reservation: a post is refused while another is in flight, and a
-                # failed one is dropped.
-                stop = min(end, n + ID_BLOCK // 4)
-                self._rest[name] = iter(range(n + 1, stop))
-                self._next[name] = stop
-                if end - stop < _AHEAD_AT:
-                    self._reserve_ahead()
+                self._refill(name, n, end)
             return n
 
+    def _refill(self, name: str, n: int, end: int) -> None:
+        """Hand out the reserved ids after ``n`` (which the caller returns) a quarter of a
+        block at a time, by ``_rest`` (caller holds ``_lock``; ``n < end``, the end of
+        the reserved block).  From the second quarter on, until the next block is
+        reserved, each refill posts its reservation: a post is refused while another is
+        in flight, and a failed one is dropped."""
+        stop = min(end, n + ID_BLOCK // 4)
+        self._rest[name] = iter(range(n + 1, stop))
+        self._next[name] = stop
+        if end - stop < _AHEAD_AT:
+            self._reserve_ahead()
+
     def draw(self, name: str) -> int:
-        """An id for a transaction: from the reserved block while it lasts, else one that
-        is not yet reserved on disk, and the caller must call :meth:`reserve_through`
-        before it can reach a file (so a refused commit writes nothing)."""
+        """An id for a transaction: from the reserved block while it lasts (as :meth:`next`
+        hands them out, without the lock while ``_rest`` has some), else one that is not
+        yet reserved on disk, and the caller must call :meth:`reserve_through` before it
+        can reach a file (so a refused commit writes nothing)."""
+        n = next(self._rest.get(name, _NO_BLOCK), None)
+        if n is not None:
+            return n
         with self._lock:
-            n = next(self._rest.get(name, _NO_BLOCK), None)
+            n = next(self._rest.get(name, _NO_BLOCK), None)  # another thread may have refilled it
             if n is None:
                 n = self._next.get(name, 1)
-                self._next[name] = n + 1
+                end = self._reserved.get(name, 1)
+                if n < end:
+                    self._refill(name, n, end)
+                else:
+                    self._next[name] = n + 1
             return n
 
     def draw_block(self, name: str, n: int) -> int:

@@ -75,7 +75,6 @@ class _Push:
     queue: Queue[Any]
     body: bytes
     delay_ms: int
-    explicit: bool
     seq: int = 0
 
 
@@ -166,7 +165,7 @@ class Tx:
         delay_ms = 0 if delay is None else to_ms(delay, "delay")
         if delay_ms < 0 or delay_ms >= 1 << 62:
             raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
-        self._steps.append(_Push(q, q._encode(payload), delay_ms, True))
+        self._steps.append(_Push(q, q._encode(payload), delay_ms))
         return self
 
     def ack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken) -> Tx:
@@ -252,22 +251,46 @@ class Tx:
         if db.txlog.sealer is None:
             self._check_keys(steps, stream_dest)  # before anything is written, ids included
         plan = Plan(db.seqmap)
-        # Ids for explicit pushes fix their shards before locking.
+        # One pass before locking: the ids of the pushes (an id fixes its row's shard, so
+        # its lock), every lock in the global order (docs/transactions.md), and the
+        # queues to wake afterwards: a push, and a nack that makes its row ready again,
+        # can end a wait (Q19).  A stale token adds no lock; the plan refuses it.
+        locks: dict[str, threading.Lock] = {}
+        ids: list[int] = []
+        wake: list[Queue[Any]] = []
         for s in steps:
-            if type(s) is _Push:
-                s.seq = s.queue._tx_new_id(plan)
-        return self._commit_locked(plan, steps, self._locks(steps, stream_dest), registry)
+            t = type(s)
+            if t is _MapWrite:
+                k, lock = s.map.store.shard_lock(s.raw_key)
+                locks[k] = lock
+                continue
+            q = s.queue
+            if t is _Push:
+                s.seq = seq = plan.draw(q._seq_name)  # reserved only if the commit goes ahead (T5)
+                ids.append(seq)
+                q._tx_locks(locks, seq, None)
+            else:
+                q._tx_locks(locks, 0, s.token)
+                if s.ack:
+                    continue
+            if q not in wake:
+                wake.append(q)
+        for q in stream_dest:
+            q._tx_all_locks(locks)
+        self._commit_locked(plan, steps, _ordered(locks), registry, wake)
+        return ids
 
-    def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[threading.Lock], registry: Any) -> list[int]:
+    def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[threading.Lock], registry: Any,
+                       wake: list[Queue[Any]]) -> None:
         """Take ``locks`` (in their order), plan, log and apply ``steps``, then wake the
-        queues that have new ready rows; returns the ids of the explicit pushes."""
+        queues of ``wake`` (and those a change stream pushed to)."""
         now = int(self._db.clock())
         held = 0
         try:
             for lock in locks:
                 lock.acquire()
                 held += 1
-            self._plan_and_log(plan, steps, registry, now)
+            self._plan_and_log(plan, steps, registry, now, wake)
             checkpoint_due = self._apply(plan, steps)
         finally:
             while held:
@@ -277,18 +300,8 @@ class Tx:
         if plan.payload_writes:
             for q, n in plan.payload_writes.items():
                 q._tx_count_payload_writes(n)
-        ids: list[int] = []
-        notified: list[Queue[Any]] = []
-        for s in steps:
-            t = type(s)
-            if t is _Push and s.explicit:
-                ids.append(s.seq)
-            # A push, and a nack that makes its row ready again, can end a wait (Q19).
-            if (t is _Push or (t is _Settle and not s.ack) or (t is _DeadRows and s.redrive)
-                    or t is _Batch) and s.queue not in notified:
-                notified.append(s.queue)
-                s.queue._notify()
-        return ids
+        for q in wake:
+            q._notify()
 
     def _finish(self, plan: Plan, checkpoint_due: bool) -> None:
         """After an applied commit, its locks released: the log's checkpoint if it is due
@@ -299,13 +312,13 @@ class Tx:
         for store in plan.bitcask:
             store.maybe_compact()
 
-    def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int) -> None:
-        """Under the locks: run the streams, build every row into ``plan``, log them (and
-        sync, if durable)."""
+    def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int, wake: list[Queue[Any]]) -> None:
+        """Under the locks: run the streams (their destinations join ``wake``), build
+        every row into ``plan``, log them (and sync, if durable)."""
         db = self._db
         try:
             if registry is not None:
-                self._expand_streams(steps, registry, plan)
+                self._expand_streams(steps, registry, plan, wake)
             self._plan(steps, plan, now)
             # A store fenced by a failed sync refuses the commit before it is logged
             # (its rows could not be applied; replay would apply them at the reopen).
@@ -385,26 +398,9 @@ class Tx:
                     f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
                 )
 
-    @staticmethod
-    def _locks(steps: list[Any], stream_dest: list[Queue[Any]]) -> list[threading.Lock]:
-        """Every lock the commit needs, in the global order: by shard directory (docs/transactions.md)."""
-        locks: dict[str, threading.Lock] = {}
-        for s in steps:
-            t = type(s)
-            if t is _MapWrite:
-                k, lock = s.map.store.shard_lock(s.raw_key)
-                locks[k] = lock
-                continue
-            if t is _Push:
-                s.queue._tx_locks(locks, s.seq, None)
-            else:
-                s.queue._tx_locks(locks, 0, s.token)  # a stale token adds none; the plan refuses it
-        for q in stream_dest:
-            q._tx_all_locks(locks)
-        return _ordered(locks)
-
-    def _expand_streams(self, steps: list[Any], registry: Any, plan: Plan) -> None:
-        """Run the stream closures (under the locks) and append their pushes (T6)."""
+    def _expand_streams(self, steps: list[Any], registry: Any, plan: Plan, wake: list[Queue[Any]]) -> None:
+        """Run the stream closures (under the locks) and append their pushes (T6); the
+        queues they push to join ``wake``."""
         view: dict[tuple[str, bytes], Any] = {}
         extra: list[_Push] = []
         for s in steps:
@@ -427,24 +423,25 @@ class Tx:
                 q = self._db._queues[st.queue.name]
                 for payload in out if isinstance(out, list) else [out]:
                     body = q._encode(payload)  # PayloadTypeError aborts the commit
-                    p = _Push(q, body, 0, False, q._tx_new_id(plan))
-                    extra.append(p)
+                    extra.append(_Push(q, body, 0, plan.draw(q._seq_name)))
+                    if q not in wake:
+                        wake.append(q)
         steps.extend(extra)
 
     def _plan(self, steps: list[Any], plan: Plan, now: int) -> None:
-        if len(steps) == 1 and type(steps[0]) is _Batch:
-            b = steps[0]
-            b.result = b.queue._tx_push_many(plan, *b.args, now=now)
-            return
-        if len(steps) == 1 and type(steps[0]) is _DeadRows:
-            d = steps[0]
-            d.moved = d.queue._tx_dead_rows(plan, d.ids, d.redrive, d.delay_ms, now)
-            return
-        if len(steps) == 1 and type(steps[0]) is _Settle:
-            # A lone settle (Queue.ack/nack on a var queue): no push to cap, no second token.
+        if len(steps) == 1:
             s = steps[0]
-            s.queue._tx_settle(plan, s.token, s.ack, s.delay_ms, s.dead, s.poisoned, now)
-            return
+            t = type(s)
+            if t is _Batch:
+                s.result = s.queue._tx_push_many(plan, *s.args, now=now)
+                return
+            if t is _DeadRows:
+                s.moved = s.queue._tx_dead_rows(plan, s.ids, s.redrive, s.delay_ms, now)
+                return
+            if t is _Settle:
+                # A lone settle (a var queue's nack): no push to cap, no second token.
+                s.queue._tx_settle(plan, s.token, s.ack, s.delay_ms, s.dead, s.poisoned, now)
+                return
         # Q21: judge each queue's cap once, on the net effect.
         net: dict[Queue[Any], list[int]] | None = None
         settles = False
@@ -744,7 +741,10 @@ def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.L
         raise _log_key_required()
     tx = Tx(db)
     tx._finished = True
-    tx._commit_locked(Plan(db.seqmap), [step], locks, None)
+    # A nack and a redrive make rows ready, and a batch of pushes adds them (Q19).
+    t = type(step)
+    woken = t is _Batch or (t is _Settle and not step.ack) or (t is _DeadRows and step.redrive)
+    tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [])
 
 
 def _ordered(locks: dict[str, threading.Lock]) -> list[threading.Lock]:
