@@ -159,3 +159,25 @@ def test_t5_no_id_comes_back_after_kills_during_writes_ahead(db_path: Path) -> N
         seen.update(ids)
     assert len(seen) > 2 * ID_BLOCK  # the runs crossed block boundaries (each restart opens a new block)
     assert armdb.check(db_path).ok
+
+
+def test_t5_tx_ids_come_from_the_reserved_block_and_mix_with_direct_pushes(db_path: Path) -> None:
+    """A commit draws its ids (``SeqMap.draw``) from the reserved block as a direct push
+    does, without the lock while a refill lasts: tx and direct pushes interleaved get
+    increasing, distinct ids, every one below the reservation on disk once its call
+    returned, and the file is written about once a block, not once a commit."""
+    with armdb.Db.open(db_path) as d:
+        q = d.open_queue(Pings)
+        sm = d.seqmap
+        ids: list[int] = []
+        for i in range(3 * ID_BLOCK):
+            if i % 3 == 0:
+                ids.append(q.push((i,)))
+            else:
+                ids += d.tx().push(q, (i,)).commit()
+            if i % 500 == 0:
+                assert ids[-1] < _reserved_on_disk(db_path, "q:pings")
+        assert ids == sorted(set(ids))
+        assert ids == list(range(1, len(ids) + 1))  # no commit was refused: no gap
+        assert max(ids) < _reserved_on_disk(db_path, "q:pings")
+        assert sm.flushes <= 8  # the queue's ids and the log's gsns, about a block each
