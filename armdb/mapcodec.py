@@ -59,17 +59,16 @@ def encode_key(key: object) -> bytes:
         that is not valid Unicode (lone surrogates).
     """
     # Exact types only: bool (an int subclass) or an IntEnum would not come back as put.
-    t = type(key)
-    if isinstance(key, bytes) and t is bytes:
-        return b"b" + key
-    if isinstance(key, str) and t is str:
+    if type(key) is str:
         try:
             return b"s" + key.encode("utf-8")
         except UnicodeEncodeError as e:
             raise PayloadTypeError(f"map key {key!r} is not valid Unicode ({e.reason})") from None
-    if isinstance(key, int) and t is int:
+    if type(key) is int:
         return b"i" + key.to_bytes((key.bit_length() + 8) // 8, "big", signed=True)
-    raise PayloadTypeError(f"map keys are bytes, str or int, not {t.__name__}")
+    if type(key) is bytes:
+        return b"b" + key
+    raise PayloadTypeError(f"map keys are bytes, str or int, not {type(key).__name__}")
 
 
 def decode_key(raw: bytes) -> Key:

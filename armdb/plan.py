@@ -10,14 +10,21 @@ seqmap only when it goes ahead.  It does no I/O of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 
 class IdSource(Protocol):
+    # The rest of each name's block reserved on disk (armdb.seqmap.SeqMap.next), read
+    # without a lock: ``next()`` on one of its iterators is one atomic step under the GIL.
+    _rest: dict[str, Iterator[int]]
+
     def draw(self, name: str) -> int: ...
 
     def draw_block(self, name: str, n: int) -> int: ...
+
+
+_NO_BLOCK: Iterator[int] = iter(())
 
 
 class Plan:
@@ -27,11 +34,12 @@ class Plan:
     membership tests on them are cheaper than on sets.
     """
 
-    __slots__ = ("_ids", "allocated", "apply", "bitcask", "drawn", "fixed", "packed", "payload_writes", "rows",
+    __slots__ = ("_ids", "_rest", "allocated", "apply", "bitcask", "drawn", "fixed", "packed", "payload_writes", "rows",
                  "undo")
 
     def __init__(self, ids: IdSource) -> None:
         self._ids = ids
+        self._rest = ids._rest
         self.rows: list[list[Any]] = []
         self.apply: list[Callable[[], object]] = []  # run after the log append (and sync)
         self.allocated: list[tuple[Any, int]] = []  # (FixedShard, slot) to give back on refusal
@@ -46,7 +54,11 @@ class Plan:
 
     def draw(self, name: str) -> int:
         """A new id of sequence ``name`` (a queue's row ids, ``"gsn"``), reserved on disk
-        only if the commit goes ahead (T5)."""
+        only if the commit goes ahead (T5).  An id from the rest of the block already
+        reserved on disk needs nothing more; any other is remembered in ``drawn``."""
+        n = next(self._rest.get(name, _NO_BLOCK), None)
+        if n is not None:
+            return n
         n = self._ids.draw(name)
         if n > self.drawn.get(name, 0):
             self.drawn[name] = n
@@ -63,7 +75,10 @@ class Plan:
 
     def gsn(self) -> int:
         """The gsn of a Bitcask record this commit writes (:meth:`draw` of ``"gsn"``, one
-        call less: a var ack draws one)."""
+        call less)."""
+        n = next(self._rest.get("gsn", _NO_BLOCK), None)
+        if n is not None:
+            return n
         n = self._ids.draw("gsn")
         if n > self.drawn.get("gsn", 0):
             self.drawn["gsn"] = n

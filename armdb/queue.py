@@ -2002,13 +2002,9 @@ class Queue(Generic[T]):
             row = transitions.push(seq, due, now, 0, body)
         plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, row])
         plan.add_fixed(fixed)
-
-        def apply() -> None:
-            fixed.write(slot, row, version)
-            sh.live.insert(due, seq, slot, 0)
-            sh.pushes += 1
-
-        plan.apply.append(apply)
+        # A partial, not a closure: a closure makes a cell of each of the seven names it
+        # reads, and every read of them here goes through its cell.
+        plan.apply.append(functools.partial(_apply_push, sh, slot, row, version, due, seq))
 
     def _tx_settle(self, plan: Plan, token: object, ack: bool, delay_ms: int | None, dead: bool, poisoned: bool,
                    now: int) -> None:
@@ -2194,6 +2190,13 @@ class Queue(Generic[T]):
     def __repr__(self) -> str:
         flavour = "var" if self.spec.var else "fixed"
         return f"<armdb.Queue {self.name!r} ({flavour})>"
+
+
+def _apply_push(sh: _Shard, slot: int, row: Any, version: int, due: int, seq: int) -> None:
+    """Apply a push that ``Queue._tx_push`` planned (the shard's lock held)."""
+    sh.fixed.write(slot, row, version)
+    sh.live.insert(due, seq, slot, 0)
+    sh.pushes += 1
 
 
 def _apply_redrive(sh: _Shard, dkey: int, rid: int, slot: int, moved: transitions.Moved, version: int) -> None:

@@ -149,13 +149,11 @@ class SeqMap:
             self._reserve_ahead()
 
     def draw(self, name: str) -> int:
-        """An id for a transaction: from the reserved block while it lasts (as :meth:`next`
-        hands them out, without the lock while ``_rest`` has some), else one that is not
-        yet reserved on disk, and the caller must call :meth:`reserve_through` before it
-        can reach a file (so a refused commit writes nothing)."""
-        n = next(self._rest.get(name, _NO_BLOCK), None)
-        if n is not None:
-            return n
+        """An id for a transaction: from the reserved block while it lasts (refilled as
+        :meth:`next` refills it; ``armdb.plan.Plan.draw`` takes from ``_rest`` first,
+        without the lock), else one that is not yet reserved on disk, and the caller
+        must call :meth:`reserve_through` before it can reach a file (so a refused
+        commit writes nothing)."""
         with self._lock:
             n = next(self._rest.get(name, _NO_BLOCK), None)  # another thread may have refilled it
             if n is None:

@@ -129,13 +129,16 @@ class TxSyncFailed(TxFailedAfterLog, StorageError):
 class Tx:
     """A transaction builder (T1).  Every method records a step and returns the builder."""
 
-    __slots__ = ("_db", "_durable", "_finished", "_steps")
+    __slots__ = ("_db", "_durable", "_finished", "_sealed", "_steps")
 
     def __init__(self, db: Db) -> None:
         self._db = db
         self._steps: list[Any] = []
         self._durable = db.tx_config.durable
         self._finished = False
+        # A step touches an encrypted collection (a map whose store seals, a queue whose
+        # bodies are sealed; both fixed at open): the commit needs a sealed log (T4).
+        self._sealed = False
 
     # -- builder ------------------------------------------------------------------------
     def _queue_arg(self, queue: object) -> Queue[Any]:
@@ -166,6 +169,8 @@ class Tx:
         if delay_ms < 0 or delay_ms >= 1 << 62:
             raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
         self._steps.append(_Push(q, q._encode(payload), delay_ms))
+        if q._body_sealed:
+            self._sealed = True
         return self
 
     def ack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken) -> Tx:
@@ -173,7 +178,10 @@ class Tx:
         call for anything else, Q30)."""
         if self._finished:
             self._open_step()  # raises
-        self._steps.append(_Settle(self._queue_arg(queue), as_token(token), True))
+        q = self._queue_arg(queue)
+        self._steps.append(_Settle(q, as_token(token), True))
+        if q._body_sealed:
+            self._sealed = True
         return self
 
     def nack(self, queue: Queue[Any], token: Lease[Any] | LeaseToken, *, delay: timedelta | float | None = None,
@@ -182,7 +190,10 @@ class Tx:
             self._open_step()  # raises
         token = as_token(token)
         delay_ms = nack_args(delay, dead)
-        self._steps.append(_Settle(self._queue_arg(queue), token, False, delay_ms, dead))
+        q = self._queue_arg(queue)
+        self._steps.append(_Settle(q, token, False, delay_ms, dead))
+        if q._body_sealed:
+            self._sealed = True
         return self
 
     def put(self, map: Map, key: Any, value: Any) -> Tx:
@@ -192,6 +203,8 @@ class Tx:
             self._open_step()  # raises
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), value, encode_value(value)))
+        if m._store._encrypted:
+            self._sealed = True
         return self
 
     def delete(self, map: Map, key: Any) -> Tx:
@@ -199,6 +212,8 @@ class Tx:
             self._open_step()  # raises
         m = self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), None, None))
+        if m._store._encrypted:
+            self._sealed = True
         return self
 
     def durable(self) -> Tx:
@@ -248,8 +263,14 @@ class Tx:
             return []
         registry = db.schema
         stream_dest = self._stream_destinations(steps) if registry is not None else []
-        if db.txlog.sealer is None:
-            self._check_keys(steps, stream_dest)  # before anything is written, ids included
+        if db.txlog.sealer is None:  # before anything is written, ids included
+            if self._sealed:
+                raise _log_key_required()
+            for q in stream_dest:
+                if q._body_sealed:
+                    raise EncryptionKeyRequired(
+                        f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
+                    )
         plan = Plan(db.seqmap)
         # One pass before locking: the ids of the pushes (an id fixes its row's shard, so
         # its lock), every lock in the global order (docs/transactions.md), and the
@@ -385,18 +406,6 @@ class Tx:
                     if q not in stream_dest:
                         stream_dest.append(q)
         return stream_dest
-
-    def _check_keys(self, steps: list[Any], stream_dest: list[Queue[Any]]) -> None:
-        """T4: a commit touching an encrypted collection needs a sealed log (the Db has no log key)."""
-        for s in steps:
-            # Both fixed at open: a map's store seals or not, a queue's bodies are sealed or not.
-            if s.map._store._encrypted if type(s) is _MapWrite else s.queue._body_sealed:
-                raise _log_key_required()
-        for q in stream_dest:
-            if q._body_sealed:
-                raise EncryptionKeyRequired(
-                    f"change stream into encrypted queue {q.name!r} needs TxConfig(log_encryption_key=...)"
-                )
 
     def _expand_streams(self, steps: list[Any], registry: Any, plan: Plan, wake: list[Queue[Any]]) -> None:
         """Run the stream closures (under the locks) and append their pushes (T6); the
