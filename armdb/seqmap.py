@@ -157,6 +157,8 @@ class SeqMap:
         with self._lock:
             n = next(self._rest.get(name, _NO_BLOCK), None)  # another thread may have refilled it
             if n is None:
+                if self._ahead is not None:
+                    self._finish_ahead(wait=False)  # a reservation that landed counts now
                 n = self._next.get(name, 1)
                 end = self._reserved.get(name, 1)
                 if n < end:
