@@ -303,84 +303,69 @@ class Tx:
 
     def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[threading.Lock], registry: Any,
                        wake: list[Queue[Any]]) -> None:
-        """Take ``locks`` (in their order), plan, log and apply ``steps``, then wake the
-        queues of ``wake`` (and those a change stream pushed to)."""
-        now = int(self._db.clock())
+        """The commit protocol, in this one frame: take ``locks`` (in their order); under
+        them run the streams (their destinations join ``wake``), plan every row into
+        ``plan``, log them (and sync, if durable), apply them; then, unlocked, run the
+        log's checkpoint if it is due (it syncs the stores, so it takes their locks) and
+        the compactions a rotation under the locks deferred, and wake ``wake``."""
+        db = self._db
+        txlog = db.txlog
+        now = int(db.clock())
         held = 0
         try:
             for lock in locks:
                 lock.acquire()
                 held += 1
-            self._plan_and_log(plan, steps, registry, now, wake)
-            checkpoint_due = self._apply(plan, steps)
+            try:
+                if registry is not None:
+                    self._expand_streams(steps, registry, plan, wake)
+                self._plan(steps, plan, now)
+                # A store fenced by a failed sync refuses the commit before it is logged
+                # (its rows could not be applied; replay would apply them at the reopen).
+                for store in plan.bitcask:
+                    if store._closed or store._poisoned is not None:
+                        store.check_writable()  # raises
+                for shard in plan.fixed:
+                    if shard.poisoned is not None or shard.sf.closed:
+                        shard.check_writable()  # raises
+                # Only a commit that goes ahead persists the id blocks it drew.
+                for name, n in plan.drawn.items():
+                    db.seqmap.reserve_through(name, n)
+                end = txlog.append(plan.rows, plan.packed)
+            except BaseException:
+                plan.give_back()
+                raise
+            synced = not self._durable
+            try:
+                if not synced:
+                    # Write-ahead: the record is on disk before any row is applied.  Threads
+                    # committing at once share one fdatasync (TxLog.sync_to, group commit).
+                    txlog.sync_to(end)
+                    synced = True
+                for fn in plan.apply:
+                    fn()
+                _fail.point("txlog.after_apply")
+                for fixed_shard in plan.fixed:
+                    fixed_shard.raise_sync_error()  # applied in full; its sync failed
+            except BaseException as e:
+                err = self._failed_after_log(steps, plan, e, sync_failed=not synced)
+                txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                raise err from e
+            checkpoint_due = txlog.done()
         finally:
             while held:
                 held -= 1
                 locks[held].release()
-        self._finish(plan, checkpoint_due)
+        if checkpoint_due:
+            txlog.checkpoint_after_commit()
+        for store in plan.bitcask:
+            if store._compact_deferred:  # maybe_compact's own test, without its call
+                store.maybe_compact()
         if plan.payload_writes:
             for q, n in plan.payload_writes.items():
                 q._tx_count_payload_writes(n)
         for q in wake:
             q._notify()
-
-    def _finish(self, plan: Plan, checkpoint_due: bool) -> None:
-        """After an applied commit, its locks released: the log's checkpoint if it is due
-        (it syncs the stores, so it takes their locks), and the compactions a rotation
-        under the commit's locks deferred."""
-        if checkpoint_due:
-            self._db.txlog.checkpoint_after_commit()
-        for store in plan.bitcask:
-            store.maybe_compact()
-
-    def _plan_and_log(self, plan: Plan, steps: list[Any], registry: Any, now: int, wake: list[Queue[Any]]) -> None:
-        """Under the locks: run the streams (their destinations join ``wake``), build
-        every row into ``plan``, log them (and sync, if durable)."""
-        db = self._db
-        try:
-            if registry is not None:
-                self._expand_streams(steps, registry, plan, wake)
-            self._plan(steps, plan, now)
-            # A store fenced by a failed sync refuses the commit before it is logged
-            # (its rows could not be applied; replay would apply them at the reopen).
-            for store in plan.bitcask:
-                if store._closed or store._poisoned is not None:
-                    store.check_writable()  # raises
-            for shard in plan.fixed:
-                if shard.poisoned is not None or shard.sf.closed:
-                    shard.check_writable()  # raises
-            # Only a commit that goes ahead persists the id blocks it drew.
-            for name, n in plan.drawn.items():
-                db.seqmap.reserve_through(name, n)
-            end = db.txlog.append(plan.rows, plan.packed)
-        except BaseException:
-            plan.give_back()
-            raise
-        try:
-            if self._durable:
-                # Write-ahead: the record is on disk before any row is applied.  Threads
-                # committing at once share one fdatasync (TxLog.sync_to, group commit).
-                db.txlog.sync_to(end)
-        except BaseException as e:
-            err = self._failed_after_log(steps, plan, e, sync_failed=True)
-            db.txlog.done()  # only once the stores are fenced: a checkpoint may follow
-            raise err from e
-
-    def _apply(self, plan: Plan, steps: list[Any]) -> bool:
-        """Apply a logged (and, if durable, synced) commit; the caller holds its locks.
-        Returns whether the log is due a checkpoint (which the caller runs unlocked)."""
-        txlog = self._db.txlog
-        try:
-            for fn in plan.apply:
-                fn()
-            _fail.point("txlog.after_apply")
-            for fixed_shard in plan.fixed:
-                fixed_shard.raise_sync_error()  # applied in full; its sync failed
-        except BaseException as e:
-            err = self._failed_after_log(steps, plan, e)
-            txlog.done()  # only once the stores are fenced: a checkpoint may follow
-            raise err from e
-        return txlog.done()
 
     def _failed_after_log(self, steps: list[Any], plan: Plan, e: BaseException, *,
                           sync_failed: bool = False) -> TxFailedAfterLog:
