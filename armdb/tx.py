@@ -33,6 +33,7 @@ with row images from ``armdb.transitions``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -282,7 +283,7 @@ class Tx:
         for s in steps:
             t = type(s)
             if t is _MapWrite:
-                k, lock = s.map.store.shard_lock(s.raw_key)
+                k, lock = s.map._store.shard_lock(s.raw_key)
                 locks[k] = lock
                 continue
             q = s.queue
@@ -442,17 +443,17 @@ class Tx:
         for s in steps:
             t = type(s)
             if t is _Push:
-                if s.queue.config.max_depth is not None:
+                if s.queue._max_depth is not None:
                     net = net if net is not None else {}
                     net.setdefault(s.queue, [0, 0])[0] += 1
             elif t is _Settle:
                 settles = True
-                if s.ack and s.queue.config.max_depth is not None:
+                if s.ack and s.queue._max_depth is not None:
                     net = net if net is not None else {}
                     net.setdefault(s.queue, [0, 0])[1] += 1
         if net is not None:
             for q, (pushes, acks) in net.items():
-                cap = q.config.max_depth
+                cap = q._max_depth
                 if cap is not None and pushes > acks:
                     live = q.len()
                     if live - acks + pushes > cap:
@@ -470,31 +471,35 @@ class Tx:
                         )
                     s.queue._tx_settle(plan, s.token, s.ack, s.delay_ms, s.dead, s.poisoned, now)
                     seen_tokens.add(s.token)
-        map_state: dict[tuple[str, bytes], bool] | None = None
         for s in steps:
             t = type(s)
             if t is _Push:
                 s.queue._tx_push(plan, s.seq, s.body, now, s.delay_ms)
             elif t is _MapWrite:
-                if map_state is None:
-                    map_state = {}
-                self._plan_map(s, plan, map_state)
+                m = s.map
+                raw_key = s.raw_key
+                raw_value = s.raw_value
+                if raw_value is None and not _key_exists(steps, s):
+                    continue  # deleting a missing key is a no-op (T1)
+                gsn = plan.gsn()
+                plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
+                store = m._store
+                if store not in plan.bitcask:
+                    plan.bitcask.append(store)
+                plan.apply.append(functools.partial(m._tx_write, raw_key, raw_value, gsn))
 
-    def _plan_map(self, s: _MapWrite, plan: Plan, state: dict[tuple[str, bytes], bool]) -> None:
-        m, raw_key, raw_value = s.map, s.raw_key, s.raw_value
-        store = m.store
-        if raw_value is None:
-            k = (m.name, raw_key)
-            exists = state[k] if k in state else store.contains_locked(raw_key)
-            state[k] = False
-            if not exists:
-                return  # deleting a missing key is a no-op (T1)
-        else:
-            state[(m.name, raw_key)] = True
-        gsn = plan.gsn()
-        plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
-        plan.add_bitcask(store)
-        plan.apply.append(lambda: m._tx_write(raw_key, raw_value, gsn))
+
+def _key_exists(steps: list[Any], delete: _MapWrite) -> bool:
+    """Whether the key that the map delete step ``delete`` names exists when the step
+    runs: as the last write of that key earlier in the same commit left it, else as
+    stored (the caller holds the key's shard lock)."""
+    before = False
+    for s in reversed(steps):
+        if s is delete:
+            before = True
+        elif before and type(s) is _MapWrite and s.map is delete.map and s.raw_key == delete.raw_key:
+            return s.raw_value is not None
+    return delete.map._store.contains_locked(delete.raw_key)
 
 
 def _fence_after_log(queues: Any, fixed: list[Any], bitcask: list[Any], e: BaseException,
