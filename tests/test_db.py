@@ -654,3 +654,40 @@ def test_d1_fork_message_points_at_the_owner_pattern(tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         db.close()
+
+
+def test_d4_stats_by_name_and_a_sweep_raises_what_it_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SPEC D4: db.stats() maps every open collection's name to its stats;
+    # db.sweep_expired_now() runs one retention pass and raises the error it hit, and
+    # the row it could not finish is finished by the next pass.
+    notes = armdb.queue("notes", payload=dict, var=True)
+    with Db.open(tmp_path / "db") as db:
+        m = db.open_map("docs")
+        m.put("a", 1)
+        pings = db.open_queue(Pings)
+        pings.push((1, 2.0))
+        q = db.open_queue(notes, QueueConfig.balanced().dead_retention(0.05).build())
+        q.push({"n": 1})
+        q.nack(q.lease()[0], dead=True)
+        stats = db.stats()
+        assert set(stats) == {"docs", "pings", "notes"}
+        assert stats["docs"]["keys"] == m.stats()["keys"] == 1
+        assert stats["pings"].len == 1 and stats["notes"].dead_len == 1
+        assert q._payload is not None and len(q._payload) == 1
+        time.sleep(0.1)
+
+        def failing_delete(key: bytes) -> None:
+            raise armdb.StorageError("injected: the disk refused the delete")
+
+        monkeypatch.setattr(q._payload, "delete", failing_delete)
+        with pytest.raises(armdb.StorageError, match="injected"):
+            db.sweep_expired_now()
+        assert q.dead_len() == 0  # the header went; its body waits for the next pass
+        assert q.stats().retention_retry_pending == 1
+        monkeypatch.undo()
+        db.sweep_expired_now()
+        assert len(q._payload) == 0
+    with pytest.raises(DbClosed):
+        db.stats()
+    with pytest.raises(DbClosed):
+        db.sweep_expired_now()
