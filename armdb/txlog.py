@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import _fail, _fs, _syncmark
 from ._core.fixed import log_record
 from ._core.groupsync import GroupSync
+from ._core.plainpack import pack_plain
 from ._crypto import Sealer
 from ._pack import packb
 from .errors import (
@@ -374,7 +375,10 @@ class TxLog:
         compiled plan, as ``(how many rows, bytes)``; they follow ``rows``.
         """
         if not packed:
-            body = packb(rows)
+            # The compiled packer writes msgpack's own bytes for plain rows (lists of str,
+            # bytes, int, None: every row a commit plans); msgpack packs anything else.
+            got = pack_plain([rows])
+            body = got[0] if got is not None else packb(rows)
         else:
             if not rows and len(packed) == 1:  # one block of pre-packed rows (a batch)
                 body = _list_header(packed[0][0]) + packed[0][1]
