@@ -57,7 +57,7 @@ from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_put, cache_take
 from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, lone_token
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -1532,14 +1532,14 @@ class Queue(Generic[T]):
         """
         # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
         # A var queue's: the header removal and the body delete share one log commit (Q14).
-        if type(token) is not LeaseToken or type(token[0]) is not int or type(token[1]) is not int \
-                or type(token[2]) is not int or type(token[3]) is not int or type(token[4]) is not int:
-            token = as_token(token)  # a Lease, or NotALease
-        if self._lease_timeouts:
-            self._lease_timeouts.pop((token.seq, token.epoch), None)
-        if self._closed or self._db._closed or self._next_retention <= self._clock():
-            self._check()  # DbClosed; or the retention pass, when due
-        if self._payload is not None:
+        # The common token (this handle's, unaltered) checked in one compiled call;
+        # anything else (a Lease, NotALease, StaleToken) goes through _ack.
+        if self._payload is not None and lone_token(token, LeaseToken, self._handle, len(self._shards)):
+            if self._lease_timeouts:
+                t = typing.cast(LeaseToken, token)
+                self._lease_timeouts.pop((t.seq, t.epoch), None)
+            if self._closed or self._db._closed or self._next_retention <= self._clock():
+                self._check()  # DbClosed; or the retention pass, when due
             self._commit_settle(self._db, self, token, True)
             return
         self._ack(token)

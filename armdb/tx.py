@@ -611,7 +611,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                 sh.ack_slot(due, seq, slot, version)
                 if q._cache:
                     q._cache_drop(seq)
-                payload.write_locked(key, None, gsn)
+                payload.tomb_locked(key, gsn)
                 _fail.point("txlog.after_apply")
                 fixed.raise_sync_error()  # applied in full; its sync failed
             except BaseException as e:
