@@ -41,7 +41,6 @@ import html
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 import typing
@@ -381,13 +380,9 @@ class Queue(Generic[T]):
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._payload_name = spec.payload_name
         # A var ack's log record body, the list of its two rows ["F", name, shard, slot,
-        # version, DELETED, b""] and ["B", payload name, key, None, gsn], packed in one
-        # call (armdb.tx.commit_settle): the msgpack bytes packb would decode to that list
-        # (its header 0x92, then ints at a fixed width, as the compiled batch rows of
-        # armdb._core.qshard write them).
-        heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
-        self._ack_heads = heads
-        self._ack_record = struct.Struct(f">B{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
+        # version, DELETED, b""] and ["B", payload name, key, None, gsn], is packed in one
+        # compiled call from these packed starts of its rows (armdb._core.fixed.ack_rows).
+        self._ack_heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
         # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
         # when the body store has one shard (set at open); None: found per ack.
         self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _fail
 from ._clock import to_ms
-from ._core.fixed import tomb_rows
+from ._core.fixed import ack_rows, tomb_rows
 from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
@@ -55,7 +55,6 @@ from .errors import (
     StreamSourceRequiresTx,
     TxFailedAfterLog,
 )
-from .fixed import DELETED
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
@@ -575,9 +574,8 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     if handle != q._handle or not 0 <= shard_no < len(shards):
         q._token_shard(token)  # raises StaleToken: a token of another handle
     sh = shards[shard_no]
-    key = seq.to_bytes(8, "big")  # qrows.body_key
     pair = q._ack_locks
-    first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
+    first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, seq.to_bytes(8, "big")))
     fixed = sh.fixed
     # The locks by acquire and release, not ``with``: a with statement looks up and binds
     # __enter__ and __exit__ at every pass (about 1k instructions each).
@@ -598,8 +596,8 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
             # append can leave it unused, and an unused gsn is a gap, which nothing reads.
             gsn = db.seqmap.next("gsn")
             fhead, bhead = q._ack_heads
-            end = txlog.append_body(q._ack_record.pack(0x92, fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version,
-                                                       DELETED, 0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))
+            body, key = ack_rows(fhead, fixed.index, slot, version, bhead, seq, gsn)
+            end = txlog.append_body(body)
             if db.tx_config.durable:
                 try:
                     txlog.sync_to(end)  # write-ahead: on disk before anything is applied

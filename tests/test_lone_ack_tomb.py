@@ -6,18 +6,22 @@ data files, hint entries and index), and the failpoints of the ack's tombstone w
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import armdb
-from armdb._core.fixed import bitcask_record, bitcask_tomb, bitcask_tomb_drop, bitcask_tomb_index
+from armdb._core.fixed import ack_rows, bitcask_record, bitcask_tomb, bitcask_tomb_drop, bitcask_tomb_index
 from armdb._core.qshard import lone_token
+from armdb._pack import packb
 from armdb.bitcask import RECORD_MAGIC, TOMBSTONE
 from armdb.bitcask.format import DATA_START
 from armdb.errors import NotALease, StaleToken
+from armdb.fixed import DELETED
 from armdb.queue import Lease, LeaseToken
 
 from .conftest import child_env, run_child
@@ -51,6 +55,24 @@ def test_q13_lone_token_accepts_exactly_what_the_python_checks_accept(fields, ha
     elif kind == "lease":
         token = Lease(1, b"", 1, None, token)  # type: ignore[arg-type]
     assert lone_token(token, LeaseToken, handle, nshards) is _python_check(token, handle, nshards)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(max_size=40), payload_name=st.text(max_size=300), shard=st.integers(0, 2**32 - 1),
+       slot=st.integers(0, 2**32 - 1), version=st.integers(0, 2**32 - 1), seq=st.integers(0, 2**64 - 1),
+       gsn=st.integers(0, 2**64 - 1))
+def test_q14_lone_ack_record_is_the_rows_msgpack_decodes(name, payload_name, shard, slot, version, seq, gsn):
+    # SPEC Q14, T2: the lone ack's record body decodes to its two rows, the header's delete
+    # and the body's tombstone, with the ints at the fixed widths the log has always held
+    fhead = b"\x97" + packb("F") + packb(name)
+    bhead = b"\x95" + packb("B") + packb(payload_name)
+    body, key = ack_rows(fhead, shard, slot, version, bhead, seq, gsn)
+    assert key == seq.to_bytes(8, "big")
+    assert msgpack.unpackb(body, raw=False) == [["F", name, shard, slot, version, DELETED, b""],
+                                                ["B", payload_name, key, None, gsn]]
+    want = struct.pack(f">B{len(fhead)}sBIBIBIBBBB{len(bhead)}sBB8sBBQ", 0x92, fhead, 0xCE, shard, 0xCE, slot,
+                       0xCE, version, DELETED, 0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn)
+    assert body == want  # (the struct the lone ack packed before)
 
 
 @settings(max_examples=300, deadline=None)

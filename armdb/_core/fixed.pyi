@@ -42,6 +42,9 @@ def bitcask_tombs(
 def bitcask_tomb_index(
     index: dict[bytes, Any], keys: list[bytes], kept: bytes, fid: int, off: int, g0: int, flag: int, start: int,
 ) -> tuple[int, int, int, int]: ...
+def ack_rows(
+    fhead: bytes, shard: int, slot: int, version: int, bhead: bytes, seq: int, gsn: int
+) -> tuple[bytes, bytes]: ...
 def bitcask_tomb(
     key: bytes, index: dict[bytes, Any], word: int, highest: int, magic: int, max_key: int, size: int, total: int,
     max_size: int,

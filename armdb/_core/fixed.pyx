@@ -51,6 +51,7 @@ FREE = 0
 OCCUPIED = 1
 DELETED = 2
 TORN = 3  # only in validate() output: the slot failed its CRC
+cdef uint8_t _ROW_DELETED = DELETED  # (the C copy ack_rows writes)
 
 RING_MASK = (1 << RING_BITS) - 1
 RING_HALF = 1 << (RING_BITS - 1)
@@ -1153,6 +1154,54 @@ cdef Py_ssize_t _tomb_drop(dict index, object key, object fid) except -2:
             index[key] = old
         return -1
     return <Py_ssize_t>(<tuple>old)[2]
+
+
+# -- a var queue's lone ack (armdb.tx.commit_settle) -------------------------------------------
+
+cdef inline uint8_t* _put_u32_field(uint8_t* p, uint32_t v) noexcept:
+    """``v`` as msgpack's uint 32 (0xce, then 4 big-endian bytes): the fixed width the
+    compiled rows write."""
+    p[0] = 0xce
+    p[1] = <uint8_t>(v >> 24)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 8)
+    p[4] = <uint8_t>v
+    return p + 5
+
+
+def ack_rows(bytes fhead not None, uint32_t shard, uint32_t slot, uint32_t version, bytes bhead not None,
+             uint64_t seq, uint64_t gsn):
+    """A var queue's lone ack, its log record body and its body's key: the msgpack bytes
+    of the list of its two rows ``["F", name, shard, slot, version, DELETED, b""]`` and
+    ``["B", payload name, key, None, gsn]`` (``fhead`` and ``bhead``: the packed starts of
+    the rows, to the name; the ints at a fixed width: uint 32, and uint 64 for the gsn),
+    and ``key``, row ``seq`` as 8 big-endian bytes (``armdb.qrows.body_key``).  Returns
+    ``(body, key)``: one call for what a struct pack of 21 fields and ``int.to_bytes`` did."""
+    cdef Py_ssize_t fl = len(fhead), bl = len(bhead)
+    body = PyBytes_FromStringAndSize(NULL, 1 + fl + 15 + 4 + bl + 10 + 10)
+    key = PyBytes_FromStringAndSize(NULL, 8)
+    cdef uint8_t* k = <uint8_t*>PyBytes_AS_STRING(key)
+    store_u64(k, _bswap64(seq))
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(body)
+    p[0] = 0x92
+    memcpy(p + 1, PyBytes_AS_STRING(fhead), fl)
+    p = _put_u32_field(p + 1 + fl, shard)
+    p = _put_u32_field(p, slot)
+    p = _put_u32_field(p, version)
+    p[0] = _ROW_DELETED
+    p[1] = 0xc5  # bin 16 of length 0: b""
+    p[2] = 0
+    p[3] = 0
+    p += 4
+    memcpy(p, PyBytes_AS_STRING(bhead), bl)
+    p += bl
+    p[0] = 0xc4  # bin 8 of length 8: the key
+    p[1] = 8
+    memcpy(p + 2, k, 8)
+    p[10] = 0xc0  # nil: a delete
+    p[11] = 0xcf
+    store_u64(p + 12, _bswap64(gsn))
+    return body, key
 
 
 # -- a var queue's lone ack of its body (BitcaskStore.tomb_locked) ---------------------------
