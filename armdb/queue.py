@@ -1545,7 +1545,9 @@ class Queue(Generic[T]):
             self._lease_timeouts.pop((token.seq, token.epoch), None)
         self._check()
         if self._payload is not None:
-            # Header removal and body delete share one log commit (Q14).
+            # Header removal and body delete share one log commit (Q14), which trusts
+            # the token's handle and shard: StaleToken here for another handle's.
+            self._token_shard(token)
             self._commit_settle(self._db, self, token, True)
             return
         sh = self._token_shard(token)  # StaleToken for a token of another handle

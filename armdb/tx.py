@@ -569,11 +569,10 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
         raise _log_key_required()
     # The fields by one unpacking: a NamedTuple's field by name is a descriptor call each.
-    handle, shard_no, due, seq, epoch = token
-    shards = q._shards
-    if handle != q._handle or not 0 <= shard_no < len(shards):
-        q._token_shard(token)  # raises StaleToken: a token of another handle
-    sh = shards[shard_no]
+    # The caller checked that the token is of q's handle and names one of its shards
+    # (Queue.ack by lone_token, Queue._ack by _token_shard).
+    _, shard_no, due, seq, epoch = token
+    sh = q._shards[shard_no]
     pair = q._ack_locks
     first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, seq.to_bytes(8, "big")))
     fixed = sh.fixed

@@ -1091,8 +1091,9 @@ class BitcaskStore:
         if act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
             word |= SYNCED_BEFORE
         off = act.size
+        cfg = self.config
         rec = bitcask_tomb(key, sh.index, word, sh.highest, RECORD_MAGIC, MAX_KEY_LEN, off, act.total,
-                           self.config.max_file_size)
+                           cfg.max_file_size)
         if rec is None:
             return self.write_locked(key, None, gsn)
         try:
@@ -1112,7 +1113,6 @@ class BitcaskStore:
             self._index_update(sh, key, act.fid, off, size, word)
         sh.highest = gsn
         # _maybe_sync without its frame, as _write runs it (sh.dirty is set above).
-        cfg = self.config
         if cfg.enable_fsync:
             now = time.monotonic()
             if not cfg.sync_interval or now - sh.last_sync >= cfg.sync_interval:
