@@ -41,7 +41,6 @@ import html
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 import typing
@@ -57,7 +56,7 @@ from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_put, cache_take
 from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, lone_token
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -381,13 +380,9 @@ class Queue(Generic[T]):
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
         self._payload_name = spec.payload_name
         # A var ack's log record body, the list of its two rows ["F", name, shard, slot,
-        # version, DELETED, b""] and ["B", payload name, key, None, gsn], packed in one
-        # call (armdb.tx.commit_settle): the msgpack bytes packb would decode to that list
-        # (its header 0x92, then ints at a fixed width, as the compiled batch rows of
-        # armdb._core.qshard write them).
-        heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
-        self._ack_heads = heads
-        self._ack_record = struct.Struct(f">B{len(heads[0])}sBIBIBIBBBB{len(heads[1])}sBB8sBBQ")
+        # version, DELETED, b""] and ["B", payload name, key, None, gsn], is packed in one
+        # compiled call from these packed starts of its rows (armdb._core.fixed.ack_rows).
+        self._ack_heads = (b"\x97" + packb("F") + self._name_field, self._body_row_head)
         # A var ack's two locks per header shard, in the global order (armdb.tx.commit_settle),
         # when the body store has one shard (set at open); None: found per ack.
         self._ack_locks: list[tuple[threading.Lock, threading.Lock]] | None = None
@@ -1532,14 +1527,14 @@ class Queue(Generic[T]):
         """
         # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
         # A var queue's: the header removal and the body delete share one log commit (Q14).
-        if type(token) is not LeaseToken or type(token[0]) is not int or type(token[1]) is not int \
-                or type(token[2]) is not int or type(token[3]) is not int or type(token[4]) is not int:
-            token = as_token(token)  # a Lease, or NotALease
-        if self._lease_timeouts:
-            self._lease_timeouts.pop((token.seq, token.epoch), None)
-        if self._closed or self._db._closed or self._next_retention <= self._clock():
-            self._check()  # DbClosed; or the retention pass, when due
-        if self._payload is not None:
+        # The common token (this handle's, unaltered) checked in one compiled call;
+        # anything else (a Lease, NotALease, StaleToken) goes through _ack.
+        if self._payload is not None and lone_token(token, LeaseToken, self._handle, len(self._shards)):
+            if self._lease_timeouts:
+                t = typing.cast(LeaseToken, token)
+                self._lease_timeouts.pop((t.seq, t.epoch), None)
+            if self._closed or self._db._closed or self._next_retention <= self._clock():
+                self._check()  # DbClosed; or the retention pass, when due
             self._commit_settle(self._db, self, token, True)
             return
         self._ack(token)
@@ -1550,7 +1545,9 @@ class Queue(Generic[T]):
             self._lease_timeouts.pop((token.seq, token.epoch), None)
         self._check()
         if self._payload is not None:
-            # Header removal and body delete share one log commit (Q14).
+            # Header removal and body delete share one log commit (Q14), which trusts
+            # the token's handle and shard: StaleToken here for another handle's.
+            self._token_shard(token)
             self._commit_settle(self._db, self, token, True)
             return
         sh = self._token_shard(token)  # StaleToken for a token of another handle

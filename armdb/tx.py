@@ -45,7 +45,7 @@ import numpy as np
 
 from . import _fail
 from ._clock import to_ms
-from ._core.fixed import tomb_rows
+from ._core.fixed import ack_rows, tomb_rows
 from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
@@ -56,7 +56,6 @@ from .errors import (
     StreamSourceRequiresTx,
     TxFailedAfterLog,
 )
-from .fixed import DELETED
 from .mapcodec import decode_value, encode_key, encode_value
 from .maps import Map
 from .plan import Plan
@@ -566,14 +565,12 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     if txlog.sealer is None and q._body_sealed:  # payload.encrypted, read at open
         raise _log_key_required()
     # The fields by one unpacking: a NamedTuple's field by name is a descriptor call each.
-    handle, shard_no, due, seq, epoch = token
-    shards = q._shards
-    if handle != q._handle or not 0 <= shard_no < len(shards):
-        q._token_shard(token)  # raises StaleToken: a token of another handle
-    sh = shards[shard_no]
-    key = seq.to_bytes(8, "big")  # qrows.body_key
+    # The caller checked that the token is of q's handle and names one of its shards
+    # (Queue.ack by lone_token, Queue._ack by _token_shard).
+    _, shard_no, due, seq, epoch = token
+    sh = q._shards[shard_no]
     pair = q._ack_locks
-    first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, key))
+    first, second = pair[shard_no] if pair is not None else _ordered(q._tx_ack_locks(sh, seq.to_bytes(8, "big")))
     fixed = sh.fixed
     # The locks by acquire and release, not ``with``: a with statement looks up and binds
     # __enter__ and __exit__ at every pass (about 1k instructions each).
@@ -594,8 +591,8 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
             # append can leave it unused, and an unused gsn is a gap, which nothing reads.
             gsn = db.seqmap.next("gsn")
             fhead, bhead = q._ack_heads
-            end = txlog.append_body(q._ack_record.pack(0x92, fhead, 0xCE, fixed.index, 0xCE, slot, 0xCE, version,
-                                                       DELETED, 0xC5, 0, 0, bhead, 0xC4, 8, key, 0xC0, 0xCF, gsn))
+            body, key = ack_rows(fhead, fixed.index, slot, version, bhead, seq, gsn)
+            end = txlog.append_body(body)
             if db.tx_config.durable:
                 try:
                     txlog.sync_to(end)  # write-ahead: on disk before anything is applied
@@ -607,7 +604,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                 sh.ack_slot(due, seq, slot, version)
                 if q._cache:
                     q._cache_drop(seq)
-                payload.write_locked(key, None, gsn)
+                payload.tomb_locked(key, gsn)
                 _fail.point("txlog.after_apply")
                 fixed.raise_sync_error()  # applied in full; its sync failed
             except BaseException as e:

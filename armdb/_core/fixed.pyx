@@ -51,6 +51,7 @@ FREE = 0
 OCCUPIED = 1
 DELETED = 2
 TORN = 3  # only in validate() output: the slot failed its CRC
+cdef uint8_t _ROW_DELETED = DELETED  # (the C copy ack_rows writes)
 
 RING_MASK = (1 << RING_BITS) - 1
 RING_HALF = 1 << (RING_BITS - 1)
@@ -1111,9 +1112,9 @@ def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, P
     Returns ``(dead, stop, off, word)``: the bytes found dead, the key it stopped at
     (``len(keys)`` when done), and that key's record offset and gsn word, for the
     caller's general update of it."""
-    cdef Py_ssize_t n = len(keys), i, klen, rsize, dead = 0, first = -1
+    cdef Py_ssize_t n = len(keys), i, klen, rsize, dead = 0, first = -1, old_size
     cdef const uint8_t* kp = <const uint8_t*>PyBytes_AS_STRING(kept)
-    cdef object key, old
+    cdef object key
     cdef uint64_t word
     if len(kept) != n:
         raise ValueError("bitcask_tomb_index: one flag per key")
@@ -1128,16 +1129,111 @@ def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, P
         klen = len(<bytes>key)
         rsize = 20 + klen
         rsize += (-rsize) & 7
-        old = index.pop(key, None)  # (one lookup: CPython's _PyDict_Pop)
-        if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
-            if old is not None:
-                # Back for the caller's general update, which takes it out again (a
-                # tombstone never leaves its key in the index), so its place is moot.
-                index[key] = old
+        old_size = _tomb_drop(index, key, fid)
+        if old_size < 0:
             word = (g0 + <uint64_t>i) | _TOMBSTONE
             if i == first:
                 word |= flag
             return dead, i, off, word
-        dead += <Py_ssize_t>(<tuple>old)[2] + rsize
+        dead += old_size + rsize
         off += rsize
     return dead, n, off, 0
+
+
+cdef Py_ssize_t _tomb_drop(dict index, object key, object fid) except -2:
+    """The index change of a tombstone of ``key`` written to file ``fid``, for the common
+    delete: a key whose put lies in that same file with no older holder (entry[4] None)
+    leaves the index, both records garbage at once (what ``bitcask_index_apply`` does for
+    such a delete); returns that put's record size.  -1 for any other case, the index
+    left as it was, for the caller's general update."""
+    old = index.pop(key, None)  # (one lookup: CPython's _PyDict_Pop)
+    if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+        if old is not None:
+            # Back for the caller's general update, which takes it out again (a
+            # tombstone never leaves its key in the index), so its place is moot.
+            index[key] = old
+        return -1
+    return <Py_ssize_t>(<tuple>old)[2]
+
+
+# -- a var queue's lone ack (armdb.tx.commit_settle) -------------------------------------------
+
+cdef inline uint8_t* _put_u32_field(uint8_t* p, uint32_t v) noexcept:
+    """``v`` as msgpack's uint 32 (0xce, then 4 big-endian bytes): the fixed width the
+    compiled rows write."""
+    p[0] = 0xce
+    p[1] = <uint8_t>(v >> 24)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 8)
+    p[4] = <uint8_t>v
+    return p + 5
+
+
+def ack_rows(bytes fhead not None, uint32_t shard, uint32_t slot, uint32_t version, bytes bhead not None,
+             uint64_t seq, uint64_t gsn):
+    """A var queue's lone ack, its log record body and its body's key: the msgpack bytes
+    of the list of its two rows ``["F", name, shard, slot, version, DELETED, b""]`` and
+    ``["B", payload name, key, None, gsn]`` (``fhead`` and ``bhead``: the packed starts of
+    the rows, to the name; the ints at a fixed width: uint 32, and uint 64 for the gsn),
+    and ``key``, row ``seq`` as 8 big-endian bytes (``armdb.qrows.body_key``).  Returns
+    ``(body, key)``: one call for what a struct pack of 21 fields and ``int.to_bytes`` did."""
+    cdef Py_ssize_t fl = len(fhead), bl = len(bhead)
+    body = PyBytes_FromStringAndSize(NULL, 1 + fl + 15 + 4 + bl + 10 + 10)
+    key = PyBytes_FromStringAndSize(NULL, 8)
+    cdef uint8_t* k = <uint8_t*>PyBytes_AS_STRING(key)
+    store_u64(k, _bswap64(seq))
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(body)
+    p[0] = 0x92
+    memcpy(p + 1, PyBytes_AS_STRING(fhead), fl)
+    p = _put_u32_field(p + 1 + fl, shard)
+    p = _put_u32_field(p, slot)
+    p = _put_u32_field(p, version)
+    p[0] = _ROW_DELETED
+    p[1] = 0xc5  # bin 16 of length 0: b""
+    p[2] = 0
+    p[3] = 0
+    p += 4
+    memcpy(p, PyBytes_AS_STRING(bhead), bl)
+    p += bl
+    p[0] = 0xc4  # bin 8 of length 8: the key
+    p[1] = 8
+    memcpy(p + 2, k, 8)
+    p[10] = 0xc0  # nil: a delete
+    p[11] = 0xcf
+    store_u64(p + 12, _bswap64(gsn))
+    return body, key
+
+
+# -- a var queue's lone ack of its body (BitcaskStore.tomb_locked) ---------------------------
+
+def bitcask_tomb(key, dict index, uint64_t word, uint64_t highest, uint16_t magic, Py_ssize_t max_key,
+                 Py_ssize_t size, Py_ssize_t total, Py_ssize_t max_size):
+    """The tombstone record of a lone delete of ``key`` with gsn word ``word`` (the
+    tombstone bit and any flag set) for one unencrypted Bitcask shard whose active file
+    is ``size`` bytes long (``total`` written to it) of at most ``max_size``: the record
+    :func:`bitcask_record` gives for it, once the checks of the common case passed.
+
+    None for anything else, with nothing changed, for the caller's general write to
+    judge: a key not ``bytes``, longer than ``max_key`` or not in ``index`` (deleting a
+    missing key writes nothing), a gsn 0, above the gsn mask or not above ``highest``,
+    or a record that would need a rotation first."""
+    cdef uint64_t gsn = word & _SEQ_MASK
+    if type(key) is not bytes or gsn == 0 or gsn <= highest:
+        return None
+    cdef Py_ssize_t klen = len(<bytes>key)
+    if klen > max_key or key not in index:
+        return None
+    cdef Py_ssize_t n = 20 + klen
+    n += (-n) & 7
+    if total and size + n > max_size:
+        return None
+    rec = PyBytes_FromStringAndSize(NULL, n)
+    _put_record(<uint8_t*>PyBytes_AS_STRING(rec), word, PyBytes_AS_STRING(<bytes>key), klen, NULL, 0, magic)
+    return rec
+
+
+def bitcask_tomb_drop(dict index, object key, object fid):
+    """The index change of a lone tombstone of ``key`` written to file ``fid`` for the
+    common delete (see :func:`bitcask_tomb_index`): the dropped put's record size, or -1
+    (nothing changed) for the caller's general update."""
+    return _tomb_drop(index, key, fid)

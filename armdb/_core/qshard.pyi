@@ -9,6 +9,7 @@ FOREIGN: int
 DUPLICATE: int
 
 def wall_ms() -> int: ...
+def lone_token(token: object, token_cls: type, handle: int, nshards: int) -> bool: ...
 
 class QueueShard:
     live: KeyIndex

@@ -190,6 +190,25 @@ def wall_ms():
     return _wall_ms()
 
 
+def lone_token(token, token_cls, handle, Py_ssize_t nshards):
+    """Whether ``token`` is a ``token_cls`` (exactly: a ``LeaseToken``) of the handle
+    ``handle`` whose five fields are exact ints and whose shard is one of ``nshards``:
+    the token a var queue's ``Queue.ack`` hands straight to its commit.  Anything else
+    (a ``Lease``, an altered token, another handle's) takes the general path, which
+    judges it.  One C call for the checks that were five type tests in Python."""
+    if type(token) is not token_cls or PyTuple_GET_SIZE(token) != 5:
+        return False
+    f = <object>PyTuple_GET_ITEM(token, 1)
+    if (type(<object>PyTuple_GET_ITEM(token, 0)) is not int or type(f) is not int
+            or type(<object>PyTuple_GET_ITEM(token, 2)) is not int
+            or type(<object>PyTuple_GET_ITEM(token, 3)) is not int
+            or type(<object>PyTuple_GET_ITEM(token, 4)) is not int):
+        return False
+    if not (<object>PyTuple_GET_ITEM(token, 0) == handle):
+        return False
+    return 0 <= f < nshards
+
+
 @cython.final
 cdef class QueueShard:
     """The slot file and the two ordered indexes of one queue shard.
