@@ -1,5 +1,6 @@
 """Stubs for the compiled ``armdb._core.fixed`` (see fixed.pyx)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,10 @@ def bitcask_tomb_index(
     index: dict[bytes, Any], keys: list[bytes], kept: bytes, fid: int, off: int, g0: int, flag: int, start: int,
 ) -> tuple[int, int, int, int]: ...
 def bitcask_record(gsn_word: int, key_field: bytes, value_field: bytes, magic: int) -> bytes: ...
+def bitcask_put(
+    store: Any, sh: Any, key: bytes, value: bytes, seq: int, magic: int, marked_version: int, max_file_size: int,
+    hint_spill: int, pwrite: Callable[[int, bytes, int], Any], point: Callable[[str], None],
+) -> bool: ...
 def log_record(magic: int, flags: int, txid: int, body: bytes) -> bytes: ...
 def hint_append(
     buf: bytearray, crc: int, gsn_word: int, offset: int, value_len: int, key_field: bytes
