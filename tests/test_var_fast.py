@@ -21,6 +21,7 @@ from armdb.bitcask.store import BitcaskStore
 from armdb.check import check
 from armdb.config import Config
 from armdb.errors import ConfigError, DbClosed, PayloadTypeError
+from armdb.seqmap import SeqMap
 
 from .conftest import FakeClock
 
@@ -192,3 +193,22 @@ def test_s7_compiled_put_writes_what_write_writes(tmp_path_factory: pytest.TempP
             st_.close()
         got.append((state, _store_state(base / name)))
     assert got[0] == got[1]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(st.tuples(st.sampled_from(["gsn", "q:a"]), st.booleans()), max_size=700))
+def test_t5_compiled_drawer_hands_out_what_next_does(tmp_path_factory: pytest.TempPathFactory,
+                                                     calls: list[tuple[str, bool]]) -> None:
+    # SPEC T5: SeqMap.drawer's compiled draw gives the ids next() gives, across block refills
+    base = tmp_path_factory.mktemp("sm")
+    (base / "a").mkdir()
+    (base / "b").mkdir()
+    a, b = SeqMap(str(base / "a")), SeqMap(str(base / "b"))
+    draw = {name: a.drawer(name) for name in ("gsn", "q:a")}
+    try:
+        for name, compiled in calls:
+            assert (draw[name]() if compiled else a.next(name)) == b.next(name)
+        assert a._reserved == b._reserved or a._ahead is not None or b._ahead is not None
+    finally:
+        a.close()
+        b.close()
