@@ -21,7 +21,6 @@ only a weak reference to the Db so that dropping the last reference closes it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -466,7 +465,7 @@ class Db:
         """
         # Every gsn on disk is below the block reserved in seqmap (T5): refuse anything else.
         # The gsn source: what gsn() returns, without its frame (every Bitcask write draws one).
-        gsn = functools.partial(self.seqmap.next, "gsn")
+        gsn = self.seqmap.drawer("gsn")
         store = BitcaskStore.open(self.collection_dir(name), config, gsn, gsn_limit=self.seqmap.reserved("gsn"))
         try:
             self.seqmap.advance("gsn", store.max_gsn)

@@ -56,7 +56,7 @@ from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_put, cache_take
 from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, lone_token
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast, lone_token
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -393,8 +393,9 @@ class Queue(Generic[T]):
         self._payload: BitcaskStore | None = None
         self._headers: FixedStore | None = None
         self._shards: list[_Shard] = []
-        # A fixed queue's push, lease and ack in one compiled call each (FixedFast), which
-        # hands anything but the common arguments back to _push, _lease and _ack.
+        # A fixed queue's push, lease and ack in one compiled call each (FixedFast), a var
+        # queue's push and lease (VarFast), which hand anything but the common arguments
+        # back to _push, _lease and _ack.
         self._fast: FixedFast | None = None
         self._counter_lock = threading.Lock()  # guards the counters below (per-shard ones live on _Shard)
         # A new value at every push and nack (next() on a count is atomic under the GIL,
@@ -508,6 +509,19 @@ class Queue(Generic[T]):
                 # They take the same arguments and hand all but the common case to
                 # _push, _lease and _ack, which raise what the methods document.
                 vars(self).update(push=self._fast.push, lease=self._fast.lease, ack=self._fast.ack)
+            else:
+                var = VarFast(
+                    self, db, self._shards, db.clock is system_clock, db.clock, ms_to_datetime, db.seqmap,
+                    self._seq_name, self._encode, None, 0,
+                    self._lease_ms, self._max_attempts, MAX_LEASE, MAX_DUE_MS, self._max_depth is None,
+                    self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
+                var.set_var(self._payload.put, self._cache, self._cache_lock, self._cache_evict,  # type: ignore[union-attr]
+                            self._decode, self._read_payloads, _fail, _GONE)
+                self._fast = var
+                # As a fixed queue's: the compiled push and lease(1) shadow the methods
+                # below, and hand all but the common case to _push and _lease.  The ack
+                # stays Queue.ack.
+                vars(self).update(push=var.push, lease=var.lease)
         except BaseException:
             self._headers.close()
             if self._payload is not None:
@@ -644,32 +658,10 @@ class Queue(Generic[T]):
         DbClosed
             The database is closed.
         """
-        # A fixed queue's push is FixedFast.push (see _open).  A var queue's common push
-        # (no delay, no max_depth) runs here, in this one frame: _push's steps, in order.
-        store = self._payload
-        if store is None or delay is not None or self._max_depth is not None:
-            return self._push(payload, delay)
-        now = int(self._clock())
-        if self._closed or self._db._closed or now >= self._next_retention:
-            now = self._check()  # DbClosed; or the retention pass, when due
-        body = self._encode(payload)
-        seq = self._next_id(self._seq_name)
-        self._put_body(store, seq, body)
-        shards = self._shards
-        sh = shards[seq % len(shards)]
-        # The lock by acquire and release, not ``with``: a with statement looks up and
-        # binds __enter__ and __exit__ at every pass (about 1k instructions each).
-        lock = sh.lock
-        lock.acquire()
-        try:
-            sh.push(now, seq, now, seq, b"")
-        finally:
-            lock.release()
-        self._gen = next(self._gens)  # _notify, whose other steps are for waiters
-        waker = self._db._waker
-        if self._nwaiters or waker is not None and waker._waiters:
-            self._notify()
-        return seq
+        # On an open queue this method is shadowed by the compiled push (FixedFast.push
+        # for a fixed queue, VarFast.push for a var one: see _open), which hands all but
+        # the common case to _push.
+        return self._push(payload, delay)
 
     def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
@@ -1152,45 +1144,10 @@ class Queue(Generic[T]):
             ``n`` is not an int in ``1..MAX_LEASE``, or a non-positive ``lease_timeout``;
             nothing changes.
         """
-        # A fixed queue's lease is FixedFast.lease (see _open).  A var queue's lease(1) of
-        # one header shard, at the queue's timeout, runs here in this one frame: _lease's
-        # steps, the body from the cache (any other way: _read_payloads).
-        if n != 1 or type(n) is not int or lease_timeout is not None or self._payload is None \
-                or len(self._shards) != 1:
-            return self._lease(n, lease_timeout)
-        now = int(self._clock())
-        if self._closed or self._db._closed or now >= self._next_retention:
-            now = self._check()  # DbClosed; or the retention pass, when due
-        deadline = now + self._lease_ms
-        last = self._last_deadline
-        if last[0] != deadline:
-            last = self._last_deadline = (deadline, ms_to_datetime(deadline))
-        dl = last[1]
-        out: list[Any] = []
-        sh = self._shards[0]
-        lock = sh.lock
-        lock.acquire()  # not ``with``: see push
-        try:
-            dead = sh.claim(now, deadline, 1, self._max_attempts, 0, out, dl)
-        finally:
-            lock.release()
-        if dead:
-            self._note_dead(now)
-        if not out:
-            return out
-        due, seq, shard_no, attempt, epoch, _ = out[0]
-        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
-        body = self._cache.get(seq)
-        try:
-            payload = self._decode(body) if body is not None else _GONE
-        except Exception:  # noqa: BLE001 - _read_payloads dead-letters it
-            payload = _GONE
-        if payload is _GONE:
-            payload = self._read_payloads([(shard_no, due, seq, epoch)])[0]
-            if payload is _GONE:
-                return []
-        new = tuple.__new__  # the NamedTuples without their Python-level __new__
-        return [new(Lease, (seq, payload, attempt, dl, new(LeaseToken, (self._handle, shard_no, due, seq, epoch))))]
+        # On an open queue this method is shadowed by the compiled lease (FixedFast.lease,
+        # or VarFast.lease for a var queue: see _open), which hands all but the common case
+        # to _lease.
+        return self._lease(n, lease_timeout)
 
     def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")

@@ -1,5 +1,6 @@
 """Stubs for the compiled ``armdb._core.fixed`` (see fixed.pyx)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,10 @@ def bitcask_tomb(
 ) -> bytes | None: ...
 def bitcask_tomb_drop(index: dict[bytes, Any], key: bytes, fid: int) -> int: ...
 def bitcask_record(gsn_word: int, key_field: bytes, value_field: bytes, magic: int) -> bytes: ...
+def bitcask_put(
+    store: Any, sh: Any, key: bytes, value: bytes, seq: int, magic: int, marked_version: int, max_file_size: int,
+    hint_spill: int, pwrite: Callable[[int, bytes, int], Any], point: Callable[[str], None],
+) -> bool: ...
 def log_record(magic: int, flags: int, txid: int, body: bytes) -> bytes: ...
 def hint_append(
     buf: bytearray, crc: int, gsn_word: int, offset: int, value_len: int, key_field: bytes

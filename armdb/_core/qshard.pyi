@@ -50,7 +50,6 @@ class QueueShard:
         payloads: Any, at: int,
     ) -> tuple[int, int]: ...
 
-@final
 class FixedFast:
     def __init__(self, queue: Any, db: Any, shards: list[QueueShard], sysclock: bool, clock: Any, to_datetime: Any,
                  seqmap: Any, seq_name: str, encode: Any, plain: Any, nfields: int, lease_ms: int,
@@ -59,3 +58,8 @@ class FixedFast:
     def push(self, payload: Any, *, delay: Any = None) -> int: ...
     def lease(self, n: Any = 1, *, lease_timeout: Any = None) -> list[Any]: ...
     def ack(self, token: Any) -> None: ...
+
+@final
+class VarFast(FixedFast):
+    def set_var(self, store_put: Any, cache: dict[int, bytes], cache_lock: Any, cache_evict: Any, decode: Any,
+                read_payloads: Any, fail: Any, gone: Any) -> None: ...

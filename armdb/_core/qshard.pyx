@@ -35,6 +35,7 @@ from libc.stdlib cimport free
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.dict cimport PyDict_SetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_SET_ITEM
@@ -64,7 +65,7 @@ cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n)
     n[0] = cnp.PyArray_DIM(arr, 0)
     return 0
 
-from armdb._core._util cimport load_be64, load_le, monotonic_s
+from armdb._core._util cimport load_be64, load_le, monotonic_s, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
@@ -789,8 +790,7 @@ cdef class QueueShard:
         return got, dead
 
 
-@cython.final
-cdef class FixedFast:
+cdef class FixedFast:  # (not final: VarFast extends it)
     """A fixed queue's ``push``, ``lease`` and ``ack`` in one compiled call each
     (armdb.queue.Queue hands them here): the same steps as the Python bodies of those
     methods (``Queue._push``, ``Queue._lease``, ``Queue._ack``), for the common
@@ -896,6 +896,22 @@ cdef class FixedFast:
             self.queue._notify()
         return 0
 
+    cdef int _deadline_dt(self, int64_t deadline) except -1:
+        """Make ``self.dl`` the datetime of ``deadline`` (ms): one per millisecond of deadlines."""
+        cdef int64_t step
+        if deadline != self.dl_ms:
+            step = deadline - self.dl_ms
+            if self.dl_ms >= 0 and -86_400_000 < step < 86_400_000:
+                # The last deadline plus the step: integer microseconds, so the same
+                # datetime as to_datetime (armdb._clock.ms_to_datetime, exact to the
+                # microsecond for any deadline before the year 2200), at a fraction of
+                # its cost.
+                self.dl = self.dl + timedelta_new(0, <int>(step // 1000), <int>(step % 1000) * 1000)
+            else:
+                self.dl = self.to_datetime(deadline)
+            self.dl_ms = deadline
+        return 0
+
     def push(self, payload, *, delay=None):
         """Insert a ready row due at ``now + delay``; return its id (``Queue.push``, whose
         documentation says what it raises: a delay, or anything but the common case,
@@ -934,7 +950,7 @@ cdef class FixedFast:
         """Lease up to ``n`` due rows in key order; a list of ``Lease`` (``Queue.lease``,
         whose documentation says what it raises: a lease timeout, or anything but the
         common case, goes to its Python body ``Queue._lease``)."""
-        cdef int64_t now, deadline, step
+        cdef int64_t now, deadline
         cdef Py_ssize_t k, dead = 0
         cdef QueueShard sh
         cdef list out
@@ -947,17 +963,7 @@ cdef class FixedFast:
         if now < 0:
             return self.lease_py(n, None)
         deadline = now + self.lease_ms
-        if deadline != self.dl_ms:  # one datetime per millisecond of deadlines
-            step = deadline - self.dl_ms
-            if self.dl_ms >= 0 and -86_400_000 < step < 86_400_000:
-                # The last deadline plus the step: integer microseconds, so the same
-                # datetime as to_datetime (armdb._clock.ms_to_datetime, exact to the
-                # microsecond for any deadline before the year 2200), at a fraction of
-                # its cost.
-                self.dl = self.dl + timedelta_new(0, <int>(step // 1000), <int>(step % 1000) * 1000)
-            else:
-                self.dl = self.to_datetime(deadline)
-            self.dl_ms = deadline
+        self._deadline_dt(deadline)
         out = []
         sh = <QueueShard>self.shards[0]
         self.acquire[0]()
@@ -1022,3 +1028,140 @@ cdef class FixedFast:
         if r != _ACKED:
             return self.ack_py(token)  # stale: the Python body says why (nothing changed)
         return None
+
+
+@cython.final
+cdef class VarFast(FixedFast):
+    """A var queue's ``push`` and ``lease`` in one compiled call each (armdb.queue.Queue
+    hands them here, as a fixed queue's to :class:`FixedFast`, whose checks, clock,
+    retention pass, id draw, deadline and notification they share): the same steps as
+    ``Queue._push`` and ``Queue._lease`` for the common arguments.  A push writes its
+    body first (``BitcaskStore.put``), counts and caches it (``Queue._put_body``'s steps,
+    under the cache's lock), fires ``queue.var_push.after_body``, then writes the header
+    slot: the order of writes on disk is the Python body's.  ``lease(1)`` of one header
+    shard at the queue's timeout takes its body from the cache; a body not cached, or
+    that does not decode, goes through ``Queue._read_payloads`` (which dead-letters a
+    poisoned one).  Anything else goes to the Python bodies, which raise what the
+    methods document.  The ack stays ``Queue.ack``.
+    """
+
+    cdef object store_put, cache_acquire, cache_release, cache_evict, decode, read_payloads, fail, gone
+    cdef dict cache
+
+    def set_var(self, store_put, dict cache, cache_lock, cache_evict, decode, read_payloads, fail, gone):
+        """The var queue's parts: its body store's ``put``, its body cache (the dict, its
+        lock, ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``,
+        the ``armdb._fail`` module (its ``point`` is looked up at each call, as the
+        Python callers do) and the ``_GONE`` marker."""
+        for name in ("_cache_bytes", "_cache_budget", "_pushed_bodies"):
+            if name not in self.qd:
+                raise TypeError(f"VarFast: the queue has no instance attribute {name}")
+        self.store_put = store_put
+        self.cache = cache
+        self.cache_acquire = cache_lock.acquire
+        self.cache_release = cache_lock.release
+        self.cache_evict = cache_evict
+        self.decode = decode
+        self.read_payloads = read_payloads
+        self.fail = fail
+        self.gone = gone
+
+    cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
+        """``Queue._put_body``: the body written first, then counted and cached under the
+        cache's lock (the byte count is read and written only under it)."""
+        cdef bytes key = PyBytes_FromStringAndSize(NULL, 8)
+        store_be64(<uint8_t*>PyBytes_AS_STRING(key), id_)  # qrows.body_key
+        self.store_put(key, body)
+        cdef Py_ssize_t n = len(body)
+        cdef object size
+        self.cache_acquire()
+        try:
+            PyDict_SetItem(self.qd, "_pushed_bodies", <object>PyDict_GetItemWithError(self.qd, "_pushed_bodies") + 1)
+            budget = <object>PyDict_GetItemWithError(self.qd, "_cache_budget")
+            if n <= budget:
+                self.cache[seq] = body
+                size = <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") + n
+                PyDict_SetItem(self.qd, "_cache_bytes", size)
+                if size > budget:
+                    self.cache_evict()
+        finally:
+            self.cache_release()
+        self.fail.point("queue.var_push.after_body")
+        return 0
+
+    def push(self, payload, *, delay=None):
+        """Insert a ready row due at ``now + delay``; return its id (``Queue.push``, whose
+        documentation says what it raises: a delay, or anything but the common case,
+        goes to its Python body ``Queue._push``)."""
+        cdef int64_t now
+        cdef QueueShard sh
+        cdef object seq
+        cdef uint64_t id_
+        if delay is not None:
+            return self.push_py(payload, delay)
+        now = self._now()
+        if now < 0 or <uint64_t>now >= self.max_due:
+            return self.push_py(payload, None)
+        body = self.encode(payload)
+        if type(body) is not bytes:  # (VarCodec.encode returns bytes) nothing written yet: the Python body
+            return self.push_py(payload, None)
+        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
+        seq = next(<object>p, None) if p != NULL else None
+        if seq is None:
+            seq = self.next_id(self.seq_name)
+        id_ = seq
+        self._put_body(seq, id_, body)
+        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
+        sh = <QueueShard>self.shards[k]
+        self.acquire[k]()
+        try:
+            sh._push_row(now, id_, now, id_, b"")
+        finally:
+            self.release[k]()
+        self._notify()
+        return seq
+
+    def lease(self, n=1, *, lease_timeout=None):
+        """Lease up to ``n`` due rows in key order; a list of ``Lease`` (``Queue.lease``,
+        whose documentation says what it raises: a lease timeout, several rows or
+        shards, or anything but the common case, goes to its Python body ``Queue._lease``)."""
+        cdef int64_t now, deadline
+        cdef Py_ssize_t dead = 0
+        cdef QueueShard sh
+        cdef list out
+        cdef tuple row
+        if lease_timeout is not None or self.nsh != 1 or type(n) is not int or n != 1:
+            return self.lease_py(n, lease_timeout)
+        now = self._now()
+        if now < 0:
+            return self.lease_py(n, None)
+        deadline = now + self.lease_ms
+        self._deadline_dt(deadline)
+        dl = self.dl
+        out = []
+        sh = <QueueShard>self.shards[0]
+        self.acquire[0]()
+        try:
+            sh._walk(now, deadline, 1, self.max_attempts, 0, out, dl, NULL, &dead)
+        finally:
+            self.release[0]()
+        if dead:
+            self.note_dead(now)
+        if not out:
+            return out
+        row = <tuple>out[0]  # (due, seq, shard_no, attempt, epoch, b""): see QueueShard._claim
+        due, seq, shard_no, attempt, epoch = row[0], row[1], row[2], row[3], row[4]
+        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
+        cdef PyObject* b = PyDict_GetItemWithError(self.cache, seq)
+        payload = self.gone
+        if b != NULL:
+            try:
+                payload = self.decode(<object>b)
+            except Exception:  # Queue._read_payloads dead-letters it
+                payload = self.gone
+        if payload is self.gone:
+            payload = self.read_payloads([(shard_no, due, seq, epoch)])[0]
+            if payload is self.gone:
+                return []
+        return [_tuple5(self.lease_cls, seq, payload, attempt, dl,
+                        _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch))]

@@ -99,7 +99,7 @@ def _storage_error(e: OSError, what: str) -> StorageError:
 # -- in-RAM structures --------------------------------------------------------------------
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _DataFile:
     fid: int
     path: str
@@ -133,6 +133,8 @@ class _HintBuilder:
     Hint files are never synced: one lost or torn by a power failure fails its CRC
     and is rebuilt from the data file.
     """
+
+    __slots__ = ("final", "tmp", "buf", "fd", "written", "crc", "count", "broken")
 
     def __init__(self, sdir: str, data: _DataFile) -> None:
         self.final = os.path.join(sdir, _hint_name(data.fid))

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 Entry = tuple[int, int, int, int, "frozenset[int] | None"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Shard:
     idx: int
     sdir: str

@@ -28,6 +28,7 @@ from .._core.fixed import (
     bitcask_group,
     bitcask_index_apply,
     bitcask_index_put_new,
+    bitcask_put,
     bitcask_puts,
     bitcask_record,
     bitcask_tomb,
@@ -48,6 +49,7 @@ from ..errors import (
     WrongKey,
 )
 from ..seqmap import MAX_RESERVED
+from . import files as _files
 from . import format as _format
 from .compaction import _auto_compact, _compact_all
 from .files import _DataFile, _HintBuilder, _new_nonce, _storage_error
@@ -665,7 +667,13 @@ class BitcaskStore:
             seq = self._gsn()  # _next_seq, its frame saved on this path
             if type(seq) is not int or not sh.highest < seq <= SEQ_MASK:
                 raise self._bad_gsn(sh, seq)
-            rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
+            # An unencrypted put in one compiled step (_write's, in the same order); a
+            # sealed one, or one that needs a new data file first, through _write.
+            rotated = False
+            if self._sealer is not None or not bitcask_put(
+                    self, sh, key, value, seq, RECORD_MAGIC, MARKED_DATA_VERSION, self.config.max_file_size,
+                    _files._HINT_SPILL, _fs.FS.pwrite, _fail.point):
+                rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
         finally:
             lock.release()
         if rotated or sh.compact_due:
