@@ -586,10 +586,12 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                 fixed.check_writable()
             if payload._poisoned is not None or payload._closed:
                 payload.check_writable()
-            # The body tombstone's gsn, reserved on disk before it is returned (as a Bitcask
-            # put's is): the checks that can refuse this ack ran above, so only a failed log
-            # append can leave it unused, and an unused gsn is a gap, which nothing reads.
-            gsn = db.seqmap.next("gsn")
+            # The body tombstone's gsn, from the store's own gsn source (the Db's
+            # SeqMap.drawer("gsn"), compiled): reserved on disk before it is returned, as a
+            # Bitcask put's is.  The checks that can refuse this ack ran above, so only a
+            # failed log append can leave it unused, and an unused gsn is a gap, which
+            # nothing reads.
+            gsn = payload._gsn()
             fhead, bhead = q._ack_heads
             body, key = ack_rows(fhead, fixed.index, slot, version, bhead, seq, gsn)
             end = txlog.append_body(body)
