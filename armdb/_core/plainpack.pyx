@@ -196,7 +196,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
             if s == NULL:  # a lone surrogate: msgpack refuses it, on the caller's path
                 _err_clear()
                 return 1
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
     if t == &_INT:
@@ -226,14 +226,14 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         return 0
     if t == &_BYTES:
         n = _bsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         return _blob(b, _bdata(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
     if key or depth >= _DEPTH:  # a container key does not read back; too deep for msgpack
         return 1
     if t == &_DICT:
         n = _dsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
@@ -243,7 +243,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         return 0
     if t == &_LIST or t == &_TUPLE:
         n = _lsize(o) if t == &_LIST else _tsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
