@@ -254,12 +254,15 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
     return 1
 
 
-def pack_plain(list values):
+def pack_plain(list values, object top=None):
     """The msgpack bytes of each of ``values`` (as ``msgpack.Packer(use_bin_type=True)``
-    packs it), or None if any value is not plain (the module's docstring)."""
+    packs it), or None if any value is not plain (the module's docstring) or, given
+    ``top``, is not exactly of that type (a var queue's payload type, checked in the
+    same pass)."""
     cdef Buf b
     cdef Py_ssize_t i, n = PyList_GET_SIZE(values)
     cdef list out = PyList_New(n)
+    cdef PyObject* v
     b.p = <uint8_t*>malloc(4096)
     if b.p == NULL:
         raise MemoryError()
@@ -267,7 +270,10 @@ def pack_plain(list values):
     try:
         for i in range(n):
             b.n = 0
-            if _pack(&b, <PyObject*>PyList_GET_ITEM(values, i), 0, False):
+            v = <PyObject*>PyList_GET_ITEM(values, i)
+            if top is not None and _type_of(v) != <PyTypeObject*>top:
+                return None
+            if _pack(&b, v, 0, False):
                 return None
             raw = PyBytes_FromStringAndSize(<char*>b.p, b.n)
             Py_INCREF(raw)
