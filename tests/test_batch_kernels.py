@@ -193,3 +193,11 @@ def test_q1_a_leased_batch_leaves_the_cache_and_a_nacked_row_comes_back_from_the
         assert set(q._cache) == {ids[0], ids[2]}
         assert q.ack_many(b) == 3
         assert q._cache == {} and q._cache_bytes == 0
+
+
+def test_q1_truncated_maps_and_strings_are_left_to_msgpack():
+    # SPEC Q1: a map whose short str keys or values run past the body is not plain; msgpack says why
+    for bad in (b"\x82\xa0\x01", b"\x81\xa3ab", b"\x82\xa1k\x01\xa1", b"\xa5abc", b"\xd9\x1eabc", b"\x81\xbf" + b"k" * 30):
+        assert unpack_plain([bad]) is None, bad
+    ok = [b"\x81\xa0\x01", b"\x82\xa1k\x01\xa1j\xa2\xc3\xa9", b"\xba" + b"x" * 26, b"\xd9\x28" + "é".encode() * 20]
+    assert unpack_plain(ok) == [_unpack(r) for r in ok]
