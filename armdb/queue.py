@@ -54,7 +54,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
-from ._core.bodycache import cache_drop, cache_pop, cache_put, longest
+from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
 from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard
@@ -1089,8 +1089,7 @@ class Queue(Generic[T]):
         while self._cache_bytes > self._cache_budget and cache:
             excess = self._cache_bytes - self._cache_budget
             k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
-            victims = list(itertools.islice(cache, k))
-            self._cache_bytes -= sum(map(len, map(cache.pop, victims)))
+            self._cache_bytes -= cache_evict(cache, k)  # (a compiled loop: no Python call a body)
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),

@@ -10,6 +10,7 @@ exactly as ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` gives it.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import msgpack
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
-from armdb._core.bodycache import cache_drop, cache_pop, cache_put, cache_take, longest
+from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, cache_take, longest
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -201,3 +202,18 @@ def test_q1_truncated_maps_and_strings_are_left_to_msgpack():
         assert unpack_plain([bad]) is None, bad
     ok = [b"\x81\xa0\x01", b"\x82\xa1k\x01\xa1j\xa2\xc3\xa9", b"\xba" + b"x" * 26, b"\xd9\x28" + "é".encode() * 20]
     assert unpack_plain(ok) == [_unpack(r) for r in ok]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.binary(max_size=30)), max_size=30), st.integers(0, 40),
+       st.lists(st.integers(0, 50), max_size=10))
+def test_q1_cache_evict_drops_the_oldest_as_the_dict_operations_do(items, k, gone):
+    # SPEC Q1: the cache's eviction round drops the k oldest bodies, in push order
+    cache = dict(items)
+    for key in gone:  # holes at the front, as acks leave them
+        cache.pop(key, None)
+    want = dict(cache)
+    victims = list(itertools.islice(want, k))
+    freed = sum(map(len, map(want.pop, victims)))
+    assert cache_evict(cache, k) == freed
+    assert list(cache.items()) == list(want.items())

@@ -10,7 +10,7 @@ caller holds the cache's lock and keeps the byte count.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -91,4 +91,22 @@ def cache_drop(dict cache, const uint64_t[::1] ids):
         body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
         if body is not None:
             freed += PyBytes_GET_SIZE(<bytes?>body)
+    return freed
+
+
+def cache_evict(dict cache, Py_ssize_t k):
+    """Drop the first ``k`` bodies of ``cache`` (its oldest: the dict is in push order),
+    all if it holds fewer; returns their bytes.  ``Queue._cache_evict``'s round, which
+    took an ``islice``, a ``pop`` and a ``len`` call a body."""
+    cdef Py_ssize_t pos = 0, i = 0, freed = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef list victims = PyList_New(k if k > 0 else 0)  # (items NULL until set, which the list's free skips)
+    while i < k and PyDict_Next(cache, &pos, &key, &value):
+        freed += PyBytes_GET_SIZE(<bytes?><object>value)
+        Py_INCREF(<object>key)
+        PyList_SET_ITEM(victims, i, <object>key)
+        i += 1
+    for pos in range(i):  # (not while iterating: a dict must not change under PyDict_Next)
+        PyDict_DelItem(cache, <object>PyList_GET_ITEM(victims, pos))
     return freed

@@ -10,7 +10,7 @@
 # Needs valgrind, its callgrind.h and a C compiler.  PYTHONHASHSEED=0 (set here).
 set -eu
 size=${1:-1000}
-n=${2:-20}
+n=${2:-200}  # the full bench row pushes 200 batches: the body cache (2,000 KiB) evicts from the 24th on
 here=$(cd "$(dirname "$0")/../.." && pwd)
 tree=${3:-$here}
 py=${PYTHON:-$here/.venv/bin/python}
