@@ -215,12 +215,11 @@ class LeaseBatch(Generic[T]):
                  "ids", "payloads")
 
     def __init__(self, queue: str, handle: int, shards: np.ndarray, dues: np.ndarray, ids: np.ndarray,
-                 attempts: np.ndarray, epochs: np.ndarray, deadline: tuple[int, datetime], payloads: Any,
-                 cached: bool = True) -> None:
+                 attempts: np.ndarray, epochs: np.ndarray, deadline: tuple[int, datetime], payloads: Any) -> None:
         self._queue = queue
-        # False: the lease took its bodies out of the queue's cache (Queue._batch_bodies),
-        # so its ack_many has none to drop.
-        self._cached = cached
+        # False (set by Queue._lease_batch): the lease took its bodies out of the queue's
+        # cache (Queue._batch_bodies), so its ack_many has none to drop.
+        self._cached = True
         self._handle = handle
         self._shards = shards
         self._dues = dues
@@ -909,7 +908,10 @@ class Queue(Generic[T]):
                     shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
         if lease_ms != self._lease_ms and len(seqs):
             self._remember_timeouts(self._batch_tokens(shard_nos, dues, seqs, epochs), lease_ms)
-        return LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last, payloads, cached)
+        batch: LeaseBatch[Any] = LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last,
+                                            payloads)
+        batch._cached = cached
+        return batch
 
     def _batch_bodies(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                       epochs: np.ndarray, decode: Callable[[bytes], Any] | None = None
