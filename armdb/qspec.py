@@ -399,6 +399,9 @@ class VarCodec:
                     return [self.encode(v) for v in values]
                 except PayloadTypeError:
                     return None
+            raws = pack_plain(values, tp)  # each exactly a tp, and plain (the common batch): one pass
+            if raws is not None:
+                return raws
             if set(map(type, values)) != {tp} and not all(isinstance(v, tp) for v in values):
                 return None
             objs = values

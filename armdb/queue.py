@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
-from ._core.bodycache import cache_drop, cache_put, cache_take
+from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
 from ._core.fixed import push_body_rows, ring_next
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast, lone_token
@@ -210,12 +210,15 @@ class LeaseBatch(Generic[T]):
     to :meth:`Queue.ack_many`, or single leases to ``ack``/``nack``/``extend``.
     """
 
-    __slots__ = ("_deadline", "_dues", "_epochs", "_handle", "_queue", "_shards", "attempts", "deadlines", "ids",
-                 "payloads")
+    __slots__ = ("_cached", "_deadline", "_dues", "_epochs", "_handle", "_queue", "_shards", "attempts", "deadlines",
+                 "ids", "payloads")
 
     def __init__(self, queue: str, handle: int, shards: np.ndarray, dues: np.ndarray, ids: np.ndarray,
                  attempts: np.ndarray, epochs: np.ndarray, deadline: tuple[int, datetime], payloads: Any) -> None:
         self._queue = queue
+        # False (set by Queue._lease_batch): the lease took its bodies out of the queue's
+        # cache (Queue._batch_bodies), so its ack_many has none to drop.
+        self._cached = True
         self._handle = handle
         self._shards = shards
         self._dues = dues
@@ -764,10 +767,12 @@ class Queue(Generic[T]):
         if n == 0:
             return []
         if self._payload is not None:
-            if max(map(len, bodies)) > MAX_VALUE_LEN:
-                big = max(bodies, key=len)
+            i = longest(bodies)  # (a compiled loop: max(map(len, ...)) cost a Python call a body)
+            if i < 0:
+                i = bodies.index(max(bodies, key=len))
+            if len(bodies[i]) > MAX_VALUE_LEN:
                 raise ConfigError(
-                    f"payload {bodies.index(big)} of the batch encodes to {len(big):,} bytes, above the limit of "
+                    f"payload {i} of the batch encodes to {len(bodies[i]):,} bytes, above the limit of "
                     f"{MAX_VALUE_LEN:,}; nothing was pushed"
                 )
             first = self._commit_batch(self._db, self, True, (bodies, n, delay_ms))
@@ -882,33 +887,41 @@ class Queue(Generic[T]):
             attempts, epochs = attempts[:got].copy(), epochs[:got].copy()
             if not var:
                 payloads = payloads[:got].copy()
+        cached = True
         if var:
-            payloads, keep = self._batch_bodies(shard_nos, dues, seqs, epochs, decode)
+            payloads, keep, cached = self._batch_bodies(shard_nos, dues, seqs, epochs, decode)
             if keep is not None:
                 shard_nos, dues, seqs, attempts, epochs = (
                     shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
         if lease_ms != self._lease_ms and len(seqs):
             self._remember_timeouts(self._batch_tokens(shard_nos, dues, seqs, epochs), lease_ms)
-        return LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last, payloads)
+        batch: LeaseBatch[Any] = LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last,
+                                            payloads)
+        batch._cached = cached
+        return batch
 
     def _batch_bodies(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray,
                       epochs: np.ndarray, decode: Callable[[bytes], Any] | None = None
-                      ) -> tuple[list[Any], np.ndarray | None]:
-        """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), and None
-        or the mask of the leases to hand out."""
+                      ) -> tuple[list[Any], np.ndarray | None, bool]:
+        """The decoded payloads of a var batch's leases (:meth:`_read_payloads`), None or
+        the mask of the leases to hand out, and whether the cache may still hold their
+        bodies (False: they were taken out of it here)."""
         if decode is None and len(seqs) > 1 and self._cache:
             # The common batch: every body in the cache, decoded together, with no Python
-            # object per row but the payloads.
-            bodies = self._cache_take(np.ascontiguousarray(seqs, dtype=np.uint64))
+            # object per row but the payloads.  The bodies leave the cache as they are
+            # taken: decoded, they are not needed again unless a lease ends without an ack
+            # (then the next lease reads the store), and the batch's ack_many has no
+            # cache entries to drop (one dict operation a body less in all).
+            bodies = self._cache_pop(np.ascontiguousarray(seqs, dtype=np.uint64))
             if bodies is not None:
                 out = typing.cast(VarCodec, self._codec).decode_many(bodies)
                 if out is not None:
-                    return out, None
+                    return out, None, False
         got = self._read_payloads(list(zip(shard_nos.tolist(), dues.tolist(), seqs.tolist(), epochs.tolist(),
                                            strict=True)), decode)
         if _GONE not in got:
-            return got, None
-        return [p for p in got if p is not _GONE], np.array([p is not _GONE for p in got], dtype=bool)
+            return got, None, True
+        return [p for p in got if p is not _GONE], np.array([p is not _GONE for p in got], dtype=bool), True
 
     def _read_payloads(self, rows: list[tuple[int, int, int, int]],
                        decode: Callable[[bytes], Any] | None = None) -> list[Any]:
@@ -1010,7 +1023,9 @@ class Queue(Generic[T]):
                     f"reopen); ack it on that handle, or lease again from queue {self.name!r}; nothing was acked"
                 )
             shard_nos, dues, seqs, epochs = leases._shards, leases._dues, leases.ids, leases._epochs
+            cached = leases._cached
         else:
+            cached = True
             toks = self._token_list(leases, "ack_many", "; ack one lease with ack()")
             k = len(toks)
             shard_nos = np.fromiter((t.shard for t in toks), np.uint32, k)
@@ -1024,7 +1039,7 @@ class Queue(Generic[T]):
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
-        return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs)))
+        return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs, cached)))
 
     def _put_body(self, store: BitcaskStore, seq: int, body: bytes) -> None:
         """A lone push's body: written first (Q15), counted, and cached, the count and
@@ -1063,8 +1078,7 @@ class Queue(Generic[T]):
         while self._cache_bytes > self._cache_budget and cache:
             excess = self._cache_bytes - self._cache_budget
             k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
-            victims = list(itertools.islice(cache, k))
-            self._cache_bytes -= sum(map(len, map(cache.pop, victims)))
+            self._cache_bytes -= cache_evict(cache, k)  # (a compiled loop: no Python call a body)
 
     def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
         """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
@@ -1085,12 +1099,16 @@ class Queue(Generic[T]):
             with self._cache_lock:
                 self._cache_bytes -= cache_drop(self._cache, ids)
 
-    def _cache_take(self, ids: np.ndarray) -> list[bytes] | None:
-        """The cached bodies of ``ids`` (``uint64``), or None unless all of them are
-        cached: a batch lease's bodies read under one hold of the cache's lock, by a
-        compiled loop."""
+    def _cache_pop(self, ids: np.ndarray) -> list[bytes] | None:
+        """The cached bodies of ``ids`` (``uint64``), taken out of the cache, or None (and
+        the cache unchanged) unless all of them are cached: a batch lease's bodies, under
+        one hold of the cache's lock, by a compiled loop."""
         with self._cache_lock:
-            return cache_take(self._cache, ids)
+            got = cache_pop(self._cache, ids)
+            if got is None:
+                return None
+            self._cache_bytes -= got[1]
+            return got[0]
 
     def _cache_get(self, seq: int) -> bytes | None:
         if not self._cache:

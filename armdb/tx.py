@@ -649,7 +649,8 @@ def commit_batch(db: Db, q: Queue[Any], push: bool, args: tuple[Any, ...]) -> An
     return step.result
 
 
-def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any, epochs: Any) -> int:
+def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any, epochs: Any,
+                    cached: bool = True) -> int:
     """``Queue.ack_many`` (Q14, Q32): the acks of a batch (ids distinct) in one logged
     commit, all or nothing, run here in one frame without a plan (as the lone ack of
     :func:`commit_settle`): every lock of the queue in the global order, the leases
@@ -657,7 +658,8 @@ def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any,
     changed if one is stale), then one log record with the bodies' tombstones (a var
     queue) ahead of the headers' deletes, synced first when durable (write-ahead), then
     the headers applied, then the tombstones (``BitcaskStore.delete_many_locked``) and
-    the cache drops.  A failure after the log append fences the stores through
+    the cache drops (none when ``cached`` is False: the batch's lease took its bodies out
+    of the cache).  A failure after the log append fences the stores through
     :func:`_fence_after_log`, the same handling as every other commit's.  Returns how
     many were acked."""
     if db._closed:
@@ -709,7 +711,8 @@ def commit_ack_many(db: Db, q: Queue[Any], shard_nos: Any, dues: Any, seqs: Any,
             q._tx_apply_acks(planned)
             if payload is not None:
                 payload.delete_many_locked(keys, g0)
-                q._cache_drop_many(ids)
+                if cached:  # (False: the batch's lease took its bodies out of the cache)
+                    q._cache_drop_many(ids)
             _fail.point("txlog.after_apply")
             for f in fixed:
                 f.raise_sync_error()  # applied in full; its sync failed

@@ -10,6 +10,7 @@ exactly as ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` gives it.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import msgpack
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
-from armdb._core.bodycache import cache_drop, cache_put, cache_take
+from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, cache_take, longest
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -128,3 +129,91 @@ def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
     assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
     assert cache == {12: b"ccc"}
 
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(values, max_size=6), st.sampled_from([dict, list, str, tuple, int, bool, bytes, object, None]))
+def test_q1_pack_plain_of_one_payload_type_packs_those_values_alone(vs, top):
+    # SPEC Q1: with a payload type, the batch packs as msgpack packs it only if each value is exactly that type
+    want = pack_plain(vs)
+    got = pack_plain(vs, top)
+    if top is None or all(type(v) is top for v in vs):
+        assert got == want
+    else:
+        assert got is None
+    if got is not None:
+        assert got == [_P.pack(v) for v in vs]
+
+
+def test_q1_the_body_cache_pop_takes_all_or_nothing():
+    # SPEC Q1: a batch lease takes its bodies out of the cache only when every one is there
+    cache: dict[int, bytes] = {7: b"old", 10: b"a", 12: b"ccc"}
+    assert cache_pop(cache, np.array([12, 10], dtype=np.uint64)) == ([b"ccc", b"a"], 4)
+    assert cache == {7: b"old"}
+    cache.update({10: b"a", 11: b"bb"})
+    assert cache_pop(cache, np.array([10, 11, 13], dtype=np.uint64)) is None  # 13 missing: nothing taken
+    assert cache == {7: b"old", 10: b"a", 11: b"bb"}
+    assert cache_pop(cache, np.array([10, 10], dtype=np.uint64)) is None  # a repeat is found once
+    assert cache == {7: b"old", 10: b"a", 11: b"bb"}
+    assert cache_pop(cache, np.array([], dtype=np.uint64)) == ([], 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=12))
+def test_q1_longest_is_the_first_longest_body(bodies):
+    # SPEC Q1: push_many's size check finds the first longest body
+    i = longest(bodies)
+    if bodies:
+        assert i == bodies.index(max(bodies, key=len))
+    else:
+        assert i == 0
+    assert longest([*bodies, "not bytes"]) == -1
+
+
+def test_q1_a_leased_batch_leaves_the_cache_and_a_nacked_row_comes_back_from_the_store(tmp_path):
+    # SPEC Q1, Q32: the batch's bodies are taken out of the cache at lease; a retry reads the store
+    spec = queue("lc", payload=dict, var=True)
+    with Db.open(tmp_path) as db:
+        q = db.open_queue(spec)
+        ids = q.push_many([{"i": i} for i in range(5)])
+        assert set(q._cache) == set(ids)
+        b = q.lease_batch(5)
+        assert [p["i"] for p in b.payloads] == list(range(5))
+        assert q._cache == {} and q._cache_bytes == 0
+        q.nack(b[2], delay=0)
+        again = q.lease_batch(5)
+        assert list(again.payloads) == [{"i": 2}] and list(again.ids) == [ids[2]]
+        assert q.ack_many([lz for i, lz in enumerate(b) if i != 2]) == 4
+        assert q.ack_many(again) == 1
+        assert len(q) == 0 and q._cache == {} and q._cache_bytes == 0
+        # Bodies only partly cached (one evicted): the store serves the batch, the cache keeps the others.
+        ids = q.push_many([{"j": j} for j in range(3)])
+        q._cache_drop(ids[1])
+        b = q.lease_batch(3)
+        assert [p["j"] for p in b.payloads] == [0, 1, 2]
+        assert set(q._cache) == {ids[0], ids[2]}
+        assert q.ack_many(b) == 3
+        assert q._cache == {} and q._cache_bytes == 0
+
+
+def test_q1_truncated_maps_and_strings_are_left_to_msgpack():
+    # SPEC Q1: a map whose short str keys or values run past the body is not plain; msgpack says why
+    for bad in (b"\x82\xa0\x01", b"\x81\xa3ab", b"\x82\xa1k\x01\xa1", b"\xa5abc", b"\xd9\x1eabc", b"\x81\xbf" + b"k" * 30):
+        assert unpack_plain([bad]) is None, bad
+    ok = [b"\x81\xa0\x01", b"\x82\xa1k\x01\xa1j\xa2\xc3\xa9", b"\xba" + b"x" * 26, b"\xd9\x28" + "é".encode() * 20]
+    assert unpack_plain(ok) == [_unpack(r) for r in ok]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.binary(max_size=30)), max_size=30), st.integers(0, 40),
+       st.lists(st.integers(0, 50), max_size=10))
+def test_q1_cache_evict_drops_the_oldest_as_the_dict_operations_do(items, k, gone):
+    # SPEC Q1: the cache's eviction round drops the k oldest bodies, in push order
+    cache = dict(items)
+    for key in gone:  # holes at the front, as acks leave them
+        cache.pop(key, None)
+    want = dict(cache)
+    victims = list(itertools.islice(want, k))
+    freed = sum(map(len, map(want.pop, victims)))
+    assert cache_evict(cache, k) == freed
+    assert list(cache.items()) == list(want.items())

@@ -10,7 +10,7 @@ caller holds the cache's lock and keeps the byte count.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -45,6 +45,44 @@ def cache_take(dict cache, const uint64_t[::1] ids):
     return out
 
 
+def cache_pop(dict cache, const uint64_t[::1] ids):
+    """:func:`cache_take` that also takes the bodies out of the cache (a batch lease's
+    bodies, decoded once; its ack then has none to drop): ``(bodies, bytes)``, one dict
+    operation a body; or None unless every one of ``ids`` is cached, with the cache
+    holding what it held (the bodies taken before a missing one are put back, at the
+    end of the eviction order)."""
+    cdef Py_ssize_t i, j, n = ids.shape[0], freed = 0
+    cdef object body
+    cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
+    for i in range(n):
+        body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
+        if body is None:
+            for j in range(i):
+                PyDict_SetItem(cache, ids[j], <object>PyList_GET_ITEM(out, j))
+            return None
+        freed += PyBytes_GET_SIZE(<bytes?>body)
+        Py_INCREF(body)
+        PyList_SET_ITEM(out, i, body)
+    return out, freed
+
+
+def longest(list bodies):
+    """The index of the first longest of ``bodies`` (``bytes``; 0 for none), or -1 if
+    one is not ``bytes``: ``push_many``'s check of the size limit, without a
+    Python call a body."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), at = 0, size, most = -1
+    cdef object body
+    for i in range(n):
+        body = <object>PyList_GET_ITEM(bodies, i)
+        if type(body) is not bytes:
+            return -1
+        size = PyBytes_GET_SIZE(body)
+        if size > most:
+            most = size
+            at = i
+    return at
+
+
 def cache_drop(dict cache, const uint64_t[::1] ids):
     """Drop the bodies of ``ids`` (an id not cached is skipped); returns their bytes."""
     cdef Py_ssize_t i, n = ids.shape[0], freed = 0
@@ -53,4 +91,22 @@ def cache_drop(dict cache, const uint64_t[::1] ids):
         body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
         if body is not None:
             freed += PyBytes_GET_SIZE(<bytes?>body)
+    return freed
+
+
+def cache_evict(dict cache, Py_ssize_t k):
+    """Drop the first ``k`` bodies of ``cache`` (its oldest: the dict is in push order),
+    all if it holds fewer; returns their bytes.  ``Queue._cache_evict``'s round, which
+    took an ``islice``, a ``pop`` and a ``len`` call a body."""
+    cdef Py_ssize_t pos = 0, i = 0, freed = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef list victims = PyList_New(k if k > 0 else 0)  # (items NULL until set, which the list's free skips)
+    while i < k and PyDict_Next(cache, &pos, &key, &value):
+        freed += PyBytes_GET_SIZE(<bytes?><object>value)
+        Py_INCREF(<object>key)
+        PyList_SET_ITEM(victims, i, <object>key)
+        i += 1
+    for pos in range(i):  # (not while iterating: a dict must not change under PyDict_Next)
+        PyDict_DelItem(cache, <object>PyList_GET_ITEM(victims, pos))
     return freed

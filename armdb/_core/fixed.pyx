@@ -563,7 +563,7 @@ cdef inline uint8_t* _pack_uint(uint8_t* p, uint64_t v) noexcept:
     elif v < 0x10000:
         p[0] = 0xcd
         w = 2
-    elif v < 0x100000000:
+    elif v < 0x100000000ULL:  # (a C literal: unsuffixed, Cython compares Python ints)
         p[0] = 0xce
         w = 4
     else:

@@ -41,6 +41,7 @@ from libc.string cimport memcmp, memcpy
 
 cdef extern from "Python.h":
     void PyUnicode_InternInPlace(PyObject** p)
+    object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
     void* PyUnicode_DATA(object o)
     bint PyUnicode_IS_COMPACT_ASCII(object o)
@@ -196,7 +197,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
             if s == NULL:  # a lone surrogate: msgpack refuses it, on the caller's path
                 _err_clear()
                 return 1
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
     if t == &_INT:
@@ -226,14 +227,14 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         return 0
     if t == &_BYTES:
         n = _bsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         return _blob(b, _bdata(o), n, 0, 0, 0xc4, 0xc5, 0xc6)
     if key or depth >= _DEPTH:  # a container key does not read back; too deep for msgpack
         return 1
     if t == &_DICT:
         n = _dsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
@@ -243,7 +244,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         return 0
     if t == &_LIST or t == &_TUPLE:
         n = _lsize(o) if t == &_LIST else _tsize(o)
-        if n > 0xFFFFFFFF:
+        if n > 0xFFFFFFFFLL:  # (a C literal: unsuffixed, Cython boxes n to compare)
             return 1
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
@@ -254,12 +255,15 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
     return 1
 
 
-def pack_plain(list values):
+def pack_plain(list values, object top=None):
     """The msgpack bytes of each of ``values`` (as ``msgpack.Packer(use_bin_type=True)``
-    packs it), or None if any value is not plain (the module's docstring)."""
+    packs it), or None if any value is not plain (the module's docstring) or, given
+    ``top``, is not exactly of that type (a var queue's payload type, checked in the
+    same pass)."""
     cdef Buf b
     cdef Py_ssize_t i, n = PyList_GET_SIZE(values)
     cdef list out = PyList_New(n)
+    cdef PyObject* v
     b.p = <uint8_t*>malloc(4096)
     if b.p == NULL:
         raise MemoryError()
@@ -267,7 +271,10 @@ def pack_plain(list values):
     try:
         for i in range(n):
             b.n = 0
-            if _pack(&b, <PyObject*>PyList_GET_ITEM(values, i), 0, False):
+            v = <PyObject*>PyList_GET_ITEM(values, i)
+            if top is not None and _type_of(v) != <PyTypeObject*>top:
+                return None
+            if _pack(&b, v, 0, False):
                 return None
             raw = PyBytes_FromStringAndSize(<char*>b.p, b.n)
             Py_INCREF(raw)
@@ -312,7 +319,7 @@ cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
         h = (h ^ p[n >> 2]) * 16777619u
     h = (h ^ (h >> 15)) & (_CACHE - 1)
     c = _cache[h]
-    if c != NULL and PyUnicode_GET_LENGTH(<object>c) == n and memcmp(PyUnicode_DATA(<object>c), p, n) == 0:
+    if c != NULL and PyUnicode_GET_LENGTH(<object>c) == n and _same(<const uint8_t*>PyUnicode_DATA(<object>c), p, n):
         return <object>c  # (a cached string is compact ASCII: its characters are its bytes)
     s = _decode_str(p, n, key)
     if s is _BAD or PyUnicode_GET_LENGTH(s) != n:  # invalid, or not ASCII: not cached
@@ -324,11 +331,52 @@ cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
     return s
 
 
+cdef inline bint _same(const uint8_t* a, const uint8_t* b, Py_ssize_t n) noexcept nogil:
+    """Whether the ``n`` bytes at ``a`` and ``b`` are equal (short strings: no call)."""
+    cdef uint64_t x, y
+    while n >= 8:
+        memcpy(&x, a, 8)
+        memcpy(&y, b, 8)
+        if x != y:
+            return False
+        a += 8
+        b += 8
+        n -= 8
+    while n > 0:
+        if a[0] != b[0]:
+            return False
+        a += 1
+        b += 1
+        n -= 1
+    return True
+
+
+cdef inline bint _is_ascii(const uint8_t* p, Py_ssize_t n) noexcept nogil:
+    cdef uint64_t acc = 0, w
+    cdef uint8_t tail = 0
+    while n >= 8:
+        memcpy(&w, p, 8)
+        acc |= w
+        p += 8
+        n -= 8
+    while n > 0:
+        tail |= p[0]
+        p += 1
+        n -= 1
+    return (acc & 0x8080808080808080ULL) == 0 and tail < 0x80
+
+
 cdef object _decode_str(const uint8_t* p, Py_ssize_t n, bint key):
-    try:
-        s = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
-    except UnicodeDecodeError:
-        return _BAD
+    if _is_ascii(p, n):
+        # The compact ASCII string UTF-8 decoding gives, made directly: its characters
+        # are its bytes.
+        s = PyUnicode_New(n, 127)
+        memcpy(PyUnicode_DATA(s), p, n)
+    else:
+        try:
+            s = PyUnicode_DecodeUTF8(<const char*>p, n, NULL)
+        except UnicodeDecodeError:
+            return _BAD
     if key:
         s = _intern(s)
     return s
@@ -461,8 +509,17 @@ cdef object _map(Src* s, Py_ssize_t n, int depth, bint key):
     if key or depth >= _DEPTH or n > s.n - s.at:
         return _BAD
     cdef dict out = {}
+    cdef uint8_t t
+    cdef Py_ssize_t m
     for i in range(n):
-        k = _unpack(s, depth + 1, True)
+        t = s.p[s.at] if s.at < s.n else 0  # (0: not a str, for _unpack to refuse)
+        m = t & 0x1f
+        if 0xa0 <= t <= 0xbf and m <= _SHORT and s.at + 1 + m <= s.n:
+            # A short str key (the common map): from the string cache, without _unpack's dispatch.
+            k = _short_str(s.p + s.at + 1, m, True)
+            s.at += 1 + m
+        else:
+            k = _unpack(s, depth + 1, True)
         if k is _BAD:
             return _BAD
         v = _unpack(s, depth + 1, False)

@@ -140,6 +140,11 @@ class _HintBuilder:
         self.final = os.path.join(sdir, _hint_name(data.fid))
         self.tmp = self.final + ".tmp"
         self.buf = bytearray(_hint_header(data.fid, data.flags, data.nonce, _hint_identity(data)))
+        # Group writes' entries (add_raw), after ``buf``, kept as they came and joined once
+        # at the spill: appending each to ``buf`` copied the whole buffer at every regrowth
+        # (a few hundred instructions a batched job).  ``parked``: their bytes.
+        self.parts: list[bytes] = []
+        self.parked = 0
         self.fd: int | None = None
         self.written = 0
         self.crc = 0
@@ -149,6 +154,8 @@ class _HintBuilder:
     def add(self, gsn_word: int, offset: int, vlen: int, key_field: bytes) -> None:
         if self.broken:
             return
+        if self.parts:  # (in order: the parked entries come first)
+            self._unpark()
         self.crc = hint_append(self.buf, self.crc, gsn_word, offset, vlen, key_field)
         self.count += 1
         if len(self.buf) >= _HINT_SPILL:
@@ -157,19 +164,28 @@ class _HintBuilder:
     def add_raw(self, entries: bytes | bytearray, count: int) -> None:
         if self.broken:
             return
-        self.buf += entries
+        self.parts.append(entries if type(entries) is bytes else bytes(entries))  # (a caller may reuse its buffer)
+        self.parked += len(entries)
         self.crc = _crc32(entries, self.crc)  # (zlib's CRC-32, by the kernels' carry-less multiply)
         self.count += count
-        if len(self.buf) >= _HINT_SPILL:
+        if len(self.buf) + self.parked >= _HINT_SPILL:
             self._spill_or_give_up()
+
+    def _unpark(self) -> None:
+        self.buf += b"".join(self.parts)
+        self.parts.clear()
+        self.parked = 0
 
     def _spill(self) -> None:
         fs = _fs.FS
         if self.fd is None:
             self.fd = fs.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        fs.pwrite(self.fd, bytes(self.buf), self.written)
-        self.written += len(self.buf)
+        data = b"".join([self.buf, *self.parts]) if self.parts else bytes(self.buf)
+        fs.pwrite(self.fd, data, self.written)
+        self.written += len(data)
         self.buf.clear()
+        self.parts.clear()
+        self.parked = 0
 
     def _spill_or_give_up(self) -> None:
         try:
@@ -187,6 +203,8 @@ class _HintBuilder:
         if self.broken:
             return False
         head = HINT_TRAILER.pack(HINT_END_MAGIC, data_size, self.count, self.crc, 0)[:-4]
+        if self.parts:
+            self._unpark()
         self.buf += head + _U32.pack(zlib.crc32(head))
         self._spill()
         fs = _fs.FS
@@ -201,6 +219,8 @@ class _HintBuilder:
         """Give up: drop the buffer and the temporary file, if any (best effort)."""
         self.broken = True
         self.buf = bytearray()
+        self.parts = []
+        self.parked = 0
         fs = _fs.FS
         if self.fd is not None:
             fd, self.fd = self.fd, None
