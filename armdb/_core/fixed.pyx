@@ -377,6 +377,8 @@ def bitcask_put(object store, object sh, bytes key not None, bytes value not Non
     sh.dirty = True
     hint = sh.hint
     if not hint.broken:  # _HintBuilder.add
+        if hint.parts:  # a group write's entries, parked: they come first
+            hint._unpark()
         buf = hint.buf
         hint.crc = _hint_put(buf, hint.crc, word, off, <uint32_t>vlen, key)
         hint.count += 1

@@ -134,7 +134,7 @@ class _HintBuilder:
     and is rebuilt from the data file.
     """
 
-    __slots__ = ("final", "tmp", "buf", "fd", "written", "crc", "count", "broken")
+    __slots__ = ("final", "tmp", "buf", "parts", "parked", "fd", "written", "crc", "count", "broken")
 
     def __init__(self, sdir: str, data: _DataFile) -> None:
         self.final = os.path.join(sdir, _hint_name(data.fid))
