@@ -36,6 +36,17 @@ cdef inline void store_u64(uint8_t* p, uint64_t v) noexcept nogil:
     store_u32(p + 4, <uint32_t>(v >> 32))
 
 
+cdef inline uint8_t* msgpack_u32(uint8_t* p, uint32_t v) noexcept nogil:
+    """``v`` as msgpack's uint 32 (0xce, then 4 big-endian bytes), valid for any value, so
+    every compiled row that writes it has the same width; returns the byte after it."""
+    p[0] = 0xce
+    p[1] = <uint8_t>(v >> 24)
+    p[2] = <uint8_t>(v >> 16)
+    p[3] = <uint8_t>(v >> 8)
+    p[4] = <uint8_t>v
+    return p + 5
+
+
 cdef inline uint64_t load_le(const uint8_t* p, int n) noexcept nogil:
     """The ``n``-byte little-endian unsigned integer at ``p`` (``n`` at most 8)."""
     cdef uint64_t v = 0

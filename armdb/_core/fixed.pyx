@@ -31,7 +31,7 @@ cdef extern from "Python.h":
 
 import numpy as np
 
-from armdb._core._util cimport load_le, load_u32, load_u64, monotonic_s, store_u32, store_u64
+from armdb._core._util cimport load_le, load_u32, load_u64, monotonic_s, msgpack_u32, store_u32, store_u64
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
     AT_DEADLINE,
@@ -1232,17 +1232,6 @@ cdef Py_ssize_t _tomb_drop(dict index, object key, object fid) except -2:
 
 # -- a var queue's lone ack (armdb.tx.commit_settle) -------------------------------------------
 
-cdef inline uint8_t* _put_u32_field(uint8_t* p, uint32_t v) noexcept:
-    """``v`` as msgpack's uint 32 (0xce, then 4 big-endian bytes): the fixed width the
-    compiled rows write."""
-    p[0] = 0xce
-    p[1] = <uint8_t>(v >> 24)
-    p[2] = <uint8_t>(v >> 16)
-    p[3] = <uint8_t>(v >> 8)
-    p[4] = <uint8_t>v
-    return p + 5
-
-
 def ack_rows(bytes fhead not None, uint32_t shard, uint32_t slot, uint32_t version, bytes bhead not None,
              uint64_t seq, uint64_t gsn):
     """A var queue's lone ack, its log record body and its body's key: the msgpack bytes
@@ -1259,9 +1248,9 @@ def ack_rows(bytes fhead not None, uint32_t shard, uint32_t slot, uint32_t versi
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(body)
     p[0] = 0x92
     memcpy(p + 1, PyBytes_AS_STRING(fhead), fl)
-    p = _put_u32_field(p + 1 + fl, shard)
-    p = _put_u32_field(p, slot)
-    p = _put_u32_field(p, version)
+    p = msgpack_u32(p + 1 + fl, shard)
+    p = msgpack_u32(p, slot)
+    p = msgpack_u32(p, version)
     p[0] = _ROW_DELETED
     p[1] = 0xc5  # bin 16 of length 0: b""
     p[2] = 0

@@ -65,7 +65,7 @@ cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n)
     n[0] = cnp.PyArray_DIM(arr, 0)
     return 0
 
-from armdb._core._util cimport load_be64, load_le, monotonic_s, store_be64
+from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
@@ -143,16 +143,6 @@ cdef inline object _tuple5(cls, a, b, c, d, e):
     return t
 
 
-cdef inline uint8_t* _u32(uint8_t* p, uint32_t v) noexcept nogil:
-    """A msgpack uint 32 (valid for any value, so every row has the same width)."""
-    p[0] = 0xce
-    p[1] = <uint8_t>(v >> 24)
-    p[2] = <uint8_t>(v >> 16)
-    p[3] = <uint8_t>(v >> 8)
-    p[4] = <uint8_t>v
-    return p + 5
-
-
 cdef inline Py_ssize_t _frow_size(Py_ssize_t name_len, Py_ssize_t width) noexcept nogil:
     return 3 + name_len + 15 + 1 + 3 + width
 
@@ -166,9 +156,9 @@ cdef inline uint8_t* _frow(uint8_t* p, const uint8_t* name, Py_ssize_t name_len,
     p[1] = 0xa1              # fixstr of 1: "F"
     p[2] = 0x46
     memcpy(p + 3, name, name_len)
-    p = _u32(p + 3 + name_len, shard)
-    p = _u32(p, slot)
-    p = _u32(p, version)
+    p = msgpack_u32(p + 3 + name_len, shard)
+    p = msgpack_u32(p, slot)
+    p = msgpack_u32(p, version)
     p[0] = status            # positive fixint
     p[1] = 0xc5              # bin 16
     p[2] = <uint8_t>(width >> 8)
