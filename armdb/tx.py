@@ -482,9 +482,7 @@ class Tx:
                     continue  # deleting a missing key is a no-op (T1)
                 gsn = plan.gsn()
                 plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
-                store = m._store
-                if store not in plan.bitcask:
-                    plan.bitcask.append(store)
+                plan.add_bitcask(m._store)
                 plan.apply.append(functools.partial(m._tx_write, raw_key, raw_value, gsn))
 
 
