@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
-from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, cache_take, longest
+from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -122,10 +122,6 @@ def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
     cache: dict[int, bytes] = {7: b"old"}
     assert cache_put(cache, 10, [b"a", b"bb" * 50, b"ccc"], 10) == 4  # the 100-byte body is over budget
     assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]  # insertion order: eviction's
-    ids = np.array([12, 10], dtype=np.uint64)
-    assert cache_take(cache, ids) == [b"ccc", b"a"]
-    assert cache_take(cache, np.array([10, 11], dtype=np.uint64)) is None
-    assert cache_take(cache, np.array([], dtype=np.uint64)) == []
     assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
     assert cache == {12: b"ccc"}
 

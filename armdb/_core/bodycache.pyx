@@ -10,7 +10,7 @@ caller holds the cache's lock and keeps the byte count.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_Next, PyDict_SetItem
+from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -31,22 +31,8 @@ def cache_put(dict cache, uint64_t first, list bodies, Py_ssize_t budget):
     return added
 
 
-def cache_take(dict cache, const uint64_t[::1] ids):
-    """The cached bodies of ``ids`` in order, or None unless every one is cached."""
-    cdef Py_ssize_t i, n = ids.shape[0]
-    cdef PyObject* body
-    cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
-    for i in range(n):
-        body = PyDict_GetItem(cache, ids[i])
-        if body == NULL:
-            return None
-        Py_INCREF(<object>body)
-        PyList_SET_ITEM(out, i, <object>body)
-    return out
-
-
 def cache_pop(dict cache, const uint64_t[::1] ids):
-    """:func:`cache_take` that also takes the bodies out of the cache (a batch lease's
+    """The cached bodies of ``ids`` in order, taken out of the cache (a batch lease's
     bodies, decoded once; its ack then has none to drop): ``(bodies, bytes)``, one dict
     operation a body; or None unless every one of ``ids`` is cached, with the cache
     holding what it held (the bodies taken before a missing one are put back, at the
