@@ -313,6 +313,19 @@ def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_
     return _hint_put(buf, crc, gsn_word, offset, value_len, key_field)
 
 
+cdef inline uint8_t* _hint_entry(uint8_t* p, uint64_t gsn_word, uint64_t offset, uint32_t value_len,
+                                 const char* key, Py_ssize_t klen) noexcept:
+    """One hint entry at ``p`` (docs/format.md): the gsn word, the record's offset, the
+    value's length, the key's length and the key; returns the byte after it."""
+    store_u64(p, gsn_word)
+    store_u64(p + 8, offset)
+    store_u32(p + 16, value_len)
+    p[20] = <uint8_t>klen
+    p[21] = <uint8_t>(klen >> 8)
+    memcpy(p + 22, key, klen)
+    return p + 22 + klen
+
+
 cdef uint32_t _hint_put(bytearray buf, uint32_t crc, uint64_t gsn_word, uint64_t offset, uint32_t value_len,
                         bytes key_field) except? 0xFFFFFFFF:
     """:func:`hint_append`, for the kernels (0xFFFFFFFF: maybe a MemoryError, or that CRC)."""
@@ -321,12 +334,7 @@ cdef uint32_t _hint_put(bytearray buf, uint32_t crc, uint64_t gsn_word, uint64_t
     if PyByteArray_Resize(buf, at + 22 + klen) < 0:
         raise MemoryError()
     cdef uint8_t* p = <uint8_t*>PyByteArray_AS_STRING(buf) + at
-    store_u64(p, gsn_word)
-    store_u64(p + 8, offset)
-    store_u32(p + 16, value_len)
-    p[20] = <uint8_t>klen
-    p[21] = <uint8_t>(klen >> 8)
-    memcpy(p + 22, PyBytes_AS_STRING(key_field), klen)
+    _hint_entry(p, gsn_word, offset, value_len, PyBytes_AS_STRING(key_field), klen)
     return _crc_update(crc ^ _ONES, p, 22 + klen) ^ _ONES
 
 
@@ -508,13 +516,7 @@ def bitcask_group(list items, dict index, uint64_t highest, uint64_t flag, uint1
             word |= flag
         rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen,
                             PyBytes_AS_STRING(value) if vlen else NULL, vlen, magic)
-        store_u64(h, word)
-        store_u64(h + 8, <uint64_t>at)
-        store_u32(h + 16, <uint32_t>vlen)
-        h[20] = <uint8_t>klen
-        h[21] = <uint8_t>(klen >> 8)
-        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
-        h += 22 + klen
+        h = _hint_entry(h, word, <uint64_t>at, <uint32_t>vlen, PyBytes_AS_STRING(key), klen)
         entries.append((fid, at, rsize, word, None))
         p += rsize
         at += rsize
@@ -1030,13 +1032,7 @@ def bitcask_puts(list keys not None, list values not None, uint64_t g0, uint64_t
         klen = len(<bytes>key)
         vlen = len(<bytes>value)
         rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, PyBytes_AS_STRING(value), vlen, magic)
-        store_u64(h, word)
-        store_u64(h + 8, <uint64_t>at)
-        store_u32(h + 16, <uint32_t>vlen)
-        h[20] = <uint8_t>klen
-        h[21] = <uint8_t>(klen >> 8)
-        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
-        h += 22 + klen
+        h = _hint_entry(h, word, <uint64_t>at, <uint32_t>vlen, PyBytes_AS_STRING(key), klen)
         entry = (fid, at, rsize, word, None)
         # Ints and None: no cycle can run through it, so the collector need not see it
         # (what its first collection would conclude, _PyTuple_MaybeUntrack, done now).
@@ -1162,13 +1158,7 @@ def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t
         if i == first:
             word |= flag
         rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, NULL, 0, magic)
-        store_u64(h, word)
-        store_u64(h + 8, <uint64_t>at)
-        store_u32(h + 16, 0)
-        h[20] = <uint8_t>klen
-        h[21] = <uint8_t>(klen >> 8)
-        memcpy(h + 22, PyBytes_AS_STRING(key), klen)
-        h += 22 + klen
+        h = _hint_entry(h, word, <uint64_t>at, 0, PyBytes_AS_STRING(key), klen)
         p += rsize
         at += rsize
     return (data, hints, kept, count)
