@@ -87,6 +87,33 @@ def test_q1_short_strings_from_the_cache_are_the_right_ones():
     assert unpack_plain(raws) == [{w: w} for w in words] * 2
 
 
+shape_keys = st.sampled_from(["doc_id", "reason", "tags", "text", "a", "", "é", "k" * 24, "k" * 25])
+shaped = st.lists(st.tuples(st.lists(shape_keys, min_size=1, max_size=6), st.lists(values, min_size=6, max_size=6)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shaped, st.lists(st.integers(0, 3), min_size=2, max_size=12))
+def test_q1_maps_of_the_same_keys_decode_as_msgpack_decodes_each(shapes, picks):
+    # SPEC Q1: a batch's maps that share their keys (a template copied, values replaced) come
+    # back as msgpack decodes each: same keys in the same order, same values, whatever the
+    # map before them held (other keys, fewer, a repeated key, a longer form of a key)
+    bodies = []
+    for j in picks:
+        ks, vs = shapes[j % len(shapes)]
+        bodies.append(b"".join([bytes([0x80 | len(ks)])] + [_P.pack(k) + _P.pack(v) for k, v in zip(ks, vs)]))
+    bodies.append(b"\x82\xd9\x06doc_id\x01\xa6reason\x02")  # the first key in its str 8 form
+    bodies.append(b"\x82\xa6doc_id\x01\xa6doc_id\x02")  # a key twice: the last value wins
+    bodies.append(b"\x82\xa6doc_id\x01\xa6reason\xc1")  # a bad value after the keys: msgpack's to refuse
+    got = unpack_plain(bodies[:-1])
+    assert got is not None
+    assert all(_same(a, _unpack(r)) for a, r in zip(got, bodies))
+    # an immutable value may be shared between the maps; a list or a dict never is
+    mutable = [id(v) for d in got for v in d.values() if isinstance(v, (list, dict))]
+    assert len(mutable) == len(set(mutable))
+    assert unpack_plain(bodies) is None
+
+
 def test_q1_anything_not_plain_is_left_to_msgpack():
     # SPEC Q1: the kernels vouch for no value they do not know; msgpack's path decides
     for bad in ([2**64], [-(2**63) - 1], ["\ud800"], [{(1,): 2}], [{"a": [{"b": {(1,): 2}}]}], [object()],
