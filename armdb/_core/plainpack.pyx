@@ -28,7 +28,7 @@ format: the same bytes, read the same way.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_Copy, PyDict_Next, PyDict_SetItem, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_FromDouble
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_GetSlice, PyList_New, PyList_SET_ITEM
 from cpython.long cimport (PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
                            PyLong_FromUnsignedLongLong)
 from cpython.object cimport PyObject, PyTypeObject
@@ -297,8 +297,10 @@ cdef struct Tpl:
     # The last top-level map decoded in this unpack_plain call, when all its keys are
     # short fixstr and distinct: the dict (owned), its keys (borrowed from it), where
     # each key's and each value's msgpack bytes lie in its body (alive: the call's list
-    # holds the bodies), and whether the value is immutable (str, bytes, int, float,
-    # bool, None), so that a map with the same bytes there may hold the same object.
+    # holds the bodies), and how a map with the same bytes there may take the value
+    # (share): 1, the same object (an immutable value: str, bytes, int, float, bool,
+    # None); 2, a shallow copy (a list of such values; a new list, as a decode makes);
+    # 0, decoded (anything else).
     PyObject* d
     const uint8_t* p
     Py_ssize_t n
@@ -306,8 +308,9 @@ cdef struct Tpl:
     Py_ssize_t ln[_TPL_KEYS]
     Py_ssize_t voff[_TPL_KEYS]
     Py_ssize_t vln[_TPL_KEYS]
-    bint share[_TPL_KEYS]
+    uint8_t share[_TPL_KEYS]
     PyObject* keys[_TPL_KEYS]
+    PyObject* vals[_TPL_KEYS]  # (borrowed from the dict)
 
 
 cdef struct Src:
@@ -353,16 +356,30 @@ cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
 
 
 cdef inline bint _same(const uint8_t* a, const uint8_t* b, Py_ssize_t n) noexcept nogil:
-    """Whether the ``n`` bytes at ``a`` and ``b`` are equal (short strings: no call)."""
+    """Whether the ``n`` bytes at ``a`` and ``b`` are equal (short strings: no call).
+    The last word of 8 (or 4) bytes overlaps the one before, for no byte loop at the end."""
     cdef uint64_t x, y
-    while n >= 8:
-        memcpy(&x, a, 8)
-        memcpy(&y, b, 8)
-        if x != y:
+    cdef uint32_t u, v
+    if n >= 8:
+        while n > 8:
+            memcpy(&x, a, 8)
+            memcpy(&y, b, 8)
+            if x != y:
+                return False
+            a += 8
+            b += 8
+            n -= 8
+        memcpy(&x, a + n - 8, 8)
+        memcpy(&y, b + n - 8, 8)
+        return x == y
+    if n >= 4:
+        memcpy(&u, a, 4)
+        memcpy(&v, b, 4)
+        if u != v:
             return False
-        a += 8
-        b += 8
-        n -= 8
+        memcpy(&u, a + n - 4, 4)
+        memcpy(&v, b + n - 4, 4)
+        return u == v
     while n > 0:
         if a[0] != b[0]:
             return False
@@ -587,10 +604,27 @@ cdef void _remember(Tpl* tp, dict d, const uint8_t* p, Py_ssize_t* offs, Py_ssiz
         tp.ln[i] = 1 + (p[offs[i]] & 0x1f)
         tp.voff[i] = voffs[i]
         tp.vln[i] = vends[i] - voffs[i]
-        t = <object>v
-        tp.share[i] = (type(t) is str or type(t) is int or type(t) is float or t is None or type(t) is bool
-                       or type(t) is bytes)
+        tp.vals[i] = v
+        tp.share[i] = _share_kind(<object>v)
         i += 1
+
+
+cdef inline bint _immutable(object v) noexcept:
+    cdef type t = type(v)
+    return t is str or t is int or v is None or t is float or t is bool or t is bytes
+
+
+cdef uint8_t _share_kind(object v) noexcept:
+    """A template value's ``share`` (see Tpl)."""
+    cdef Py_ssize_t i
+    if _immutable(v):
+        return 1
+    if type(v) is not list:
+        return 0
+    for i in range(PyList_GET_SIZE(v)):
+        if not _immutable(<object>PyList_GET_ITEM(v, i)):
+            return 0
+    return 2
 
 
 cdef object _map_like(Src* s, Tpl* tp, Py_ssize_t n):
@@ -599,7 +633,9 @@ cdef object _map_like(Src* s, Tpl* tp, Py_ssize_t n):
     new key) with each value replaced by this map's (a lookup that finds the key at once:
     the same interned string), but an immutable value whose bytes are the template's:
     that one is the template's object (msgpack values are self-delimiting, so the same
-    bytes are the same value; sharing an immutable object is as the string cache does).
+    bytes are the same value; sharing an immutable object is as the string cache does),
+    and a list of immutable values with the template's bytes is a new list of the
+    template's items (mutable containers are never shared).
     The same dict a fresh decode builds: equal keys (the very objects), equal values, the
     same order.  None, with ``s`` where it was, when a key differs (then the general
     decode); ``_BAD`` as that decode gives it."""
@@ -613,7 +649,11 @@ cdef object _map_like(Src* s, Tpl* tp, Py_ssize_t n):
         s.at += m
         m = tp.vln[i]
         if tp.share[i] and s.at + m <= s.n and _same(s.p + s.at, tp.p + tp.voff[i], m):
-            s.at += m  # the copy holds the template's object, equal to this one
+            s.at += m
+            if tp.share[i] == 1:
+                continue  # the copy holds the template's object, equal to this one
+            v = PyList_GetSlice(<object>tp.vals[i], 0, PyList_GET_SIZE(<object>tp.vals[i]))
+            PyDict_SetItem(out, <object>tp.keys[i], v)
             continue
         v = _unpack(s, 1, False)
         if v is _BAD:
