@@ -240,3 +240,38 @@ def test_q1_cache_evict_drops_the_oldest_as_the_dict_operations_do(items, k, gon
     freed = sum(map(len, map(want.pop, victims)))
     assert cache_evict(cache, k) == freed
     assert list(cache.items()) == list(want.items())
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 90), st.integers(1, 120), st.integers(0, 40), st.integers(1, 3))
+def test_q32_claim_new_leases_what_claim_block_leases(tmp_path_factory, rows, n, acked, max_attempts):
+    # SPEC Q32: a var lease_batch's claim into arrays made to size (QueueShard.claim_new)
+    # leases the rows, attempts and epochs that claim_block leases into the caller's
+    # arrays, and dead-letters the same rows (expired leases past max_attempts)
+    spec = queue("cn", payload=object, var=True)
+    got = []
+    for use_new in (True, False):
+        with Db.open(tmp_path_factory.mktemp("db")) as db:
+            q = db.open_queue(spec)
+            if rows:
+                q.push_many(list(range(rows)))
+            first = q.lease_batch(60, lease_timeout=0.001)  # expire some leases: released or dead next
+            q.ack_many([first[i] for i in range(min(acked, len(first)))])
+            sh = q._shards[0]
+            now = q._check() + 10
+            with sh.lock:
+                if use_new:
+                    dead, shard_nos, dues, seqs, attempts, epochs = sh.claim_new(now, now + 1000, n, max_attempts)
+                else:
+                    dues, seqs = np.empty(n, np.uint64), np.empty(n, np.uint64)
+                    attempts, epochs = np.empty(n, np.uint16), np.empty(n, np.uint32)
+                    k, dead = sh.claim_block(now, now + 1000, n, max_attempts, dues, seqs, attempts, epochs,
+                                             np.empty(0, np.uint8), 0)
+                    dues, seqs, attempts, epochs = dues[:k], seqs[:k], attempts[:k], epochs[:k]
+                    shard_nos = np.zeros(k, np.uint32)
+            for a, dt in ((shard_nos, np.uint32), (dues, np.uint64), (seqs, np.uint64), (attempts, np.uint16),
+                          (epochs, np.uint32)):
+                assert a.dtype == dt and a.flags.c_contiguous and (a.flags.owndata or not use_new)
+            assert len(dues) == len(seqs)  # (a released row's due is its old deadline: a time of this run)
+            got.append((dead, shard_nos.tolist(), seqs.tolist(), attempts.tolist(), epochs.tolist()))
+    assert got[0] == got[1]
