@@ -197,6 +197,7 @@ def _as_stored(body: bytes) -> bytes:
 
 
 _DEADLINE_DTYPE = np.dtype("datetime64[ms]")
+_NO_INLINE = np.empty(0, dtype=np.uint8)  # a var lease_batch's inline payloads: none
 
 
 class LeaseBatch(Generic[T]):
@@ -844,16 +845,27 @@ class Queue(Generic[T]):
         last = self._last_deadline
         if last[0] != deadline:
             last = self._last_deadline = (deadline, ms_to_datetime(deadline))
+        var = self._payload is not None
+        shards = self._shards
+        if var and len(shards) == 1:  # the common var batch: the arrays made by the claim, to size
+            with shards[0].lock:
+                dead, shard_nos, dues, seqs, attempts, epochs = shards[0].claim_new(now, deadline, n,
+                                                                                     self._max_attempts)
+            if dead:
+                self._note_dead(now)
+            return self._lease_batch_var(shard_nos, dues, seqs, attempts, epochs, lease_ms, last, decode)
         shard_nos = np.zeros(n, dtype=np.uint32)
         dues = np.empty(n, dtype=np.uint64)
         seqs = np.empty(n, dtype=np.uint64)
         attempts = np.empty(n, dtype=np.uint16)
         epochs = np.empty(n, dtype=np.uint32)
-        var = self._payload is not None
-        payloads: Any = np.empty(0 if var else n, dtype=np.uint8 if var else self.spec.dtype)
-        raw = payloads.view(np.uint8).reshape(-1)
+        payloads: Any
+        if var:  # no inline payloads: one empty array for every var lease (nothing is written to it)
+            payloads = raw = _NO_INLINE
+        else:
+            payloads = np.empty(n, dtype=self.spec.dtype)
+            raw = payloads.view(np.uint8).reshape(-1)
         got = dead = 0
-        shards = self._shards
         if len(shards) == 1:
             with shards[0].lock:
                 got, dead = shards[0].claim_block(now, deadline, n, self._max_attempts, dues, seqs, attempts, epochs,
@@ -887,12 +899,25 @@ class Queue(Generic[T]):
             attempts, epochs = attempts[:got].copy(), epochs[:got].copy()
             if not var:
                 payloads = payloads[:got].copy()
-        cached = True
         if var:
-            payloads, keep, cached = self._batch_bodies(shard_nos, dues, seqs, epochs, decode)
-            if keep is not None:
-                shard_nos, dues, seqs, attempts, epochs = (
-                    shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
+            return self._lease_batch_var(shard_nos, dues, seqs, attempts, epochs, lease_ms, last, decode)
+        return self._lease_batch_made(shard_nos, dues, seqs, attempts, epochs, lease_ms, last, payloads, True)
+
+    def _lease_batch_var(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray, attempts: np.ndarray,
+                         epochs: np.ndarray, lease_ms: int, last: tuple[int, datetime],
+                         decode: Callable[[bytes], Any] | None) -> LeaseBatch[Any]:
+        """The end of a var :meth:`_lease_batch`: the claimed rows' bodies, decoded (a row
+        whose body is gone or poisoned is dropped from the batch), then the batch."""
+        payloads, keep, cached = self._batch_bodies(shard_nos, dues, seqs, epochs, decode)
+        if keep is not None:
+            shard_nos, dues, seqs, attempts, epochs = (
+                shard_nos[keep], dues[keep], seqs[keep], attempts[keep], epochs[keep])
+        return self._lease_batch_made(shard_nos, dues, seqs, attempts, epochs, lease_ms, last, payloads, cached)
+
+    def _lease_batch_made(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray, attempts: np.ndarray,
+                          epochs: np.ndarray, lease_ms: int, last: tuple[int, datetime], payloads: Any,
+                          cached: bool) -> LeaseBatch[Any]:
+        """The :class:`LeaseBatch` of a :meth:`_lease_batch`'s leases."""
         if lease_ms != self._lease_ms and len(seqs):
             self._remember_timeouts(self._batch_tokens(shard_nos, dues, seqs, epochs), lease_ms)
         batch: LeaseBatch[Any] = LeaseBatch(self.name, self._handle, shard_nos, dues, seqs, attempts, epochs, last,
@@ -912,7 +937,7 @@ class Queue(Generic[T]):
             # taken: decoded, they are not needed again unless a lease ends without an ack
             # (then the next lease reads the store), and the batch's ack_many has no
             # cache entries to drop (one dict operation a body less in all).
-            bodies = self._cache_pop(np.ascontiguousarray(seqs, dtype=np.uint64))
+            bodies = self._cache_pop(seqs)  # (contiguous uint64, as _lease_batch makes it)
             if bodies is not None:
                 out = typing.cast(VarCodec, self._codec).decode_many(bodies)
                 if out is not None:

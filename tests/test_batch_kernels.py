@@ -87,6 +87,33 @@ def test_q1_short_strings_from_the_cache_are_the_right_ones():
     assert unpack_plain(raws) == [{w: w} for w in words] * 2
 
 
+shape_keys = st.sampled_from(["doc_id", "reason", "tags", "text", "a", "", "é", "k" * 24, "k" * 25])
+shaped = st.lists(st.tuples(st.lists(shape_keys, min_size=1, max_size=6), st.lists(values, min_size=6, max_size=6)),
+                  min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shaped, st.lists(st.integers(0, 3), min_size=2, max_size=12))
+def test_q1_maps_of_the_same_keys_decode_as_msgpack_decodes_each(shapes, picks):
+    # SPEC Q1: a batch's maps that share their keys (a template copied, values replaced) come
+    # back as msgpack decodes each: same keys in the same order, same values, whatever the
+    # map before them held (other keys, fewer, a repeated key, a longer form of a key)
+    bodies = []
+    for j in picks:
+        ks, vs = shapes[j % len(shapes)]
+        bodies.append(b"".join([bytes([0x80 | len(ks)])] + [_P.pack(k) + _P.pack(v) for k, v in zip(ks, vs)]))
+    bodies.append(b"\x82\xd9\x06doc_id\x01\xa6reason\x02")  # the first key in its str 8 form
+    bodies.append(b"\x82\xa6doc_id\x01\xa6doc_id\x02")  # a key twice: the last value wins
+    bodies.append(b"\x82\xa6doc_id\x01\xa6reason\xc1")  # a bad value after the keys: msgpack's to refuse
+    got = unpack_plain(bodies[:-1])
+    assert got is not None
+    assert all(_same(a, _unpack(r)) for a, r in zip(got, bodies))
+    # an immutable value may be shared between the maps; a list or a dict never is
+    mutable = [id(v) for d in got for v in d.values() if isinstance(v, (list, dict))]
+    assert len(mutable) == len(set(mutable))
+    assert unpack_plain(bodies) is None
+
+
 def test_q1_anything_not_plain_is_left_to_msgpack():
     # SPEC Q1: the kernels vouch for no value they do not know; msgpack's path decides
     for bad in ([2**64], [-(2**63) - 1], ["\ud800"], [{(1,): 2}], [{"a": [{"b": {(1,): 2}}]}], [object()],
@@ -213,3 +240,38 @@ def test_q1_cache_evict_drops_the_oldest_as_the_dict_operations_do(items, k, gon
     freed = sum(map(len, map(want.pop, victims)))
     assert cache_evict(cache, k) == freed
     assert list(cache.items()) == list(want.items())
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 90), st.integers(1, 120), st.integers(0, 40), st.integers(1, 3))
+def test_q32_claim_new_leases_what_claim_block_leases(tmp_path_factory, rows, n, acked, max_attempts):
+    # SPEC Q32: a var lease_batch's claim into arrays made to size (QueueShard.claim_new)
+    # leases the rows, attempts and epochs that claim_block leases into the caller's
+    # arrays, and dead-letters the same rows (expired leases past max_attempts)
+    spec = queue("cn", payload=object, var=True)
+    got = []
+    for use_new in (True, False):
+        with Db.open(tmp_path_factory.mktemp("db")) as db:
+            q = db.open_queue(spec)
+            if rows:
+                q.push_many(list(range(rows)))
+            first = q.lease_batch(60, lease_timeout=0.001)  # expire some leases: released or dead next
+            q.ack_many([first[i] for i in range(min(acked, len(first)))])
+            sh = q._shards[0]
+            now = q._check() + 10
+            with sh.lock:
+                if use_new:
+                    dead, shard_nos, dues, seqs, attempts, epochs = sh.claim_new(now, now + 1000, n, max_attempts)
+                else:
+                    dues, seqs = np.empty(n, np.uint64), np.empty(n, np.uint64)
+                    attempts, epochs = np.empty(n, np.uint16), np.empty(n, np.uint32)
+                    k, dead = sh.claim_block(now, now + 1000, n, max_attempts, dues, seqs, attempts, epochs,
+                                             np.empty(0, np.uint8), 0)
+                    dues, seqs, attempts, epochs = dues[:k], seqs[:k], attempts[:k], epochs[:k]
+                    shard_nos = np.zeros(k, np.uint32)
+            for a, dt in ((shard_nos, np.uint32), (dues, np.uint64), (seqs, np.uint64), (attempts, np.uint16),
+                          (epochs, np.uint32)):
+                assert a.dtype == dt and a.flags.c_contiguous and (a.flags.owndata or not use_new)
+            assert len(dues) == len(seqs)  # (a released row's due is its old deadline: a time of this run)
+            got.append((dead, shard_nos.tolist(), seqs.tolist(), attempts.tolist(), epochs.tolist()))
+    assert got[0] == got[1]

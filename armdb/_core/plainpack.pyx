@@ -26,9 +26,9 @@ format: the same bytes, read the same way.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_Next, PyDict_SetItem, PyDict_Size
+from cpython.dict cimport PyDict_Copy, PyDict_Next, PyDict_SetItem, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_FromDouble
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_GetSlice, PyList_New, PyList_SET_ITEM
 from cpython.long cimport (PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong, PyLong_FromLongLong,
                            PyLong_FromUnsignedLongLong)
 from cpython.object cimport PyObject, PyTypeObject
@@ -290,10 +290,34 @@ cdef PyObject* _cache[_CACHE]  # interned short ASCII strings, owned; NULL: empt
 cdef object _BAD = object()    # "not a plain body": the caller decodes with msgpack
 
 
+DEF _TPL_KEYS = 16  # the most keys a map template holds
+
+
+cdef struct Tpl:
+    # The last top-level map decoded in this unpack_plain call, when all its keys are
+    # short fixstr and distinct: the dict (owned), its keys (borrowed from it), where
+    # each key's and each value's msgpack bytes lie in its body (alive: the call's list
+    # holds the bodies), and how a map with the same bytes there may take the value
+    # (share): 1, the same object (an immutable value: str, bytes, int, float, bool,
+    # None); 2, a shallow copy (a list of such values; a new list, as a decode makes);
+    # 0, decoded (anything else).
+    PyObject* d
+    const uint8_t* p
+    Py_ssize_t n
+    Py_ssize_t off[_TPL_KEYS]
+    Py_ssize_t ln[_TPL_KEYS]
+    Py_ssize_t voff[_TPL_KEYS]
+    Py_ssize_t vln[_TPL_KEYS]
+    uint8_t share[_TPL_KEYS]
+    PyObject* keys[_TPL_KEYS]
+    PyObject* vals[_TPL_KEYS]  # (borrowed from the dict)
+
+
 cdef struct Src:
     const uint8_t* p
     Py_ssize_t n
     Py_ssize_t at
+    Tpl* tpl  # NULL: no template (nested maps never use one)
 
 
 cdef inline uint64_t _get_be(Src* s, int w) noexcept:
@@ -332,16 +356,30 @@ cdef object _short_str(const uint8_t* p, Py_ssize_t n, bint key):
 
 
 cdef inline bint _same(const uint8_t* a, const uint8_t* b, Py_ssize_t n) noexcept nogil:
-    """Whether the ``n`` bytes at ``a`` and ``b`` are equal (short strings: no call)."""
+    """Whether the ``n`` bytes at ``a`` and ``b`` are equal (short strings: no call).
+    The last word of 8 (or 4) bytes overlaps the one before, for no byte loop at the end."""
     cdef uint64_t x, y
-    while n >= 8:
-        memcpy(&x, a, 8)
-        memcpy(&y, b, 8)
-        if x != y:
+    cdef uint32_t u, v
+    if n >= 8:
+        while n > 8:
+            memcpy(&x, a, 8)
+            memcpy(&y, b, 8)
+            if x != y:
+                return False
+            a += 8
+            b += 8
+            n -= 8
+        memcpy(&x, a + n - 8, 8)
+        memcpy(&y, b + n - 8, 8)
+        return x == y
+    if n >= 4:
+        memcpy(&u, a, 4)
+        memcpy(&v, b, 4)
+        if u != v:
             return False
-        a += 8
-        b += 8
-        n -= 8
+        memcpy(&u, a + n - 4, 4)
+        memcpy(&v, b + n - 4, 4)
+        return u == v
     while n > 0:
         if a[0] != b[0]:
             return False
@@ -508,7 +546,16 @@ cdef object _map(Src* s, Py_ssize_t n, int depth, bint key):
     cdef Py_ssize_t i
     if key or depth >= _DEPTH or n > s.n - s.at:
         return _BAD
-    cdef dict out = {}
+    cdef Tpl* tp = s.tpl if depth == 0 else NULL
+    if tp != NULL and tp.d != NULL and tp.n == n:
+        out = _map_like(s, tp, n)
+        if out is not None:
+            return out
+    cdef bint plain_keys = tp != NULL and n <= _TPL_KEYS
+    cdef Py_ssize_t offs[_TPL_KEYS]
+    cdef Py_ssize_t voffs[_TPL_KEYS]
+    cdef Py_ssize_t vends[_TPL_KEYS]
+    cdef dict out2 = {}
     cdef uint8_t t
     cdef Py_ssize_t m
     for i in range(n):
@@ -516,16 +563,102 @@ cdef object _map(Src* s, Py_ssize_t n, int depth, bint key):
         m = t & 0x1f
         if 0xa0 <= t <= 0xbf and m <= _SHORT and s.at + 1 + m <= s.n:
             # A short str key (the common map): from the string cache, without _unpack's dispatch.
+            if plain_keys:
+                offs[i] = s.at
             k = _short_str(s.p + s.at + 1, m, True)
             s.at += 1 + m
         else:
+            plain_keys = False
             k = _unpack(s, depth + 1, True)
         if k is _BAD:
             return _BAD
+        if plain_keys:
+            voffs[i] = s.at
         v = _unpack(s, depth + 1, False)
         if v is _BAD:
             return _BAD
-        PyDict_SetItem(out, k, v)  # (k a scalar: a container key was refused as _BAD)
+        if plain_keys:
+            vends[i] = s.at
+        PyDict_SetItem(out2, k, v)  # (k a scalar: a container key was refused as _BAD)
+    if plain_keys and n and PyDict_Size(out2) == n:
+        _remember(tp, out2, s.p, offs, voffs, vends, n)
+    return out2
+
+
+cdef void _remember(Tpl* tp, dict d, const uint8_t* p, Py_ssize_t* offs, Py_ssize_t* voffs, Py_ssize_t* vends,
+                    Py_ssize_t n) noexcept:
+    """Make ``d`` (a map of ``n`` distinct short fixstr keys, the ``i``-th key's bytes at
+    ``p + offs[i]``, its value's from ``p + voffs[i]`` to ``p + vends[i]``) the template
+    of the maps that follow."""
+    cdef Py_ssize_t pos = 0, i = 0
+    cdef PyObject* k
+    cdef PyObject* v
+    Py_INCREF(d)
+    Py_XDECREF(tp.d)
+    tp.d = <PyObject*>d
+    tp.p = p
+    tp.n = n
+    while PyDict_Next(d, &pos, &k, &v):  # (insertion order: the body's key order)
+        tp.keys[i] = k
+        tp.off[i] = offs[i]
+        tp.ln[i] = 1 + (p[offs[i]] & 0x1f)
+        tp.voff[i] = voffs[i]
+        tp.vln[i] = vends[i] - voffs[i]
+        tp.vals[i] = v
+        tp.share[i] = _share_kind(<object>v)
+        i += 1
+
+
+cdef inline bint _immutable(object v) noexcept:
+    cdef type t = type(v)
+    return t is str or t is int or v is None or t is float or t is bool or t is bytes
+
+
+cdef uint8_t _share_kind(object v) noexcept:
+    """A template value's ``share`` (see Tpl)."""
+    cdef Py_ssize_t i
+    if _immutable(v):
+        return 1
+    if type(v) is not list:
+        return 0
+    for i in range(PyList_GET_SIZE(v)):
+        if not _immutable(<object>PyList_GET_ITEM(v, i)):
+            return 0
+    return 2
+
+
+cdef object _map_like(Src* s, Tpl* tp, Py_ssize_t n):
+    """The map at ``s`` (``n`` entries) when its keys are the template's, in its order:
+    a copy of the template's dict (one allocation and copy of its table, no insert of a
+    new key) with each value replaced by this map's (a lookup that finds the key at once:
+    the same interned string), but an immutable value whose bytes are the template's:
+    that one is the template's object (msgpack values are self-delimiting, so the same
+    bytes are the same value; sharing an immutable object is as the string cache does),
+    and a list of immutable values with the template's bytes is a new list of the
+    template's items (mutable containers are never shared).
+    The same dict a fresh decode builds: equal keys (the very objects), equal values, the
+    same order.  None, with ``s`` where it was, when a key differs (then the general
+    decode); ``_BAD`` as that decode gives it."""
+    cdef Py_ssize_t i, m, start = s.at
+    cdef dict out = PyDict_Copy(<object>tp.d)
+    for i in range(n):
+        m = tp.ln[i]
+        if s.at + m > s.n or not _same(s.p + s.at, tp.p + tp.off[i], m):
+            s.at = start
+            return None
+        s.at += m
+        m = tp.vln[i]
+        if tp.share[i] and s.at + m <= s.n and _same(s.p + s.at, tp.p + tp.voff[i], m):
+            s.at += m
+            if tp.share[i] == 1:
+                continue  # the copy holds the template's object, equal to this one
+            v = PyList_GetSlice(<object>tp.vals[i], 0, PyList_GET_SIZE(<object>tp.vals[i]))
+            PyDict_SetItem(out, <object>tp.keys[i], v)
+            continue
+        v = _unpack(s, 1, False)
+        if v is _BAD:
+            return _BAD
+        PyDict_SetItem(out, <object>tp.keys[i], v)
     return out
 
 
@@ -536,17 +669,23 @@ def unpack_plain(list raws):
     cdef Py_ssize_t i, n = PyList_GET_SIZE(raws)
     cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
     cdef Src s
+    cdef Tpl tpl
     cdef object raw
-    for i in range(n):
-        raw = <object>PyList_GET_ITEM(raws, i)
-        if type(raw) is not bytes:
-            return None
-        s.p = <const uint8_t*>PyBytes_AS_STRING(raw)
-        s.n = PyBytes_GET_SIZE(raw)
-        s.at = 0
-        x = _unpack(&s, 0, False)
-        if x is _BAD or s.at != s.n:
-            return None
-        Py_INCREF(x)
-        PyList_SET_ITEM(out, i, x)
-    return out
+    tpl.d = NULL
+    s.tpl = &tpl if n > 1 else NULL  # (a lone body: no map follows to use a template)
+    try:
+        for i in range(n):
+            raw = <object>PyList_GET_ITEM(raws, i)
+            if type(raw) is not bytes:
+                return None
+            s.p = <const uint8_t*>PyBytes_AS_STRING(raw)
+            s.n = PyBytes_GET_SIZE(raw)
+            s.at = 0
+            x = _unpack(&s, 0, False)
+            if x is _BAD or s.at != s.n:
+                return None
+            Py_INCREF(x)
+            PyList_SET_ITEM(out, i, x)
+        return out
+    finally:
+        Py_XDECREF(tpl.d)

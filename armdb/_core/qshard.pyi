@@ -49,6 +49,9 @@ class QueueShard:
         self, now: int, deadline: int, n: int, max_attempts: int, dues: Any, seqs: Any, attempts: Any, epochs: Any,
         payloads: Any, at: int,
     ) -> tuple[int, int]: ...
+    def claim_new(
+        self, now: int, deadline: int, n: int, max_attempts: int,
+    ) -> tuple[int, Any, Any, Any, Any, Any]: ...
 
 class FixedFast:
     def __init__(self, queue: Any, db: Any, shards: list[QueueShard], sysclock: bool, clock: Any, to_datetime: Any,

@@ -779,6 +779,35 @@ cdef class QueueShard:
         got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
         return got, dead
 
+    def claim_new(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts):
+        """:meth:`claim_block` of a shard with no inline payload (a var queue's), into
+        arrays made here, one entry per lease taken: ``(dead_lettered, shard_nos, dues,
+        seqs, attempts, epochs)``, ``shard_nos`` all 0 (a queue of one shard).  A var
+        ``lease_batch`` made the five arrays by five NumPy calls, then cut them to the
+        leases taken by five more when fewer were due."""
+        cdef _Sink sink
+        cdef Py_ssize_t dead = 0, got = 0
+        cdef cnp.npy_intp dim = n if n > 0 else 0
+        if self.psize:
+            raise ValueError("claim_new: a shard with inline payloads leases by claim_block")
+        dues = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT64, 0)
+        seqs = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT64, 0)
+        attempts = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT16, 0)
+        epochs = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT32, 0)
+        sink.dues = <uint64_t*>cnp.PyArray_DATA(dues)
+        sink.seqs = <uint64_t*>cnp.PyArray_DATA(seqs)
+        sink.attempts = <uint16_t*>cnp.PyArray_DATA(attempts)
+        sink.epochs = <uint32_t*>cnp.PyArray_DATA(epochs)
+        sink.payloads = NULL
+        sink.at = 0
+        if n > 0 and now >= 0:
+            got = self._walk(now, deadline, n, max_attempts, 0, None, None, &sink, &dead)
+        if got < dim:
+            dues, seqs, attempts, epochs = dues[:got].copy(), seqs[:got].copy(), attempts[:got].copy(), epochs[:got].copy()
+            dim = got
+        shard_nos = cnp.PyArray_ZEROS(1, &dim, cnp.NPY_UINT32, 0)
+        return dead, shard_nos, dues, seqs, attempts, epochs
+
 
 cdef class FixedFast:  # (not final: VarFast extends it)
     """A fixed queue's ``push``, ``lease`` and ``ack`` in one compiled call each
