@@ -306,6 +306,50 @@ def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not Non
     return rec
 
 
+def log_record_parts(uint32_t magic, uint32_t flags, uint64_t txid, bytes head not None, list parts not None):
+    """:func:`log_record` of the body ``head`` then each of ``parts`` (``bytes`` or
+    ``bytearray``) end to end, framed straight from them: a batch's record (the list
+    header, then its blocks of packed rows) with each byte copied once, where a join
+    of the body then :func:`log_record` copied it twice (about 400 instructions a row
+    of a var ``push_many``).  The same bytes as ``log_record(..., b"".join(...))``."""
+    cdef Py_ssize_t i, k = len(parts), blen = len(head), m
+    cdef object part
+    for i in range(k):
+        part = <object>PyList_GET_ITEM(parts, i)
+        if type(part) is bytes:
+            blen += len(<bytes>part)
+        elif type(part) is bytearray:
+            blen += len(<bytearray>part)
+        else:
+            raise TypeError("log_record_parts takes bytes or bytearray parts")
+    if blen > 0xFFFFFFFF:
+        raise OverflowError("log record body above 4 GiB")
+    cdef Py_ssize_t n = 24 + blen
+    cdef Py_ssize_t total = n + ((-n) & 7)
+    rec = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
+    cdef uint8_t* q = p + 24
+    store_u32(p, magic)
+    store_u32(p + 4, flags)
+    store_u64(p + 8, txid)
+    store_u32(p + 16, <uint32_t>blen)
+    m = len(head)
+    memcpy(q, PyBytes_AS_STRING(head), m)
+    q += m
+    for i in range(k):
+        part = <object>PyList_GET_ITEM(parts, i)
+        if type(part) is bytes:
+            m = len(<bytes>part)
+            memcpy(q, PyBytes_AS_STRING(part), m)
+        else:
+            m = len(<bytearray>part)
+            memcpy(q, PyByteArray_AS_STRING(part), m)
+        q += m
+    memset(p + n, 0, total - n)
+    store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
+    return rec
+
+
 def hint_append(bytearray buf not None, uint32_t crc, uint64_t gsn_word, uint64_t offset, uint32_t value_len,
                 bytes key_field not None):
     """Append one hint entry (``gsn_word: u64, offset: u64, value_len: u32, key_len: u16``,
