@@ -381,9 +381,14 @@ class TxLog:
             return self.append_body(got[0] if got is not None else packb(rows))
         # The body is the list header, then ``rows``, then each block as it came: the
         # record is framed from those parts (log_record_parts), each byte copied once.
-        parts = [b for _, b in packed]
-        size = sum(map(len, parts))
-        count = sum(c for c, _ in packed)
+        # (A plain loop: a comprehension and two generators cost an ack_many of 64 rows
+        # about 90 instructions a row.)
+        parts = []
+        size = count = 0
+        for c, b in packed:
+            parts.append(b)
+            size += len(b)
+            count += c
         if rows:
             parts.insert(0, packb(rows)[len(_list_header(len(rows))):])
             size += len(parts[0])
