@@ -157,12 +157,13 @@ def test_s8_index_put_new_inserts_new_keys_and_stops_at_one_the_index_or_tombs_h
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("point", ["bitcask.after_append", "txlog.after_apply"])
+@pytest.mark.parametrize("point", ["txlog.after_append", "bitcask.after_append", "txlog.after_apply"])
 def test_q31_a_kill_after_the_bodies_group_write_is_finished_by_replay(tmp_path: Path, point: str):
-    # SPEC Q31, T2: a var push batch killed once its bodies are appended to Bitcask by the
-    # compiled group write (its headers not yet applied), or once all of it is applied,
-    # reopens with the whole batch: replay applies the logged headers and skips the bodies
-    # the store already holds; check finds nothing wrong
+    # SPEC Q31, T2: a var push batch killed once its record (framed from its blocks of rows)
+    # is appended to the log and nothing applied, once its bodies are appended to Bitcask
+    # by the compiled group write (its headers not yet applied), or once all of it is
+    # applied, reopens with the whole batch: replay applies the logged rows and skips the
+    # bodies the store already holds; check finds nothing wrong
     from .conftest import child_env, run_child
     from .test_batches import REPLAY_CHILD, doc_of, open_q, payloads
 
