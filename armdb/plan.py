@@ -46,7 +46,7 @@ class Plan:
         self.undo: list[Callable[[], object]] = []  # what else to give back on refusal (a batch's slots)
         # Rows already packed as msgpack by a batch's compiled plan: (how many, bytes), logged
         # after ``rows`` in the same record (armdb.txlog.TxLog.append).
-        self.packed: list[tuple[int, bytes]] = []
+        self.packed: list[tuple[int, bytes | bytearray]] = []
         self.fixed: list[Any] = []  # FixedStore shards written
         self.bitcask: list[Any] = []  # Bitcask stores written
         self.payload_writes: dict[Any, int] = {}  # queue -> var bodies this commit writes

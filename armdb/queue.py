@@ -2135,7 +2135,7 @@ class Queue(Generic[T]):
             plan.add_fixed(sh.fixed)
             plan.apply.append(functools.partial(sh.apply_push_block, slots, versions, images))
             rows += len(slots)
-        plan.packed.append((rows, bytes(buf)))
+        plan.packed.append((rows, buf))  # (framed into the log record as it is: no copy)
 
     def _tx_plan_acks(self, shard_nos: np.ndarray, dues: np.ndarray, seqs: np.ndarray, epochs: np.ndarray,
                       buf: bytearray) -> list[tuple[_Shard, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -275,3 +277,70 @@ def test_q32_claim_new_leases_what_claim_block_leases(tmp_path_factory, rows, n,
             assert len(dues) == len(seqs)  # (a released row's due is its old deadline: a time of this run)
             got.append((dead, shard_nos.tolist(), seqs.tolist(), attempts.tolist(), epochs.tolist()))
     assert got[0] == got[1]
+
+
+def test_q1_short_strings_and_ints_inline_in_maps_and_lists_pack_as_msgpack_packs():
+    # SPEC Q1: the container loops' inline forms (a str under 32 bytes copied by 8- and 4-byte
+    # moves, an int) give msgpack's bytes at every length and next to the recursion's forms
+    texts = ["x" * n for n in range(70)] + ["é", "é" * 20, "aé" * 12, "\u65e5" * 11]
+    ints = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32, 2**63 - 1, 2**64 - 1, -1, -32, -33, -(2**63)]
+    vs = [{t: t for t in texts}, texts, tuple(texts), {t: i for t, i in zip(texts, ints * 6)}, ints, tuple(ints),
+          {i: [i, str(i)] for i in ints}, {"k": [texts[5], {"n": texts[40]}]}]
+    raws = pack_plain(vs)
+    assert raws == [_P.pack(v) for v in vs]
+    assert pack_plain([{"k": 2**64}]) is None and pack_plain([[1, -(2**63) - 1]]) is None  # left to msgpack
+
+
+def test_q1_the_body_cache_keys_ids_past_the_long_range():
+    # SPEC Q1: a body's key is its id as an int, whatever its width (the one-digit path below 2**63)
+    cache: dict[int, bytes] = {}
+    assert cache_put(cache, 2**63 - 2, [b"a", b"b", b"c"], 10) == 3
+    assert cache_put(cache, 2**64 - 1, [b"d"], 10) == 1
+    assert list(cache) == [2**63 - 2, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def _evict_reference(cache: dict[int, bytes], k: int) -> int:
+    victims = list(cache)[:max(k, 0)]
+    return sum(len(cache.pop(key)) for key in victims)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_q1_eviction_rounds_drop_the_oldest_bodies_in_push_order(seed):
+    # SPEC Q1: each round drops the first bodies in the dict's order (push order, a pop's
+    # put-backs at the end), through resizes, clears, drops, pops and several caches
+    rng = random.Random(seed)
+    caches = [{} for _ in range(6)]
+    models = [{} for _ in range(6)]
+    next_id = 1
+    for _ in range(3000):
+        c = rng.randrange(len(caches)) if rng.random() < 0.3 else 0
+        cache, model = caches[c], models[c]
+        op = rng.random()
+        if op < 0.35:
+            n = rng.choice([1, 5, 50, 400])
+            bodies = [rng.randbytes(rng.randrange(1, 40)) for _ in range(n)]
+            assert cache_put(cache, next_id, bodies, 1000) == sum(map(len, bodies))
+            model.update(zip(range(next_id, next_id + n), bodies))
+            next_id += n
+        elif op < 0.75:
+            k = rng.choice([0, 1, 3, 50, 300, 5000])
+            assert cache_evict(cache, k) == _evict_reference(model, k)
+        elif op < 0.85 and model:
+            ids = rng.sample(sorted(model), min(len(model), rng.randrange(1, 30)))
+            assert cache_drop(cache, np.array(ids, dtype=np.uint64)) == sum(len(model.pop(i)) for i in ids)
+        elif op < 0.93 and model:  # a pop that misses puts the bodies it took back, at the end
+            ids = sorted(model)[: rng.randrange(1, 20)] + ([10**12] if rng.random() < 0.5 else [])
+            got = cache_pop(cache, np.array(ids, dtype=np.uint64))
+            if 10**12 in ids:
+                assert got is None
+                for i in ids[:-1]:
+                    model[i] = model.pop(i)
+            else:
+                assert got is not None and got[0] == [model.pop(i) for i in ids]
+        elif op < 0.96:
+            cache.clear()
+            model.clear()
+        else:  # a lone push's body, by the dict itself
+            cache[next_id] = model[next_id] = b"x" * rng.randrange(1, 9)
+            next_id += 1
+        assert list(cache.items()) == list(model.items())

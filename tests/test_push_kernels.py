@@ -157,12 +157,13 @@ def test_s8_index_put_new_inserts_new_keys_and_stops_at_one_the_index_or_tombs_h
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("point", ["bitcask.after_append", "txlog.after_apply"])
+@pytest.mark.parametrize("point", ["txlog.after_append", "bitcask.after_append", "txlog.after_apply"])
 def test_q31_a_kill_after_the_bodies_group_write_is_finished_by_replay(tmp_path: Path, point: str):
-    # SPEC Q31, T2: a var push batch killed once its bodies are appended to Bitcask by the
-    # compiled group write (its headers not yet applied), or once all of it is applied,
-    # reopens with the whole batch: replay applies the logged headers and skips the bodies
-    # the store already holds; check finds nothing wrong
+    # SPEC Q31, T2: a var push batch killed once its record (framed from its blocks of rows)
+    # is appended to the log and nothing applied, once its bodies are appended to Bitcask
+    # by the compiled group write (its headers not yet applied), or once all of it is
+    # applied, reopens with the whole batch: replay applies the logged rows and skips the
+    # bodies the store already holds; check finds nothing wrong
     from .conftest import child_env, run_child
     from .test_batches import REPLAY_CHILD, doc_of, open_q, payloads
 
@@ -179,3 +180,73 @@ def test_q31_a_kill_after_the_bodies_group_write_is_finished_by_replay(tmp_path:
         assert sorted(doc_of(j.payload) for j in q.peek(1000)) == list(range(200))
     report = armdb.check(path)
     assert report.ok, report
+
+
+@settings(max_examples=200, deadline=None)
+@given(txid=st.integers(0, 2**64 - 1), flags=st.integers(0, 2**32 - 1), head=st.binary(max_size=5),
+       parts=st.lists(st.tuples(st.binary(max_size=700), st.booleans()), max_size=5))
+def test_t2_log_record_parts_frames_the_joined_body(txid, flags, head, parts):
+    # SPEC T2: a batch's record framed from its parts (bytes and bytearray blocks) is the
+    # record of the joined body, byte for byte (log_record, itself checked against the format)
+    from armdb._core.fixed import log_record, log_record_parts
+    from armdb.txlog import REC_MAGIC, encode_record
+
+    blocks = [bytearray(b) if mutable else b for b, mutable in parts]
+    body = head + b"".join(parts_b for parts_b, _ in parts)
+    got = log_record_parts(REC_MAGIC, flags, txid, head, blocks)
+    assert got == log_record(REC_MAGIC, flags, txid, body) == encode_record(txid, body, flags)
+
+
+def test_t2_log_record_parts_refuses_a_part_that_is_not_bytes():
+    from armdb._core.fixed import log_record_parts
+
+    with pytest.raises(TypeError):
+        log_record_parts(1, 0, 1, b"\x91", [memoryview(b"a")])
+
+
+def _old_body(rows: list, packed: list[tuple[int, bytes]]) -> bytes:
+    """The record body as TxLog.append joined it before it framed the parts (88bebb7)."""
+    from armdb._pack import packb
+    from armdb.txlog import _list_header
+
+    if not rows and len(packed) == 1:
+        return _list_header(packed[0][0]) + packed[0][1]
+    parts = [_list_header(len(rows) + sum(c for c, _ in packed))]
+    if rows:
+        parts.append(packb(rows)[len(_list_header(len(rows))):])
+    parts.extend(b for _, b in packed)
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_t2_a_var_batch_logs_the_record_it_logged_when_its_body_was_joined(tmp_path: Path, shards: int):
+    # SPEC Q31, T2: the record of a push_many (its body blocks and a bytearray of header
+    # rows, framed without a join) holds the bytes the joined body gave; and a commit of
+    # rows plus blocks (TxLog.append's general case) too
+    from armdb.txlog import parse_records
+
+    from .test_batches import open_q, payloads
+
+    with Db.open(tmp_path / "db") as db:
+        q = open_q(db, "var", shards=shards)
+        txlog = db.txlog
+        seen: list[tuple[int, bytes]] = []
+        append = txlog.append
+
+        def spy(rows, packed=None):
+            start = txlog._end
+            want = _old_body(rows, [(c, bytes(b)) for c, b in packed]) if packed else None
+            end = append(rows, packed)
+            if want is not None:
+                seen.append((start, want))
+            return end
+
+        txlog.append = spy
+        q.push_many(payloads("var", range(40)))
+        q.push_many(payloads("var", range(40, 41)))
+        raw = Path(txlog._path).read_bytes()
+    assert len(seen) == 2
+    for start, want in seen:
+        recs, _, err = parse_records(raw[start:], 0)
+        assert err is None and recs[0][2] == want
+

@@ -16,6 +16,8 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint64_t
 
+from armdb._core._util cimport py_uint
+
 
 def cache_put(dict cache, uint64_t first, list bodies, Py_ssize_t budget):
     """Put ``bodies[i]`` (``bytes``) under id ``first + i``, each no longer than
@@ -26,7 +28,7 @@ def cache_put(dict cache, uint64_t first, list bodies, Py_ssize_t budget):
         body = <object>PyList_GET_ITEM(bodies, i)
         size = PyBytes_GET_SIZE(<bytes?>body)
         if size <= budget:
-            PyDict_SetItem(cache, first + i, body)
+            PyDict_SetItem(cache, py_uint(first + <uint64_t>i), body)
             added += size
     return added
 

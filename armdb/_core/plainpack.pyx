@@ -39,6 +39,8 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, u
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 
+from armdb._core._util cimport copy_bytes
+
 cdef extern from "Python.h":
     void PyUnicode_InternInPlace(PyObject** p)
     object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
@@ -137,12 +139,23 @@ cdef int _blob(Buf* b, const char* s, Py_ssize_t n, uint8_t fix, Py_ssize_t fixm
                uint8_t t32) except -1:
     cdef uint8_t* p = _room(b, 5 + n)
     cdef int h = _w_len(p, n, fix, fixmax, t8, t16, t32)
-    memcpy(p + h, s, n)
+    copy_bytes(p + h, s, n)
     b.n += h + n
     return 0
 
 
+cdef inline int _fixstr(Buf* b, const char* s, Py_ssize_t n) except -1:
+    """A str of fewer than 32 bytes (msgpack's fixstr: one header byte), as :func:`_blob`
+    writes it, inline in the container loops (most keys and values of a payload)."""
+    cdef uint8_t* p = _room(b, 1 + n)
+    p[0] = 0xa0 | <uint8_t>n
+    copy_bytes(p + 1, s, n)
+    b.n += 1 + n
+    return 0
+
+
 cdef extern from "Python.h":
+    void _gc_untrack "PyObject_GC_UnTrack"(void* op)
     # The packer's view of a value: borrowed pointers, no reference count touched.
     PyTypeObject* _type_of "Py_TYPE"(PyObject* o)
     PyTypeObject _STR "PyUnicode_Type"
@@ -174,13 +187,30 @@ cdef extern from "Python.h":
     void _err_clear "PyErr_Clear"()
 
 
+cdef inline int _int(Buf* b, PyObject* o) except -1:
+    """An exact int, as :func:`_pack` packs it (1: beyond 64 bits, not plain), inline in
+    the container loops too."""
+    cdef int overflow = 0
+    cdef long long d = _as_ll(o, &overflow)
+    cdef unsigned long long u
+    cdef uint8_t* p = _room(b, 9)
+    if overflow == 0:
+        b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
+        return 0
+    if overflow < 0:
+        return 1
+    u = _as_ull(o)
+    if u == <unsigned long long>-1 and _err_occurred() != NULL:  # above 64 bits
+        _err_clear()
+        return 1
+    b.n += _w_uint(p, <uint64_t>u)
+    return 0
+
+
 cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
     """Pack ``o``; 1 if it is not plain (nothing to trust in ``b`` then).  ``o`` is
     borrowed from its container, which the caller keeps alive."""
     cdef PyTypeObject* t = _type_of(o)
-    cdef int overflow = 0
-    cdef long long d
-    cdef unsigned long long u
     cdef double f
     cdef uint64_t bits
     cdef const char* s
@@ -201,19 +231,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
             return 1
         return _blob(b, s, n, 0xa0, 32, 0xd9, 0xda, 0xdb)
     if t == &_INT:
-        d = _as_ll(o, &overflow)
-        p = _room(b, 9)
-        if overflow == 0:
-            b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
-            return 0
-        if overflow < 0:
-            return 1
-        u = _as_ull(o)
-        if u == <unsigned long long>-1 and _err_occurred() != NULL:  # above 64 bits
-            _err_clear()
-            return 1
-        b.n += _w_uint(p, <uint64_t>u)
-        return 0
+        return _int(b, o)
     if o == _NONE or t == &_BOOL:
         p = _room(b, 1)
         p[0] = 0xc0 if o == _NONE else 0xc3 if o == _TRUE else 0xc2
@@ -239,7 +257,17 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
         while _dnext(o, &pos, &k, &v):
-            if _pack(b, k, depth + 1, True) or _pack(b, v, depth + 1, False):
+            # A short ASCII str key or value inline; anything else by the recursion.
+            if _type_of(k) == &_STR and _ascii(k) and _ulen(k) < 32:
+                _fixstr(b, <const char*>_udata(k), _ulen(k))
+            elif _pack(b, k, depth + 1, True):
+                return 1
+            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 32:
+                _fixstr(b, <const char*>_udata(v), _ulen(v))
+            elif _type_of(v) == &_INT:
+                if _int(b, v):
+                    return 1
+            elif _pack(b, v, depth + 1, False):
                 return 1
         return 0
     if t == &_LIST or t == &_TUPLE:
@@ -249,7 +277,13 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
         for i in range(n):
-            if _pack(b, _litem(o, i) if t == &_LIST else _titem(o, i), depth + 1, False):
+            v = _litem(o, i) if t == &_LIST else _titem(o, i)
+            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 32:
+                _fixstr(b, <const char*>_udata(v), _ulen(v))
+            elif _type_of(v) == &_INT:
+                if _int(b, v):
+                    return 1
+            elif _pack(b, v, depth + 1, False):
                 return 1
         return 0
     return 1
@@ -281,6 +315,10 @@ def pack_plain(list values, object top=None):
             PyList_SET_ITEM(out, i, raw)
     finally:
         free(b.p)
+    # Bytes only: no cycle can run through the list, so the collector need not traverse
+    # its n items at each collection it survives (as _PyTuple_MaybeUntrack concludes for
+    # a tuple of scalars).
+    _gc_untrack(<PyObject*>out)
     return out
 
 
