@@ -81,8 +81,8 @@ WORKLOADS: dict[tuple[str, int], str] = {
 
 
 def body(i: int) -> dict[str, Any]:
-    """The var rows' payload (the same as armdb._bench.body): msgpack packs it into 100 bytes."""
-    return {"doc_id": i, "reason": "edited", "tags": ["search", "reindex"], "text": "x" * 26, "priority": 3}
+    """The var rows' payload (the same as armdb._bench.body): msgpack packs it into about 100 bytes."""
+    return {"doc_id": i, "reason": "edited", "tags": ["search", "reindex"], "text": f"{i:035d}", "priority": 3}
 
 
 # -- the server ---------------------------------------------------------------------------------------------
