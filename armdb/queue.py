@@ -411,10 +411,11 @@ class Queue(Generic[T]):
         self._pushed_bodies = 0  # lone pushes' body writes (_put_body, under _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
-        # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
-        # it, ack and retention drop it; over budget, the oldest push goes first (a plain
-        # dict in insertion order: an OrderedDict's bookkeeping cost more than a batched
-        # cycle's own Python per row).  Guarded by _cache_lock.
+        # Raw var bodies by id (payload_config.cache_bytes): push fills it, a lease takes
+        # its rows' bodies out of it (so an ack has none to drop), retention drops them;
+        # over budget, the oldest push goes first (a plain dict in insertion order: an
+        # OrderedDict's bookkeeping cost more than a batched cycle's own Python per row).
+        # Guarded by _cache_lock.
         self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
         self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
@@ -926,8 +927,10 @@ class Queue(Generic[T]):
     def _read_payloads(self, rows: list[tuple[int, int, int, int]],
                        decode: Callable[[bytes], Any] | None = None) -> list[Any]:
         """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
-        ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
-        cache's lock, and decoded together (one msgpack decode for the batch).  A row whose
+        ``_GONE``.  Bodies are read after the claim, the cached ones taken out of the cache
+        under one hold of its lock (a leased row's body is not needed there again: its ack
+        has none to drop, and a lease that ends without an ack reads it back from the
+        store), and decoded together (one msgpack decode for the batch).  A row whose
         body is gone (its lease expired and it was settled elsewhere) is dropped; one whose
         body fails its checks or does not decode (msgpack, the payload class) is this row's
         problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
@@ -940,7 +943,9 @@ class Queue(Generic[T]):
         if len(rows) == 1 and self._cache and not custom:  # lease(1): the cached body, decoded alone
             seq = rows[0][2]
             with self._cache_lock:
-                body = self._cache.get(seq)
+                body = self._cache.pop(seq, None)
+                if body is not None:
+                    self._cache_bytes -= len(body)
             if body is not None:
                 try:
                     return [codec.decode(body)]
@@ -950,12 +955,15 @@ class Queue(Generic[T]):
         missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                get = self._cache.get
+                take = self._cache.pop
+                taken = 0
                 for i, row in enumerate(rows):
-                    body = get(row[2])
+                    body = take(row[2], None)
                     if body is not None:
                         bodies[i] = body
+                        taken += len(body)
                         missing -= 1
+                self._cache_bytes -= taken
         if not missing and len(rows) > 1 and not custom:
             out = codec.decode_many(typing.cast(list[bytes], bodies))
             if out is not None:
@@ -1994,11 +2002,8 @@ class Queue(Generic[T]):
             plan.rows.append(["F", self.name, fixed.index, slot, version, DELETED, b""])
             plan.add_fixed(fixed)
 
-            def apply_ack() -> None:
-                sh.ack_slot(tok.due, tok.seq, slot, version)
-                self._cache_drop(tok.seq)
-
-            plan.apply.append(apply_ack)
+            # (No cache entry to drop: the lease took the row's body out of the cache.)
+            plan.apply.append(functools.partial(sh.ack_slot, tok.due, tok.seq, slot, version))
             payload = self._payload
             if payload is not None:
                 key = tok.seq.to_bytes(8, "big")  # qrows.body_key

@@ -602,8 +602,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                     raise err from e
             try:
                 sh.ack_slot(due, seq, slot, version)
-                if q._cache:
-                    q._cache_drop(seq)
+                # (No cache entry to drop: a lease takes its row's body out of the cache.)
                 payload.tomb_locked(key, gsn)
                 _fail.point("txlog.after_apply")
                 fixed.raise_sync_error()  # applied in full; its sync failed

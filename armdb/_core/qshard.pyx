@@ -36,7 +36,7 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.dict cimport PyDict_SetItem
+from cpython.dict cimport PyDict_DelItem, PyDict_SetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_SET_ITEM
 from cpython.datetime cimport import_datetime, timedelta_new
@@ -121,6 +121,7 @@ cdef extern from "Python.h":
     # PyDict_GetItem without its save and restore of the error state (the keys here are
     # str, whose hash and comparison cannot fail).
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
+    Py_ssize_t PyDict_GET_SIZE(object d)
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Scalar(void* data, cnp.PyArray_Descr* descr, object base)
@@ -1029,7 +1030,7 @@ cdef class VarFast(FixedFast):
     body first (``BitcaskStore.put``), counts and caches it (``Queue._put_body``'s steps,
     under the cache's lock), fires ``queue.var_push.after_body``, then writes the header
     slot: the order of writes on disk is the Python body's.  ``lease(1)`` of one header
-    shard at the queue's timeout takes its body from the cache; a body not cached, or
+    shard at the queue's timeout takes its body out of the cache; a body not cached, or
     that does not decode, goes through ``Queue._read_payloads`` (which dead-letters a
     poisoned one).  Anything else goes to the Python bodies, which raise what the
     methods document.  The ack stays ``Queue.ack``.
@@ -1141,12 +1142,25 @@ cdef class VarFast(FixedFast):
             return out
         row = <tuple>out[0]  # (due, seq, shard_no, attempt, epoch, b""): see QueueShard._claim
         due, seq, shard_no, attempt, epoch = row[0], row[1], row[2], row[3], row[4]
-        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
-        cdef PyObject* b = PyDict_GetItemWithError(self.cache, seq)
-        payload = self.gone
-        if b != NULL:
+        # The body leaves the cache as it is leased (Queue._take_cached), so that the ack
+        # has none to drop; a lease that ends without an ack reads it back from the store.
+        cdef object body = None
+        cdef PyObject* b
+        if PyDict_GET_SIZE(self.cache):
+            self.cache_acquire()
             try:
-                payload = self.decode(<object>b)
+                b = PyDict_GetItemWithError(self.cache, seq)
+                if b != NULL:
+                    body = <object>b
+                    PyDict_DelItem(self.cache, seq)
+                    PyDict_SetItem(self.qd, "_cache_bytes",
+                                   <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - len(<bytes>body))
+            finally:
+                self.cache_release()
+        payload = self.gone
+        if body is not None:
+            try:
+                payload = self.decode(body)
             except Exception:  # Queue._read_payloads dead-letters it
                 payload = self.gone
         if payload is self.gone:
