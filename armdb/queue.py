@@ -519,8 +519,10 @@ class Queue(Generic[T]):
                     self._seq_name, self._encode, None, 0,
                     self._lease_ms, self._max_attempts, MAX_LEASE, MAX_DUE_MS, self._max_depth is None,
                     self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
-                var.set_var(self._payload.put, self._cache, self._cache_lock, self._cache_evict,  # type: ignore[union-attr]
-                            self._decode, self._read_payloads, _fail, _GONE)
+                body_store = typing.cast("BitcaskStore", self._payload)
+                var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
+                            self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
+                            _fail, _GONE)
                 self._fast = var
                 # As a fixed queue's: the compiled push and lease(1) shadow the methods
                 # below, and hand all but the common case to _push and _lease.  The ack

@@ -1,6 +1,6 @@
 """The var queue's compiled push and lease(1) (``VarFast``) against the Python bodies
 they stand for (``Queue._push``, ``Queue._lease``), and the compiled lone Bitcask put
-(``bitcask_put``) against ``BitcaskStore._write``."""
+(``PutKernel``) against ``BitcaskStore.put``'s Python steps and ``BitcaskStore._write``."""
 
 from __future__ import annotations
 
@@ -177,11 +177,12 @@ def test_s7_compiled_put_writes_what_write_writes(tmp_path_factory: pytest.TempP
         with pytest.MonkeyPatch.context() as m:
             for mod in (files, bstore, recovery):  # the same file headers in both stores
                 m.setattr(mod, "_new_nonce", lambda: 7)
-            if not kernel:
-                m.setattr(bstore, "bitcask_put", lambda *a: False)  # every put through _write
             gsn = iter(range(1, 10_000))
             cfg = Config(enable_fsync=fsync, max_file_size=4096 if small else 1 << 20, compaction_threshold=0.99)
             st_ = BitcaskStore.open(str(base / name), cfg, lambda: next(gsn))
+            assert st_._putter is not None
+            if not kernel:
+                st_._putter = None  # every put through put's Python steps and _write
             for key, value in items:
                 if value is None:
                     st_.delete(key)

@@ -68,7 +68,7 @@ cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n)
 from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
-from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
+from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -1037,17 +1037,22 @@ cdef class VarFast(FixedFast):
     """
 
     cdef object store_put, cache_acquire, cache_release, cache_evict, decode, read_payloads, fail, gone
+    cdef PutKernel putter
     cdef dict cache
 
-    def set_var(self, store_put, dict cache, cache_lock, cache_evict, decode, read_payloads, fail, gone):
-        """The var queue's parts: its body store's ``put``, its body cache (the dict, its
-        lock, ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``,
-        the ``armdb._fail`` module (its ``point`` is looked up at each call, as the
-        Python callers do) and the ``_GONE`` marker."""
+    def set_var(self, store_put, PutKernel putter, dict cache, cache_lock, cache_evict, decode, read_payloads, fail,
+                gone):
+        """The var queue's parts: its body store's ``put`` and, when that store has one
+        shard and is not encrypted, its compiled put (``BitcaskStore._putter``, called
+        without the Python frame of ``put``), its body cache (the dict, its lock,
+        ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``, the
+        ``armdb._fail`` module (its ``point`` is looked up at each call, as the Python
+        callers do) and the ``_GONE`` marker."""
         for name in ("_cache_bytes", "_cache_budget", "_pushed_bodies"):
             if name not in self.qd:
                 raise TypeError(f"VarFast: the queue has no instance attribute {name}")
         self.store_put = store_put
+        self.putter = putter
         self.cache = cache
         self.cache_acquire = cache_lock.acquire
         self.cache_release = cache_lock.release
@@ -1062,7 +1067,10 @@ cdef class VarFast(FixedFast):
         cache's lock (the byte count is read and written only under it)."""
         cdef bytes key = PyBytes_FromStringAndSize(NULL, 8)
         store_be64(<uint8_t*>PyBytes_AS_STRING(key), id_)  # qrows.body_key
-        self.store_put(key, body)
+        if self.putter is not None:
+            self.putter.put(0, key, body)  # BitcaskStore.put of a store of one shard
+        else:
+            self.store_put(key, body)
         cdef Py_ssize_t n = len(body)
         cdef object size
         self.cache_acquire()
