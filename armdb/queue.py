@@ -55,6 +55,7 @@ from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
 from ._core.fixed import push_body_rows, ring_next
+from ._core.locks import Lock
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast, lone_token
 from ._pack import packb
@@ -419,7 +420,7 @@ class Queue(Generic[T]):
         self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
         self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
-        self._cache_lock = threading.Lock()
+        self._cache_lock = Lock()  # (armdb._core.locks: a cheaper acquire than threading.Lock)
         self._retry: list[int] = []
         self._retry_overflow = False
         self._retention_paused = False
