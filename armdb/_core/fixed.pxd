@@ -52,7 +52,7 @@ cdef class PutKernel:
     # BitcaskStore.put of an unencrypted store in one call (armdb._core.qshard.VarFast
     # calls put directly).
     cdef object store, auto_compact, sync_interval
-    cdef list shards, acquire, release
+    cdef list shards, locks              # each shard and its lock (armdb._core.locks.Lock)
     cdef dict sd, fsd, faild, filesd     # the store's instance dict; armdb._fs's, _fail's, bitcask.files' dicts
     cdef uint16_t magic
     cdef Py_ssize_t marked_version, max_file_size, max_key, max_value

@@ -34,6 +34,7 @@ cdef extern from "Python.h":
 
 import numpy as np
 
+from armdb._core.locks cimport Lock, give, take
 from armdb._core._util cimport load_le, load_u32, load_u64, monotonic_s, msgpack_u32, store_u32, store_u64
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -358,7 +359,7 @@ cdef class PutKernel:
     What can change after open is read at each call: the store's ``_closed``,
     ``_poisoned`` and ``_gsn`` (from its instance dict), the file system
     (``armdb._fs.FS``, which tests replace), the failpoint function and the hint spill
-    size.  The lock methods, the config's values and the constants are taken at
+    size.  The locks, the config's values and the constants are taken at
     construction: a store's shards, config and encryption are fixed once open.
     """
 
@@ -371,8 +372,10 @@ cdef class PutKernel:
                 raise TypeError(f"PutKernel: the store has no instance attribute {name}")
         self.store = store
         self.shards = shards
-        self.acquire = [sh.lock.acquire for sh in shards]
-        self.release = [sh.lock.release for sh in shards]
+        self.locks = [sh.lock for sh in shards]
+        for lock in self.locks:
+            if type(lock) is not Lock:
+                raise TypeError("PutKernel needs shards whose lock is an armdb._core.locks.Lock")
         self.sd = store_dict
         self.fsd = fs_module
         self.faild = fail_module
@@ -397,7 +400,7 @@ cdef class PutKernel:
         cdef dict sd = self.sd
         sh = self.shards[i]
         cdef bint rotated = False
-        self.acquire[i]()  # (the bound acquire and release: no ``with``)
+        take(<Lock>self.locks[i])
         try:
             if <object>PyDict_GetItemWithError(sd, "_closed") or <object>PyDict_GetItemWithError(sd, "_poisoned") is not None:
                 store.check_writable()
@@ -410,7 +413,7 @@ cdef class PutKernel:
                                 <object>PyDict_GetItemWithError(self.faild, "point"), self.fsync, self.sync_interval):
                 rotated = store._write(sh, key, value, seq)  # a new data file first (and the timed sync, when due)
         finally:
-            self.release[i]()
+            give(<Lock>self.locks[i])
         if rotated or sh.compact_due:
             self.auto_compact(store, sh)
         return seq

@@ -22,18 +22,6 @@ from libc.math cimport ceil
 from time import monotonic
 
 
-cdef extern from "pythread.h":
-    ctypedef void* PyThread_type_lock
-    ctypedef enum PyLockStatus:
-        PY_LOCK_FAILURE
-        PY_LOCK_ACQUIRED
-        PY_LOCK_INTR
-    PyThread_type_lock PyThread_allocate_lock()
-    void PyThread_free_lock(PyThread_type_lock)
-    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock, long long microseconds, int intr_flag) nogil
-    void PyThread_release_lock(PyThread_type_lock) nogil
-    long long PY_TIMEOUT_MAX
-
 cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
 
@@ -41,10 +29,7 @@ cdef extern from "Python.h":
 @cython.final
 cdef class Lock:
     """``threading.Lock``'s interface: ``acquire(blocking=True, timeout=-1)``,
-    ``release()``, ``locked()`` and the context manager."""
-
-    cdef PyThread_type_lock lock
-    cdef bint held
+    ``release()``, ``locked()`` and the context manager (fields: locks.pxd)."""
 
     def __cinit__(self):
         self.lock = PyThread_allocate_lock()
@@ -104,10 +89,7 @@ cdef class Lock:
 
     def release(self):
         """Release the lock (any thread may); RuntimeError if it is not held."""
-        if not self.held:
-            raise RuntimeError("release unlocked lock")
-        self.held = False
-        PyThread_release_lock(self.lock)
+        give(self)
 
     def locked(self):
         """Whether the lock is held."""

@@ -69,6 +69,7 @@ from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, sto
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
+from armdb._core.locks cimport Lock, give, take
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -798,7 +799,7 @@ cdef class FixedFast:  # (not final: VarFast extends it)
 
     cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, pack, lease_timeouts
     cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
-    cdef list acquire, release       # each shard lock's bound acquire and release
+    cdef list locks                  # each shard's lock (armdb._core.locks.Lock: taken without a method call)
     cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
     cdef list shards
     cdef Py_ssize_t nsh, nfields, max_lease
@@ -826,8 +827,10 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         for name in ("_closed", "_waker"):
             if name not in self.dbd:
                 raise TypeError(f"FixedFast: the Db has no instance attribute {name}")
-        self.acquire = [sh.lock.acquire for sh in shards]
-        self.release = [sh.lock.release for sh in shards]
+        self.locks = [sh.lock for sh in shards]
+        for lock in self.locks:
+            if type(lock) is not Lock:
+                raise TypeError("FixedFast needs shards whose lock is an armdb._core.locks.Lock")
         self.shards = shards
         self.nsh = len(shards)
         self.sysclock = sysclock
@@ -929,11 +932,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
             seq = self.next_id(self.seq_name)
         cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             sh._push_row(now, seq, now, 0, body)
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         self._notify()
         return seq
 
@@ -957,11 +960,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         self._deadline_dt(deadline)
         out = []
         sh = <QueueShard>self.shards[0]
-        self.acquire[0]()
+        take(<Lock>self.locks[0])
         try:
             sh._walk(now, deadline, k, self.max_attempts, 0, out, self.dl, NULL, &dead)
         finally:
-            self.release[0]()
+            give(<Lock>self.locks[0])
         if dead:
             self.note_dead(now)
         return out
@@ -1011,11 +1014,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         if now < 0:
             return self.ack_py(token)
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             r = sh._ack(due, seq, epoch)
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         if r != _ACKED:
             return self.ack_py(token)  # stale: the Python body says why (nothing changed)
         return None
@@ -1036,12 +1039,13 @@ cdef class VarFast(FixedFast):
     methods document.  The ack stays ``Queue.ack``.
     """
 
-    cdef object store_put, cache_acquire, cache_release, cache_evict, decode, read_payloads, fail, gone
+    cdef object store_put, cache_evict, decode, read_payloads, fail, gone
+    cdef Lock cache_lock
     cdef PutKernel putter
     cdef dict cache
 
-    def set_var(self, store_put, PutKernel putter, dict cache, cache_lock, cache_evict, decode, read_payloads, fail,
-                gone):
+    def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
+                read_payloads, fail, gone):
         """The var queue's parts: its body store's ``put`` and, when that store has one
         shard and is not encrypted, its compiled put (``BitcaskStore._putter``, called
         without the Python frame of ``put``), its body cache (the dict, its lock,
@@ -1054,8 +1058,7 @@ cdef class VarFast(FixedFast):
         self.store_put = store_put
         self.putter = putter
         self.cache = cache
-        self.cache_acquire = cache_lock.acquire
-        self.cache_release = cache_lock.release
+        self.cache_lock = cache_lock
         self.cache_evict = cache_evict
         self.decode = decode
         self.read_payloads = read_payloads
@@ -1073,7 +1076,7 @@ cdef class VarFast(FixedFast):
             self.store_put(key, body)
         cdef Py_ssize_t n = len(body)
         cdef object size
-        self.cache_acquire()
+        take(self.cache_lock)
         try:
             PyDict_SetItem(self.qd, "_pushed_bodies", <object>PyDict_GetItemWithError(self.qd, "_pushed_bodies") + 1)
             budget = <object>PyDict_GetItemWithError(self.qd, "_cache_budget")
@@ -1084,7 +1087,7 @@ cdef class VarFast(FixedFast):
                 if size > budget:
                     self.cache_evict()
         finally:
-            self.cache_release()
+            give(self.cache_lock)
         self.fail.point("queue.var_push.after_body")
         return 0
 
@@ -1112,11 +1115,11 @@ cdef class VarFast(FixedFast):
         self._put_body(seq, id_, body)
         cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             sh._push_row(now, id_, now, id_, b"")
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         self._notify()
         return seq
 
@@ -1139,11 +1142,11 @@ cdef class VarFast(FixedFast):
         dl = self.dl
         out = []
         sh = <QueueShard>self.shards[0]
-        self.acquire[0]()
+        take(<Lock>self.locks[0])
         try:
             sh._walk(now, deadline, 1, self.max_attempts, 0, out, dl, NULL, &dead)
         finally:
-            self.release[0]()
+            give(<Lock>self.locks[0])
         if dead:
             self.note_dead(now)
         if not out:
@@ -1155,7 +1158,7 @@ cdef class VarFast(FixedFast):
         cdef object body = None
         cdef PyObject* b
         if PyDict_GET_SIZE(self.cache):
-            self.cache_acquire()
+            take(self.cache_lock)
             try:
                 b = PyDict_GetItemWithError(self.cache, seq)
                 if b != NULL:
@@ -1164,7 +1167,7 @@ cdef class VarFast(FixedFast):
                     PyDict_SetItem(self.qd, "_cache_bytes",
                                    <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - len(<bytes>body))
             finally:
-                self.cache_release()
+                give(self.cache_lock)
         payload = self.gone
         if body is not None:
             try:
