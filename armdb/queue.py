@@ -57,7 +57,7 @@ from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, long
 from ._core.fixed import push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast, lone_token
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -523,12 +523,12 @@ class Queue(Generic[T]):
                 body_store = typing.cast("BitcaskStore", self._payload)
                 var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
                             self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
-                            _fail, _GONE)
+                            _fail, _GONE, self._commit_settle)
                 self._fast = var
-                # As a fixed queue's: the compiled push and lease(1) shadow the methods
-                # below, and hand all but the common case to _push and _lease.  The ack
-                # stays Queue.ack.
-                vars(self).update(push=var.push, lease=var.lease)
+                # As a fixed queue's: the compiled push, lease(1) and ack shadow the
+                # methods below, and hand all but the common case to _push, _lease and
+                # _ack.  A var ack's commit is armdb.tx.commit_settle.
+                vars(self).update(push=var.push, lease=var.lease, ack=var.ack)
         except BaseException:
             self._headers.close()
             if self._payload is not None:
@@ -1511,18 +1511,9 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
-        # A var queue's: the header removal and the body delete share one log commit (Q14).
-        # The common token (this handle's, unaltered) checked in one compiled call;
-        # anything else (a Lease, NotALease, StaleToken) goes through _ack.
-        if self._payload is not None and lone_token(token, LeaseToken, self._handle, len(self._shards)):
-            if self._lease_timeouts:
-                t = typing.cast(LeaseToken, token)
-                self._lease_timeouts.pop((t.seq, t.epoch), None)
-            if self._closed or self._db._closed or self._next_retention <= self._clock():
-                self._check()  # DbClosed; or the retention pass, when due
-            self._commit_settle(self._db, self, token, True)
-            return
+        # On an open queue this method is shadowed by the compiled ack (FixedFast.ack for
+        # a fixed queue, VarFast.ack for a var one, whose common token goes straight to
+        # its commit: see _open), which hands all but the common case to _ack.
         self._ack(token)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:

@@ -564,7 +564,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
         raise _log_key_required()
     # The fields by one unpacking: a NamedTuple's field by name is a descriptor call each.
     # The caller checked that the token is of q's handle and names one of its shards
-    # (Queue.ack by lone_token, Queue._ack by _token_shard).
+    # (VarFast.ack by lone_token's checks, Queue._ack by _token_shard).
     _, shard_no, due, seq, epoch = token
     sh = q._shards[shard_no]
     pair = q._ack_locks

@@ -189,6 +189,11 @@ def lone_token(token, token_cls, handle, Py_ssize_t nshards):
     the token a var queue's ``Queue.ack`` hands straight to its commit.  Anything else
     (a ``Lease``, an altered token, another handle's) takes the general path, which
     judges it.  One C call for the checks that were five type tests in Python."""
+    return _lone_token(token, token_cls, handle, nshards)
+
+
+cdef bint _lone_token(token, token_cls, handle, Py_ssize_t nshards) except -1:
+    """:func:`lone_token` (and ``VarFast.ack``'s test)."""
     if type(token) is not token_cls or PyTuple_GET_SIZE(token) != 5:
         return False
     f = <object>PyTuple_GET_ITEM(token, 1)
@@ -1036,22 +1041,22 @@ cdef class VarFast(FixedFast):
     shard at the queue's timeout takes its body out of the cache; a body not cached, or
     that does not decode, goes through ``Queue._read_payloads`` (which dead-letters a
     poisoned one).  Anything else goes to the Python bodies, which raise what the
-    methods document.  The ack stays ``Queue.ack``.
+    methods document.  The ack hands the common token to ``armdb.tx.commit_settle``.
     """
 
-    cdef object store_put, cache_evict, decode, read_payloads, fail, gone
+    cdef object store_put, cache_evict, decode, read_payloads, fail, gone, settle
     cdef Lock cache_lock
     cdef PutKernel putter
     cdef dict cache
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
-                read_payloads, fail, gone):
+                read_payloads, fail, gone, settle):
         """The var queue's parts: its body store's ``put`` and, when that store has one
         shard and is not encrypted, its compiled put (``BitcaskStore._putter``, called
         without the Python frame of ``put``), its body cache (the dict, its lock,
         ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``, the
         ``armdb._fail`` module (its ``point`` is looked up at each call, as the Python
-        callers do) and the ``_GONE`` marker."""
+        callers do), the ``_GONE`` marker and the ack's commit (``armdb.tx.commit_settle``)."""
         for name in ("_cache_bytes", "_cache_budget", "_pushed_bodies"):
             if name not in self.qd:
                 raise TypeError(f"VarFast: the queue has no instance attribute {name}")
@@ -1064,6 +1069,7 @@ cdef class VarFast(FixedFast):
         self.read_payloads = read_payloads
         self.fail = fail
         self.gone = gone
+        self.settle = settle
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
@@ -1180,3 +1186,21 @@ cdef class VarFast(FixedFast):
                 return []
         return [_tuple5(self.lease_cls, seq, payload, attempt, dl,
                         _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch))]
+
+    def ack(self, token):
+        """Remove a leased row and its body (``Queue.ack``, whose documentation says what
+        it raises): this handle's unaltered ``LeaseToken`` goes straight to its commit
+        (``armdb.tx.commit_settle``, which checks the lease under the locks) once the
+        queue's checks passed (open; the retention pass when due).  Anything else (a
+        ``Lease``, an altered or foreign token, a closed queue) goes to the Python body
+        ``Queue._ack``, which judges it."""
+        cdef object t
+        if not _lone_token(token, self.token_cls, self.handle, self.nsh):
+            return self.ack_py(token)
+        if self.lease_timeouts:
+            t = token
+            (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
+        if self._now() < 0:
+            return self.ack_py(token)  # closed: DbClosed
+        self.settle(self.db, self.queue, token, True)
+        return None
