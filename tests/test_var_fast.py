@@ -213,3 +213,21 @@ def test_t5_compiled_drawer_hands_out_what_next_does(tmp_path_factory: pytest.Te
     finally:
         a.close()
         b.close()
+
+
+def test_q15_a_lease_takes_its_body_out_of_the_cache_and_a_retry_reads_the_store(db: armdb.Db) -> None:
+    # SPEC Q15: the compiled lease(1) takes the body out of the cache (the ack has none to
+    # drop); the nacked row's next lease reads its body back from Bitcask
+    q = db.open_queue(Jobs)
+    ids = [q.push({"i": i}) for i in range(3)]
+    assert set(q._cache) == set(ids)
+    (lz,) = q.lease(1)
+    assert lz.payload == {"i": 0} and set(q._cache) == set(ids[1:])
+    assert q._cache_bytes == sum(map(len, q._cache.values()))
+    q.nack(lz, delay=0)
+    again = q.lease(3)
+    assert sorted(x.payload["i"] for x in again) == [0, 1, 2]
+    assert q._cache == {} and q._cache_bytes == 0
+    for x in again:
+        q.ack(x.token)
+    assert q.len() == 0 and len(q._payload) == 0
