@@ -25,7 +25,8 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"] if not DEBUG else ["-O0", "-g"],
     )
-    for name in ("fixed", "qindex", "qrow", "qshard", "groupsync", "atomicfile", "plain", "plainpack", "bodycache")
+    for name in ("fixed", "qindex", "qrow", "qshard", "groupsync", "atomicfile", "plain", "plainpack", "bodycache",
+                 "locks")
     if os.path.exists(f"armdb/_core/{name}.pyx")
 ]
 

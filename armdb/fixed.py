@@ -27,7 +27,6 @@ import errno
 import logging
 import os
 import struct
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ import numpy as np
 
 from . import _fail, _fs
 from ._core import fixed as _k
+from ._core.locks import Lock
 from .config import FixedConfig
 from .errors import CorruptionError, DbClosed, FormatError, StorageError, as_storage_error
 
@@ -184,7 +184,7 @@ class FixedShard(_k.SlotStore):
         self.config = config
         # Durable store: every write is synced before it returns (S5 sync_interval 0).
         self.ordered = config.enable_fsync and config.sync_interval == 0
-        self.lock = threading.Lock()
+        self.lock = Lock()  # (armdb._core.locks: a cheaper acquire than threading.Lock)
         self.path = os.path.join(directory, FILE_NAME)
         self.poisoned: BaseException | None = None
         self.sync_error: StorageError | None = None  # stashed by _wrote_or_stash

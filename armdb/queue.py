@@ -55,8 +55,9 @@ from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
 from ._core.fixed import push_body_rows, ring_next
+from ._core.locks import Lock
 from ._core.qindex import KeyIndex
-from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast, lone_token
+from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -412,14 +413,15 @@ class Queue(Generic[T]):
         self._pushed_bodies = 0  # lone pushes' body writes (_put_body, under _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
-        # Raw var bodies by id (payload_config.cache_bytes): push fills it, lease reads
-        # it, ack and retention drop it; over budget, the oldest push goes first (a plain
-        # dict in insertion order: an OrderedDict's bookkeeping cost more than a batched
-        # cycle's own Python per row).  Guarded by _cache_lock.
+        # Raw var bodies by id (payload_config.cache_bytes): push fills it, a lease takes
+        # its rows' bodies out of it (so an ack has none to drop), retention drops them;
+        # over budget, the oldest push goes first (a plain dict in insertion order: an
+        # OrderedDict's bookkeeping cost more than a batched cycle's own Python per row).
+        # Guarded by _cache_lock.
         self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
         self._cache_budget = config.payload_config.cache_bytes if spec.var else 0
-        self._cache_lock = threading.Lock()
+        self._cache_lock = Lock()  # (armdb._core.locks: a cheaper acquire than threading.Lock)
         self._retry: list[int] = []
         self._retry_overflow = False
         self._retention_paused = False
@@ -519,13 +521,15 @@ class Queue(Generic[T]):
                     self._seq_name, self._encode, None, 0,
                     self._lease_ms, self._max_attempts, MAX_LEASE, MAX_DUE_MS, self._max_depth is None,
                     self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
-                var.set_var(self._payload.put, self._cache, self._cache_lock, self._cache_evict,  # type: ignore[union-attr]
-                            self._decode, self._read_payloads, _fail, _GONE)
+                body_store = typing.cast("BitcaskStore", self._payload)
+                var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
+                            self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
+                            _fail, _GONE, self._commit_settle)
                 self._fast = var
-                # As a fixed queue's: the compiled push and lease(1) shadow the methods
-                # below, and hand all but the common case to _push and _lease.  The ack
-                # stays Queue.ack.
-                vars(self).update(push=var.push, lease=var.lease)
+                # As a fixed queue's: the compiled push, lease(1) and ack shadow the
+                # methods below, and hand all but the common case to _push, _lease and
+                # _ack.  A var ack's commit is armdb.tx.commit_settle.
+                vars(self).update(push=var.push, lease=var.lease, ack=var.ack)
         except BaseException:
             self._headers.close()
             if self._payload is not None:
@@ -951,8 +955,10 @@ class Queue(Generic[T]):
     def _read_payloads(self, rows: list[tuple[int, int, int, int]],
                        decode: Callable[[bytes], Any] | None = None) -> list[Any]:
         """The decoded payload of each claimed var row ``(shard, due, seq, epoch)``, or
-        ``_GONE``.  Bodies are read after the claim, the cached ones under one hold of the
-        cache's lock, and decoded together (one msgpack decode for the batch).  A row whose
+        ``_GONE``.  Bodies are read after the claim, the cached ones taken out of the cache
+        under one hold of its lock (a leased row's body is not needed there again: its ack
+        has none to drop, and a lease that ends without an ack reads it back from the
+        store), and decoded together (one msgpack decode for the batch).  A row whose
         body is gone (its lease expired and it was settled elsewhere) is dropped; one whose
         body fails its checks or does not decode (msgpack, the payload class) is this row's
         problem alone: dropped and dead-lettered (:meth:`_dead_letter_poisoned`).  I/O
@@ -965,7 +971,9 @@ class Queue(Generic[T]):
         if len(rows) == 1 and self._cache and not custom:  # lease(1): the cached body, decoded alone
             seq = rows[0][2]
             with self._cache_lock:
-                body = self._cache.get(seq)
+                body = self._cache.pop(seq, None)
+                if body is not None:
+                    self._cache_bytes -= len(body)
             if body is not None:
                 try:
                     return [codec.decode(body)]
@@ -975,12 +983,15 @@ class Queue(Generic[T]):
         missing = len(rows)
         if self._cache:
             with self._cache_lock:
-                get = self._cache.get
+                take = self._cache.pop
+                taken = 0
                 for i, row in enumerate(rows):
-                    body = get(row[2])
+                    body = take(row[2], None)
                     if body is not None:
                         bodies[i] = body
+                        taken += len(body)
                         missing -= 1
+                self._cache_bytes -= taken
         if not missing and len(rows) > 1 and not custom:
             out = codec.decode_many(typing.cast(list[bytes], bodies))
             if out is not None:
@@ -1525,18 +1536,9 @@ class Queue(Generic[T]):
         NotALease
             ``token`` is neither a ``Lease`` nor a ``LeaseToken``.
         """
-        # A fixed queue's ack is FixedFast.ack (see _open), which hands the rest to _ack.
-        # A var queue's: the header removal and the body delete share one log commit (Q14).
-        # The common token (this handle's, unaltered) checked in one compiled call;
-        # anything else (a Lease, NotALease, StaleToken) goes through _ack.
-        if self._payload is not None and lone_token(token, LeaseToken, self._handle, len(self._shards)):
-            if self._lease_timeouts:
-                t = typing.cast(LeaseToken, token)
-                self._lease_timeouts.pop((t.seq, t.epoch), None)
-            if self._closed or self._db._closed or self._next_retention <= self._clock():
-                self._check()  # DbClosed; or the retention pass, when due
-            self._commit_settle(self._db, self, token, True)
-            return
+        # On an open queue this method is shadowed by the compiled ack (FixedFast.ack for
+        # a fixed queue, VarFast.ack for a var one, whose common token goes straight to
+        # its commit: see _open), which hands all but the common case to _ack.
         self._ack(token)
 
     def _ack(self, token: Lease[T] | LeaseToken) -> None:
@@ -2019,11 +2021,8 @@ class Queue(Generic[T]):
             plan.rows.append(["F", self.name, fixed.index, slot, version, DELETED, b""])
             plan.add_fixed(fixed)
 
-            def apply_ack() -> None:
-                sh.ack_slot(tok.due, tok.seq, slot, version)
-                self._cache_drop(tok.seq)
-
-            plan.apply.append(apply_ack)
+            # (No cache entry to drop: the lease took the row's body out of the cache.)
+            plan.apply.append(functools.partial(sh.ack_slot, tok.due, tok.seq, slot, version))
             payload = self._payload
             if payload is not None:
                 key = tok.seq.to_bytes(8, "big")  # qrows.body_key

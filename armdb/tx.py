@@ -564,7 +564,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
         raise _log_key_required()
     # The fields by one unpacking: a NamedTuple's field by name is a descriptor call each.
     # The caller checked that the token is of q's handle and names one of its shards
-    # (Queue.ack by lone_token, Queue._ack by _token_shard).
+    # (VarFast.ack by lone_token's checks, Queue._ack by _token_shard).
     _, shard_no, due, seq, epoch = token
     sh = q._shards[shard_no]
     pair = q._ack_locks
@@ -602,8 +602,7 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
                     raise err from e
             try:
                 sh.ack_slot(due, seq, slot, version)
-                if q._cache:
-                    q._cache_drop(seq)
+                # (No cache entry to drop: a lease takes its row's body out of the cache.)
                 payload.tomb_locked(key, gsn)
                 _fail.point("txlog.after_apply")
                 fixed.raise_sync_error()  # applied in full; its sync failed

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import _fail, _fs, _syncmark
 from ._core.fixed import log_record, log_record_parts
 from ._core.groupsync import GroupSync
+from ._core.locks import Lock
 from ._core.plainpack import pack_plain
 from ._crypto import Sealer
 from ._pack import packb
@@ -134,7 +135,7 @@ class TxLog:
         self.sealer: Sealer | None = Sealer(key) if key is not None else None
         self.db_id = b""  # from db.meta, read by _open
         self._key_checked = False  # the log key matched db.meta's key check value
-        self._lock = threading.Lock()
+        self._lock = Lock()  # (armdb._core.locks: a cheaper acquire than threading.Lock)
         self._idle = threading.Condition(self._lock)
         self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
         self._checkpoint_bytes = db.tx_config.checkpoint_bytes

@@ -123,3 +123,34 @@ def test_t2_var_ack_killed_after_its_log_record_is_replayed_whole(tmp_path, poin
         q.ack(lz)
         assert q.len() == 0 and len(q._payload) == 0
     assert armdb.check(path).ok
+
+
+TWO_PUSHES = """
+import armdb
+db = armdb.Db.open({path!r})
+q = db.open_queue(armdb.queue("jobs", payload=dict, var=True))
+a = q.push({{"n": 1}})
+print("pushed", a, flush=True)
+b = q.push({{"n": 2}})
+print("pushed", b, flush=True)
+"""
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["bitcask.after_append:1", "queue.var_push.after_body:1"])
+def test_q15_var_push_killed_between_its_body_and_its_header_leaves_no_row(tmp_path, point):
+    # SPEC Q15: the compiled Bitcask put (PutKernel) writes the second push's body, then the
+    # process dies before its header: after the reopen the first row is there whole, the
+    # second is not, and its orphan body is gone (one body per header).
+    path = str(tmp_path / "db")
+    r = run_child(TWO_PUSHES.format(path=path), env=child_env(ARMDB_FAILPOINT=point))
+    assert r.returncode == 86, r.stderr
+    assert r.stdout.split() == ["pushed", r.stdout.split()[1]]  # only the first push returned
+    first = int(r.stdout.split()[1])
+    with armdb.Db.open(path) as db:
+        q = db.open_queue(VarJobs)
+        assert q.len() == 1 and len(q._payload) == 1
+        (lz,) = q.lease(5)
+        assert lz.id == first and lz.payload == {"n": 1}
+        q.ack(lz)
+    assert armdb.check(path).ok

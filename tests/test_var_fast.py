@@ -1,6 +1,6 @@
 """The var queue's compiled push and lease(1) (``VarFast``) against the Python bodies
 they stand for (``Queue._push``, ``Queue._lease``), and the compiled lone Bitcask put
-(``bitcask_put``) against ``BitcaskStore._write``."""
+(``PutKernel``) against ``BitcaskStore.put``'s Python steps and ``BitcaskStore._write``."""
 
 from __future__ import annotations
 
@@ -177,11 +177,12 @@ def test_s7_compiled_put_writes_what_write_writes(tmp_path_factory: pytest.TempP
         with pytest.MonkeyPatch.context() as m:
             for mod in (files, bstore, recovery):  # the same file headers in both stores
                 m.setattr(mod, "_new_nonce", lambda: 7)
-            if not kernel:
-                m.setattr(bstore, "bitcask_put", lambda *a: False)  # every put through _write
             gsn = iter(range(1, 10_000))
             cfg = Config(enable_fsync=fsync, max_file_size=4096 if small else 1 << 20, compaction_threshold=0.99)
             st_ = BitcaskStore.open(str(base / name), cfg, lambda: next(gsn))
+            assert st_._putter is not None
+            if not kernel:
+                st_._putter = None  # every put through put's Python steps and _write
             for key, value in items:
                 if value is None:
                     st_.delete(key)
@@ -212,3 +213,21 @@ def test_t5_compiled_drawer_hands_out_what_next_does(tmp_path_factory: pytest.Te
     finally:
         a.close()
         b.close()
+
+
+def test_q15_a_lease_takes_its_body_out_of_the_cache_and_a_retry_reads_the_store(db: armdb.Db) -> None:
+    # SPEC Q15: the compiled lease(1) takes the body out of the cache (the ack has none to
+    # drop); the nacked row's next lease reads its body back from Bitcask
+    q = db.open_queue(Jobs)
+    ids = [q.push({"i": i}) for i in range(3)]
+    assert set(q._cache) == set(ids)
+    (lz,) = q.lease(1)
+    assert lz.payload == {"i": 0} and set(q._cache) == set(ids[1:])
+    assert q._cache_bytes == sum(map(len, q._cache.values()))
+    q.nack(lz, delay=0)
+    again = q.lease(3)
+    assert sorted(x.payload["i"] for x in again) == [0, 1, 2]
+    assert q._cache == {} and q._cache_bytes == 0
+    for x in again:
+        q.ack(x.token)
+    assert q.len() == 0 and len(q._payload) == 0

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Declarations of armdb._core.fixed, shared with armdb._core.qshard."""
 
-from libc.stdint cimport uint8_t, uint32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 
 cdef inline uint32_t ring_step(uint32_t version) noexcept nogil:
@@ -46,3 +46,16 @@ cdef class SlotStore:
     # once closed, StorageError once poisoned), grow() (the free stack was empty),
     # sync_redo() (an ordered store's redo record), after_write(slot) (a hooked write or a
     # due timed sync).
+
+
+cdef class PutKernel:
+    # BitcaskStore.put of an unencrypted store in one call (armdb._core.qshard.VarFast
+    # calls put directly).
+    cdef object store, auto_compact, sync_interval
+    cdef list shards, locks              # each shard and its lock (armdb._core.locks.Lock)
+    cdef dict sd, fsd, faild, filesd     # the store's instance dict; armdb._fs's, _fail's, bitcask.files' dicts
+    cdef uint16_t magic
+    cdef Py_ssize_t marked_version, max_file_size, max_key, max_value
+    cdef uint64_t seq_mask
+    cdef bint fsync
+    cpdef object put(self, Py_ssize_t i, bytes key, bytes value)

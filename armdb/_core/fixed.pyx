@@ -28,9 +28,13 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void* op)
     PyObject* PyDict_SetDefault(object d, object key, object default) except? NULL
     Py_ssize_t PyDict_Size(object d)
+    # PyDict_GetItem without its save and restore of the error state (str keys, whose
+    # hash and comparison cannot fail).
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
 
 import numpy as np
 
+from armdb._core.locks cimport Lock, give, take
 from armdb._core._util cimport (
     copy_bytes,
     load_le,
@@ -405,9 +409,81 @@ cdef uint64_t _SYNCED_BEFORE = 1ULL << 62
 cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
 
 
-def bitcask_put(object store, object sh, bytes key not None, bytes value not None, uint64_t seq, uint16_t magic,
-                Py_ssize_t marked_version, Py_ssize_t max_file_size, Py_ssize_t hint_spill, object pwrite,
-                object point):
+cdef class PutKernel:
+    """``BitcaskStore.put`` of an unencrypted store, after its argument checks, in one
+    compiled call (``put``): the shard's lock, the closed and fenced checks, the gsn
+    drawn from the store's source and checked, the record written (:func:`_bitcask_put`,
+    or ``store._write`` when the active file must rotate first), the lock released, then
+    the compaction a rotation made due.  The store makes one at open
+    (``BitcaskStore._putter``) and its ``put`` hands it every put; a var queue's push
+    (``armdb._core.qshard.VarFast``) calls it directly, with no Python frame between.
+
+    What can change after open is read at each call: the store's ``_closed``,
+    ``_poisoned`` and ``_gsn`` (from its instance dict), the file system
+    (``armdb._fs.FS``, which tests replace), the failpoint function and the hint spill
+    size.  The locks, the config's values and the constants are taken at
+    construction: a store's shards, config and encryption are fixed once open.
+    """
+
+    def __init__(self, store, list shards, dict store_dict, dict fs_module, dict fail_module, dict files_module,
+                 auto_compact, uint16_t magic, Py_ssize_t marked_version, Py_ssize_t max_key,
+                 Py_ssize_t max_value, uint64_t seq_mask):
+        cfg = store.config
+        for name in ("_closed", "_poisoned", "_gsn"):
+            if name not in store_dict:
+                raise TypeError(f"PutKernel: the store has no instance attribute {name}")
+        self.store = store
+        self.shards = shards
+        self.locks = [sh.lock for sh in shards]
+        for lock in self.locks:
+            if type(lock) is not Lock:
+                raise TypeError("PutKernel needs shards whose lock is an armdb._core.locks.Lock")
+        self.sd = store_dict
+        self.fsd = fs_module
+        self.faild = fail_module
+        self.filesd = files_module
+        self.auto_compact = auto_compact
+        self.magic = magic
+        self.marked_version = marked_version
+        self.max_file_size = cfg.max_file_size
+        self.max_key = max_key
+        self.max_value = max_value
+        self.seq_mask = seq_mask
+        self.fsync = cfg.enable_fsync
+        self.sync_interval = cfg.sync_interval
+
+    cpdef object put(self, Py_ssize_t i, bytes key, bytes value):
+        """Put ``value`` under ``key`` in shard ``i`` (the caller picked it as
+        ``BitcaskStore._shard`` does); returns the record's gsn.  A key or value past its
+        limit goes to ``BitcaskStore.put``, which raises the error."""
+        if key is None or value is None or len(key) > self.max_key or len(value) > self.max_value:
+            return self.store.put(key, value)
+        store = self.store
+        cdef dict sd = self.sd
+        sh = self.shards[i]
+        cdef bint rotated = False
+        take(<Lock>self.locks[i])
+        try:
+            if <object>PyDict_GetItemWithError(sd, "_closed") or <object>PyDict_GetItemWithError(sd, "_poisoned") is not None:
+                store.check_writable()
+            seq = (<object>PyDict_GetItemWithError(sd, "_gsn"))()
+            if type(seq) is not int or not sh.highest < seq <= self.seq_mask:
+                raise store._bad_gsn(sh, seq)
+            if not _bitcask_put(store, sh, key, value, seq, self.magic, self.marked_version, self.max_file_size,
+                                <object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL"),
+                                (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite,
+                                <object>PyDict_GetItemWithError(self.faild, "point"), self.fsync, self.sync_interval):
+                rotated = store._write(sh, key, value, seq)  # a new data file first (and the timed sync, when due)
+        finally:
+            give(<Lock>self.locks[i])
+        if rotated or sh.compact_due:
+            self.auto_compact(store, sh)
+        return seq
+
+
+cdef bint _bitcask_put(object store, object sh, bytes key, bytes value, uint64_t seq, uint16_t magic,
+                       Py_ssize_t marked_version, Py_ssize_t max_file_size, Py_ssize_t hint_spill, object pwrite,
+                       object point, bint fsync, object interval) except -1:
     """``BitcaskStore._write`` of one put to an unencrypted store, under ``sh.lock``, in one
     call: the same record (:func:`bitcask_record`) appended by ``pwrite`` (the file
     system's, so a test's fault-injecting one sees it), the file's counters, the hint entry
@@ -462,11 +538,9 @@ def bitcask_put(object store, object sh, bytes key not None, bytes value not Non
     else:
         store._index_update(sh, key, fid, off, size, word)
     sh.highest = seq
-    cfg = store.config
     cdef double now
-    if cfg.enable_fsync:
+    if fsync:
         now = monotonic_s()  # time.monotonic()
-        interval = cfg.sync_interval
         if not interval or now - sh.last_sync >= interval:
             store._sync_due(sh, now)
     return True

@@ -64,5 +64,5 @@ class FixedFast:
 
 @final
 class VarFast(FixedFast):
-    def set_var(self, store_put: Any, cache: dict[int, bytes], cache_lock: Any, cache_evict: Any, decode: Any,
-                read_payloads: Any, fail: Any, gone: Any) -> None: ...
+    def set_var(self, store_put: Any, putter: Any, cache: dict[int, bytes], cache_lock: Any, cache_evict: Any,
+                decode: Any, read_payloads: Any, fail: Any, gone: Any, settle: Any) -> None: ...

@@ -36,7 +36,7 @@ from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from cpython.dict cimport PyDict_SetItem
+from cpython.dict cimport PyDict_DelItem, PyDict_SetItem
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_SET_ITEM
 from cpython.datetime cimport import_datetime, timedelta_new
@@ -68,7 +68,8 @@ cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n)
 from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
-from armdb._core.fixed cimport SlotFile, SlotStore, ring_step
+from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
+from armdb._core.locks cimport Lock, give, take
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -121,6 +122,7 @@ cdef extern from "Python.h":
     # PyDict_GetItem without its save and restore of the error state (the keys here are
     # str, whose hash and comparison cannot fail).
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
+    Py_ssize_t PyDict_GET_SIZE(object d)
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Scalar(void* data, cnp.PyArray_Descr* descr, object base)
@@ -187,6 +189,11 @@ def lone_token(token, token_cls, handle, Py_ssize_t nshards):
     the token a var queue's ``Queue.ack`` hands straight to its commit.  Anything else
     (a ``Lease``, an altered token, another handle's) takes the general path, which
     judges it.  One C call for the checks that were five type tests in Python."""
+    return _lone_token(token, token_cls, handle, nshards)
+
+
+cdef bint _lone_token(token, token_cls, handle, Py_ssize_t nshards) except -1:
+    """:func:`lone_token` (and ``VarFast.ack``'s test)."""
     if type(token) is not token_cls or PyTuple_GET_SIZE(token) != 5:
         return False
     f = <object>PyTuple_GET_ITEM(token, 1)
@@ -826,7 +833,7 @@ cdef class FixedFast:  # (not final: VarFast extends it)
 
     cdef object queue, db, clock, to_datetime, gens, seq_name, rest, next_id, encode, plain, pack, lease_timeouts
     cdef dict qd, dbd                # the instance dicts of the queue and its Db (plain attributes)
-    cdef list acquire, release       # each shard lock's bound acquire and release
+    cdef list locks                  # each shard's lock (armdb._core.locks.Lock: taken without a method call)
     cdef object lease_cls, token_cls, handle, dl, sweep, note_dead, push_py, lease_py, ack_py
     cdef list shards
     cdef Py_ssize_t nsh, nfields, max_lease
@@ -854,8 +861,10 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         for name in ("_closed", "_waker"):
             if name not in self.dbd:
                 raise TypeError(f"FixedFast: the Db has no instance attribute {name}")
-        self.acquire = [sh.lock.acquire for sh in shards]
-        self.release = [sh.lock.release for sh in shards]
+        self.locks = [sh.lock for sh in shards]
+        for lock in self.locks:
+            if type(lock) is not Lock:
+                raise TypeError("FixedFast needs shards whose lock is an armdb._core.locks.Lock")
         self.shards = shards
         self.nsh = len(shards)
         self.sysclock = sysclock
@@ -957,11 +966,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
             seq = self.next_id(self.seq_name)
         cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             sh._push_row(now, seq, now, 0, body)
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         self._notify()
         return seq
 
@@ -985,11 +994,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         self._deadline_dt(deadline)
         out = []
         sh = <QueueShard>self.shards[0]
-        self.acquire[0]()
+        take(<Lock>self.locks[0])
         try:
             sh._walk(now, deadline, k, self.max_attempts, 0, out, self.dl, NULL, &dead)
         finally:
-            self.release[0]()
+            give(<Lock>self.locks[0])
         if dead:
             self.note_dead(now)
         return out
@@ -1039,11 +1048,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         if now < 0:
             return self.ack_py(token)
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             r = sh._ack(due, seq, epoch)
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         if r != _ACKED:
             return self.ack_py(token)  # stale: the Python body says why (nothing changed)
         return None
@@ -1058,42 +1067,51 @@ cdef class VarFast(FixedFast):
     body first (``BitcaskStore.put``), counts and caches it (``Queue._put_body``'s steps,
     under the cache's lock), fires ``queue.var_push.after_body``, then writes the header
     slot: the order of writes on disk is the Python body's.  ``lease(1)`` of one header
-    shard at the queue's timeout takes its body from the cache; a body not cached, or
+    shard at the queue's timeout takes its body out of the cache; a body not cached, or
     that does not decode, goes through ``Queue._read_payloads`` (which dead-letters a
     poisoned one).  Anything else goes to the Python bodies, which raise what the
-    methods document.  The ack stays ``Queue.ack``.
+    methods document.  The ack hands the common token to ``armdb.tx.commit_settle``.
     """
 
-    cdef object store_put, cache_acquire, cache_release, cache_evict, decode, read_payloads, fail, gone
+    cdef object store_put, cache_evict, decode, read_payloads, fail, gone, settle
+    cdef Lock cache_lock
+    cdef PutKernel putter
     cdef dict cache
 
-    def set_var(self, store_put, dict cache, cache_lock, cache_evict, decode, read_payloads, fail, gone):
-        """The var queue's parts: its body store's ``put``, its body cache (the dict, its
-        lock, ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``,
-        the ``armdb._fail`` module (its ``point`` is looked up at each call, as the
-        Python callers do) and the ``_GONE`` marker."""
+    def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
+                read_payloads, fail, gone, settle):
+        """The var queue's parts: its body store's ``put`` and, when that store has one
+        shard and is not encrypted, its compiled put (``BitcaskStore._putter``, called
+        without the Python frame of ``put``), its body cache (the dict, its lock,
+        ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``, the
+        ``armdb._fail`` module (its ``point`` is looked up at each call, as the Python
+        callers do), the ``_GONE`` marker and the ack's commit (``armdb.tx.commit_settle``)."""
         for name in ("_cache_bytes", "_cache_budget", "_pushed_bodies"):
             if name not in self.qd:
                 raise TypeError(f"VarFast: the queue has no instance attribute {name}")
         self.store_put = store_put
+        self.putter = putter
         self.cache = cache
-        self.cache_acquire = cache_lock.acquire
-        self.cache_release = cache_lock.release
+        self.cache_lock = cache_lock
         self.cache_evict = cache_evict
         self.decode = decode
         self.read_payloads = read_payloads
         self.fail = fail
         self.gone = gone
+        self.settle = settle
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
         cache's lock (the byte count is read and written only under it)."""
         cdef bytes key = PyBytes_FromStringAndSize(NULL, 8)
         store_be64(<uint8_t*>PyBytes_AS_STRING(key), id_)  # qrows.body_key
-        self.store_put(key, body)
+        if self.putter is not None:
+            self.putter.put(0, key, body)  # BitcaskStore.put of a store of one shard
+        else:
+            self.store_put(key, body)
         cdef Py_ssize_t n = len(body)
         cdef object size
-        self.cache_acquire()
+        take(self.cache_lock)
         try:
             PyDict_SetItem(self.qd, "_pushed_bodies", <object>PyDict_GetItemWithError(self.qd, "_pushed_bodies") + 1)
             budget = <object>PyDict_GetItemWithError(self.qd, "_cache_budget")
@@ -1104,7 +1122,7 @@ cdef class VarFast(FixedFast):
                 if size > budget:
                     self.cache_evict()
         finally:
-            self.cache_release()
+            give(self.cache_lock)
         self.fail.point("queue.var_push.after_body")
         return 0
 
@@ -1132,11 +1150,11 @@ cdef class VarFast(FixedFast):
         self._put_body(seq, id_, body)
         cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
         sh = <QueueShard>self.shards[k]
-        self.acquire[k]()
+        take(<Lock>self.locks[k])
         try:
             sh._push_row(now, id_, now, id_, b"")
         finally:
-            self.release[k]()
+            give(<Lock>self.locks[k])
         self._notify()
         return seq
 
@@ -1159,23 +1177,36 @@ cdef class VarFast(FixedFast):
         dl = self.dl
         out = []
         sh = <QueueShard>self.shards[0]
-        self.acquire[0]()
+        take(<Lock>self.locks[0])
         try:
             sh._walk(now, deadline, 1, self.max_attempts, 0, out, dl, NULL, &dead)
         finally:
-            self.release[0]()
+            give(<Lock>self.locks[0])
         if dead:
             self.note_dead(now)
         if not out:
             return out
         row = <tuple>out[0]  # (due, seq, shard_no, attempt, epoch, b""): see QueueShard._claim
         due, seq, shard_no, attempt, epoch = row[0], row[1], row[2], row[3], row[4]
-        # One dict read, atomic under the GIL: the lock guards the cache's byte count.
-        cdef PyObject* b = PyDict_GetItemWithError(self.cache, seq)
-        payload = self.gone
-        if b != NULL:
+        # The body leaves the cache as it is leased (Queue._take_cached), so that the ack
+        # has none to drop; a lease that ends without an ack reads it back from the store.
+        cdef object body = None
+        cdef PyObject* b
+        if PyDict_GET_SIZE(self.cache):
+            take(self.cache_lock)
             try:
-                payload = self.decode(<object>b)
+                b = PyDict_GetItemWithError(self.cache, seq)
+                if b != NULL:
+                    body = <object>b
+                    PyDict_DelItem(self.cache, seq)
+                    PyDict_SetItem(self.qd, "_cache_bytes",
+                                   <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - len(<bytes>body))
+            finally:
+                give(self.cache_lock)
+        payload = self.gone
+        if body is not None:
+            try:
+                payload = self.decode(body)
             except Exception:  # Queue._read_payloads dead-letters it
                 payload = self.gone
         if payload is self.gone:
@@ -1184,3 +1215,21 @@ cdef class VarFast(FixedFast):
                 return []
         return [_tuple5(self.lease_cls, seq, payload, attempt, dl,
                         _tuple5(self.token_cls, self.handle, shard_no, due, seq, epoch))]
+
+    def ack(self, token):
+        """Remove a leased row and its body (``Queue.ack``, whose documentation says what
+        it raises): this handle's unaltered ``LeaseToken`` goes straight to its commit
+        (``armdb.tx.commit_settle``, which checks the lease under the locks) once the
+        queue's checks passed (open; the retention pass when due).  Anything else (a
+        ``Lease``, an altered or foreign token, a closed queue) goes to the Python body
+        ``Queue._ack``, which judges it."""
+        cdef object t
+        if not _lone_token(token, self.token_cls, self.handle, self.nsh):
+            return self.ack_py(token)
+        if self.lease_timeouts:
+            t = token
+            (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
+        if self._now() < 0:
+            return self.ack_py(token)  # closed: DbClosed
+        self.settle(self.db, self.queue, token, True)
+        return None

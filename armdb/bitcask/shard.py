@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _syncmark
+from .._core.locks import Lock
 from .files import _DataFile, _HintBuilder
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class _Shard:
     highest: int
     next_fid: int
     hint: _HintBuilder
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: Lock = field(default_factory=Lock)  # armdb._core.locks: a cheaper acquire than threading.Lock
     compact_lock: threading.Lock = field(default_factory=threading.Lock)
     dirty: bool = False
     last_sync: float = 0.0

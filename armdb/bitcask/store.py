@@ -25,10 +25,10 @@ from typing import Any, Self
 
 from .. import _fail, _fs, _syncmark
 from .._core.fixed import (
+    PutKernel,
     bitcask_group,
     bitcask_index_apply,
     bitcask_index_put_new,
-    bitcask_put,
     bitcask_puts,
     bitcask_record,
     bitcask_tomb,
@@ -103,6 +103,8 @@ class BitcaskStore:
         self._gsn: GsnSource = lambda: 0
         self._shards: list[_Shard] = []
         self._sealer: Sealer | None = None
+        # An unencrypted store's put in one compiled call (set at open): see put.
+        self._putter: PutKernel | None = None
         self._salt = b""
         self._encrypted = False
         self._poisoned: str | None = None
@@ -201,6 +203,10 @@ class BitcaskStore:
             if isinstance(exc, OSError) and not isinstance(exc, ArmdbError):
                 raise _storage_error(exc, f"cannot open collection {directory!r}") from exc
             raise
+        if self._sealer is None:
+            self._putter = PutKernel(self, self._shards, vars(self), vars(_fs), vars(_fail), vars(_files),
+                                     _auto_compact, RECORD_MAGIC, MARKED_DATA_VERSION, MAX_KEY_LEN, MAX_VALUE_LEN,
+                                     SEQ_MASK)
         return self
 
     @property
@@ -658,7 +664,13 @@ class BitcaskStore:
         if type(value) is not bytes or len(value) > MAX_VALUE_LEN:
             value = self._value_arg(value)
         shards = self._shards
-        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]  # _shard
+        i = 0 if len(shards) == 1 else zlib.crc32(key) % len(shards)  # _shard
+        putter = self._putter
+        if putter is not None:
+            # An unencrypted store: the steps below in one compiled call (PutKernel.put,
+            # which writes the record as _write does, in the same order).
+            return putter.put(i, key, value)
+        sh = shards[i]
         lock = sh.lock
         lock.acquire()  # not ``with``, which looks up and binds __enter__ and __exit__ each time
         try:
@@ -667,13 +679,7 @@ class BitcaskStore:
             seq = self._gsn()  # _next_seq, its frame saved on this path
             if type(seq) is not int or not sh.highest < seq <= SEQ_MASK:
                 raise self._bad_gsn(sh, seq)
-            # An unencrypted put in one compiled step (_write's, in the same order); a
-            # sealed one, or one that needs a new data file first, through _write.
-            rotated = False
-            if self._sealer is not None or not bitcask_put(
-                    self, sh, key, value, seq, RECORD_MAGIC, MARKED_DATA_VERSION, self.config.max_file_size,
-                    _files._HINT_SPILL, _fs.FS.pwrite, _fail.point):
-                rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
+            rotated = self._write(sh, key, value, seq)  # and the timed sync, when due
         finally:
             lock.release()
         if rotated or sh.compact_due:
