@@ -96,10 +96,14 @@ cdef class Lock:
         return self.held
 
     def __enter__(self):
-        return self.acquire()
+        # take, not self.acquire(): a with statement would otherwise pay a second
+        # method call and its argument parsing at every pass (the general commit takes
+        # its locks this way).
+        take(self)
+        return True
 
     def __exit__(self, exc_type, exc, tb):
-        self.release()
+        give(self)
 
     def __repr__(self):
         return f"<armdb lock {'locked' if self.held else 'unlocked'} at {id(self):#x}>"
