@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, binding=False
 """A mutual-exclusion lock with the interface of ``threading.Lock`` whose uncontended
 ``acquire`` costs about a third of it.
 
