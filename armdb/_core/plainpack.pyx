@@ -257,7 +257,9 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
         while _dnext(o, &pos, &k, &v):
-            # A short ASCII str key or value inline; anything else by the recursion.
+            # A short ASCII str key or value inline; anything else by the recursion.  (The
+            # value's three branches repeat the list loop's: one inline helper for both
+            # measured 127 instructions a job more on push_many(1000), round 9.)
             if _type_of(k) == &_STR and _ascii(k) and _ulen(k) < 32:
                 _fixstr(b, <const char*>_udata(k), _ulen(k))
             elif _pack(b, k, depth + 1, True):
