@@ -186,9 +186,10 @@ def wall_ms():
 def lone_token(token, token_cls, handle, Py_ssize_t nshards):
     """Whether ``token`` is a ``token_cls`` (exactly: a ``LeaseToken``) of the handle
     ``handle`` whose five fields are exact ints and whose shard is one of ``nshards``:
-    the token a var queue's ``Queue.ack`` hands straight to its commit.  Anything else
-    (a ``Lease``, an altered token, another handle's) takes the general path, which
-    judges it.  One C call for the checks that were five type tests in Python."""
+    the token a var queue's compiled ack (``VarFast.ack``, by ``_lone_token``) hands
+    straight to its commit.  Anything else (a ``Lease``, an altered token, another
+    handle's) takes the general path, which judges it.  Python's face of the check, for
+    its test against the Python checks (tests/test_lone_ack_tomb.py)."""
     return _lone_token(token, token_cls, handle, nshards)
 
 
