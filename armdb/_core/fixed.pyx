@@ -307,24 +307,37 @@ cdef Py_ssize_t _put_record(uint8_t* p, uint64_t word, const char* key, Py_ssize
     return n + ((-n) & 7)
 
 
-def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not None):
-    """One transaction-log record (docs/format.md): ``magic: u32, flags: u32, txid: u64,
-    body_len: u32``, ``crc32: u32`` over those 20 bytes then the body, the body, zero
-    padding to a multiple of 8.  The same bytes as ``armdb.txlog``'s reference encoder."""
-    cdef Py_ssize_t blen = len(body)
-    cdef Py_ssize_t n = 24 + blen
-    cdef Py_ssize_t total = n + ((-n) & 7)
+cdef bytes _log_frame(uint32_t magic, uint32_t flags, uint64_t txid, Py_ssize_t blen):
+    """A transaction-log record of a ``blen``-byte body with its header and padding
+    written: the caller copies the body to offset 24, then seals it (:func:`_log_seal`)."""
     if blen > 0xFFFFFFFF:
         raise OverflowError("log record body above 4 GiB")
+    cdef Py_ssize_t n = 24 + blen
+    cdef Py_ssize_t total = n + ((-n) & 7)
     rec = PyBytes_FromStringAndSize(NULL, total)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
     store_u32(p, magic)
     store_u32(p + 4, flags)
     store_u64(p + 8, txid)
     store_u32(p + 16, <uint32_t>blen)
-    memcpy(p + 24, PyBytes_AS_STRING(body), blen)
     memset(p + n, 0, total - n)
+    return rec
+
+
+cdef inline void _log_seal(bytes rec, Py_ssize_t blen) noexcept:
+    """The CRC of a framed record (:func:`_log_frame`) once its body is in place."""
+    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
     store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
+
+
+def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not None):
+    """One transaction-log record (docs/format.md): ``magic: u32, flags: u32, txid: u64,
+    body_len: u32``, ``crc32: u32`` over those 20 bytes then the body, the body, zero
+    padding to a multiple of 8.  The same bytes as ``armdb.txlog``'s reference encoder."""
+    cdef Py_ssize_t blen = len(body)
+    rec = _log_frame(magic, flags, txid, blen)
+    memcpy(<uint8_t*>PyBytes_AS_STRING(rec) + 24, PyBytes_AS_STRING(body), blen)
+    _log_seal(rec, blen)
     return rec
 
 
@@ -344,17 +357,8 @@ def log_record_parts(uint32_t magic, uint32_t flags, uint64_t txid, bytes head n
             blen += len(<bytearray>part)
         else:
             raise TypeError("log_record_parts takes bytes or bytearray parts")
-    if blen > 0xFFFFFFFF:
-        raise OverflowError("log record body above 4 GiB")
-    cdef Py_ssize_t n = 24 + blen
-    cdef Py_ssize_t total = n + ((-n) & 7)
-    rec = PyBytes_FromStringAndSize(NULL, total)
-    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(rec)
-    cdef uint8_t* q = p + 24
-    store_u32(p, magic)
-    store_u32(p + 4, flags)
-    store_u64(p + 8, txid)
-    store_u32(p + 16, <uint32_t>blen)
+    rec = _log_frame(magic, flags, txid, blen)
+    cdef uint8_t* q = <uint8_t*>PyBytes_AS_STRING(rec) + 24
     m = len(head)
     memcpy(q, PyBytes_AS_STRING(head), m)
     q += m
@@ -367,8 +371,7 @@ def log_record_parts(uint32_t magic, uint32_t flags, uint64_t txid, bytes head n
             m = len(<bytearray>part)
             memcpy(q, PyByteArray_AS_STRING(part), m)
         q += m
-    memset(p + n, 0, total - n)
-    store_u32(p + 20, _crc_update(_crc_update(_ONES, p, 20), p + 24, blen) ^ _ONES)
+    _log_seal(rec, blen)
     return rec
 
 
