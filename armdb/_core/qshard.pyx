@@ -911,6 +911,27 @@ cdef class FixedFast:  # (not final: VarFast extends it)
             self.sweep(raise_errors=False, now=now)
         return now
 
+    cdef object _draw_seq(self):
+        """The pushed row's id: from the reserved block's rest (no lock), else the id
+        source's ``next`` (which reserves on disk as needed)."""
+        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
+        seq = next(<object>p, None) if p != NULL else None
+        if seq is None:
+            seq = self.next_id(self.seq_name)
+        return seq
+
+    cdef int _insert(self, object seq, int64_t now, uint64_t payload_id, bytes inline) except -1:
+        """A push's ready row ``seq``, due ``now``, into its shard under the shard's lock,
+        then the waiters woken (the end of both pushes, fixed and var)."""
+        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
+        take(<Lock>self.locks[k])
+        try:
+            (<QueueShard>self.shards[k])._push_row(now, seq, now, payload_id, inline)
+        finally:
+            give(<Lock>self.locks[k])
+        self._notify()
+        return 0
+
     cdef int _notify(self) except -1:
         """``Queue._notify``: a new generation first, then the waiters, if any (the
         Python method, which bumps the generation again: harmless, any change wakes)."""
@@ -946,7 +967,6 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         documentation says what it raises: a delay, or anything but the common case,
         goes to its Python body ``Queue._push``)."""
         cdef int64_t now
-        cdef QueueShard sh
         cdef bytes body
         cdef object seq, it
         if delay is not None:
@@ -961,18 +981,8 @@ cdef class FixedFast:  # (not final: VarFast extends it)
                 body = self.encode(payload)
         else:
             body = self.encode(payload)
-        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
-        seq = next(<object>p, None) if p != NULL else None
-        if seq is None:
-            seq = self.next_id(self.seq_name)
-        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
-        sh = <QueueShard>self.shards[k]
-        take(<Lock>self.locks[k])
-        try:
-            sh._push_row(now, seq, now, 0, body)
-        finally:
-            give(<Lock>self.locks[k])
-        self._notify()
+        seq = self._draw_seq()
+        self._insert(seq, now, 0, body)
         return seq
 
     def lease(self, n=1, *, lease_timeout=None):
@@ -1132,7 +1142,6 @@ cdef class VarFast(FixedFast):
         documentation says what it raises: a delay, or anything but the common case,
         goes to its Python body ``Queue._push``)."""
         cdef int64_t now
-        cdef QueueShard sh
         cdef object seq
         cdef uint64_t id_
         if delay is not None:
@@ -1143,20 +1152,10 @@ cdef class VarFast(FixedFast):
         body = self.encode(payload)
         if type(body) is not bytes:  # (VarCodec.encode returns bytes) nothing written yet: the Python body
             return self.push_py(payload, None)
-        cdef PyObject* p = PyDict_GetItemWithError(self.rest, self.seq_name)
-        seq = next(<object>p, None) if p != NULL else None
-        if seq is None:
-            seq = self.next_id(self.seq_name)
+        seq = self._draw_seq()
         id_ = seq
-        self._put_body(seq, id_, body)
-        cdef Py_ssize_t k = 0 if self.nsh == 1 else seq % self.nsh
-        sh = <QueueShard>self.shards[k]
-        take(<Lock>self.locks[k])
-        try:
-            sh._push_row(now, id_, now, id_, b"")
-        finally:
-            give(<Lock>self.locks[k])
-        self._notify()
+        self._put_body(seq, id_, body)  # the body first (Q15)
+        self._insert(seq, now, id_, b"")
         return seq
 
     def lease(self, n=1, *, lease_timeout=None):
