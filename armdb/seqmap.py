@@ -34,7 +34,7 @@ import zlib
 import msgpack
 
 from . import _fail, _fs
-from ._core.atomicfile import AtomicWriter, draw_id
+from ._core.atomicfile import AtomicWriter, draw_id, draw_run
 from .errors import CorruptionError, DbClosed, FormatError, StorageError
 
 ID_BLOCK = 1024
@@ -175,8 +175,13 @@ class SeqMap:
 
     def draw_block(self, name: str, n: int) -> int:
         """The first of ``n`` consecutive ids for a batch in a transaction (as :meth:`draw`,
-        so the caller must call :meth:`reserve_through` for the last one).  The rest of the
-        current block is left unused: ids must be consecutive and increasing."""
+        so the caller must call :meth:`reserve_through` for the last one).  The ids come
+        from the rest of the current block when it holds ``n`` (``draw_run``: they are
+        reserved already); otherwise the batch starts after it and the rest is left
+        unused (ids must be consecutive and increasing)."""
+        first = draw_run(self._rest, name, n)
+        if first is not None:
+            return first
         with self._lock:
             first = self._next.get(name, 1)
             self._next[name] = first + n

@@ -181,3 +181,59 @@ def test_t5_tx_ids_come_from_the_reserved_block_and_mix_with_direct_pushes(db_pa
         assert ids == list(range(1, len(ids) + 1))  # no commit was refused: no gap
         assert max(ids) < _reserved_on_disk(db_path, "q:pings")
         assert sm.flushes <= 8  # the queue's ids and the log's gsns, about a block each
+
+
+def test_t5_batches_take_their_ids_from_the_rest_of_the_block(db_path: Path) -> None:
+    """A batch's ids come from the rest of the reserved block when it holds them, so lone
+    draws and small batches in turn (a producer's pushes and a worker's ``ack_many``)
+    hand out every id once, with no gap, and the file is written about once a block:
+    a batch that left the rest unused burnt up to a quarter of a block a call and made
+    the map reserve in the foreground every few dozen calls."""
+    with armdb.Db.open(db_path) as d:
+        sm = d.seqmap
+        flushes = sm.flushes
+        ids: list[int] = []
+        rng = random.Random(7)
+        for _ in range(4 * ID_BLOCK):
+            ids.append(sm.next("t"))
+            k = rng.choice((1, 1, 2, 3, 8))
+            first = sm.draw_block("t", k)
+            sm.reserve_through("t", first + k - 1)
+            ids += range(first, first + k)
+        # Ids are consecutive but for what a batch larger than the rest skips (the rest:
+        # fewer than 8 ids, once per quarter of a block).
+        assert ids == sorted(set(ids))
+        assert max(ids) - len(ids) < 8 * (max(ids) // (ID_BLOCK // 4) + 1)
+        assert max(ids) < _reserved_on_disk(db_path, "t")
+        assert sm.flushes - flushes <= max(ids) // ID_BLOCK + 2
+
+
+def test_t5_threads_drawing_ids_and_batches_never_share_an_id(db_path: Path) -> None:
+    """Threads mixing lone draws (lock-free while the rest lasts) and batches (taken from
+    the rest in one step, or after it) get distinct ids, each batch consecutive."""
+    with armdb.Db.open(db_path) as d:
+        sm = d.seqmap
+        got: list[list[int]] = [[] for _ in range(4)]
+
+        def work(t: int) -> None:
+            rng = random.Random(t)
+            mine = got[t]
+            for _ in range(3000):
+                if rng.random() < 0.5:
+                    mine.append(sm.next("t"))
+                else:
+                    k = rng.choice((1, 2, 5, 40, 300))
+                    first = sm.draw_block("t", k)
+                    sm.reserve_through("t", first + k - 1)
+                    mine += range(first, first + k)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        every = [i for mine in got for i in mine]
+        assert len(every) == len(set(every))
+        for mine in got:
+            assert mine == sorted(mine)  # each thread's ids increase
+        assert max(every) < _reserved_on_disk(db_path, "t")

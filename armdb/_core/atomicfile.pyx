@@ -50,6 +50,7 @@ from cpython.object cimport PyObject
 
 cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
+    Py_ssize_t PyObject_LengthHint(object o, Py_ssize_t default) except -1
 from posix.stat cimport fchmod, struct_stat
 from posix.stat cimport stat as c_stat
 
@@ -341,3 +342,29 @@ def draw_id(dict rest not None, name, slow):
         if n is not None:
             return n
     return slow(name)
+
+
+def draw_run(dict rest not None, name, Py_ssize_t n):
+    """The first of ``n`` consecutive ids taken from the rest of the name's reserved block
+    (``rest``, as for :func:`draw_id`), or None when the rest holds fewer than ``n``.
+
+    ``SeqMap.draw_block`` (a batch's ids or gsns) takes them here first: without it, a
+    batch started after the rest and left the rest unused, so a lone draw and a small
+    batch in turn (a producer's push and a worker's ``ack_many``) burnt up to a quarter
+    of a block each time and made the map reserve on disk every few dozen calls.
+
+    The whole take is one C call with the GIL held, so no other thread's ``next()`` on
+    the same iterator (lock-free, in ``SeqMap.next``, ``Plan.draw`` or :func:`draw_id`,
+    possibly holding the iterator from before) can take an id in the middle of the run:
+    it gets an id after it."""
+    cdef PyObject* p = PyDict_GetItemWithError(rest, name)
+    if p == NULL or n < 1:
+        return None
+    it = <object>p
+    if PyObject_LengthHint(it, 0) < n:
+        return None
+    first = next(it)
+    cdef Py_ssize_t i
+    for i in range(n - 1):
+        next(it)
+    return first
