@@ -559,3 +559,53 @@ def test_q32_a_body_larger_than_the_cache_is_not_cached(db):
     assert list(got.payloads) == [small, big, small]
     qq.ack_many(got)
     assert qq._cache_bytes == 0 and not qq._cache
+
+
+# -- one-job batches -------------------------------------------------------------------------------
+
+
+def test_q31_q32_a_one_job_batch_takes_the_lone_paths_with_the_same_outcome(tmp_path: Path, flavour):
+    # SPEC Q31, Q32: push_many of one payload and ack_many of one lease do what the lone
+    # push and ack do (no log record), with the batch calls' results and errors
+    with Db.open(tmp_path / "db") as db:
+        q = open_q(db, flavour, max_depth=3)
+        commits = db.txlog.commits
+        ids = q.push_many(payloads(flavour, [7]))
+        assert ids == [1] and type(ids) is list
+        assert db.txlog.commits == commits  # the lone push: a body record and a header slot
+        q.push_many(payloads(flavour, [8]), delay=60)
+        assert q.push_many(payloads(flavour, [9])) == [3]
+        with pytest.raises(QueueFull):
+            q.push_many(payloads(flavour, [10]))
+        b = q.lease_batch(1)
+        assert b.ids.tolist() == [1] and doc_of(b.payloads[0]) == 7
+        assert q.ack_many(b) == 1
+        with pytest.raises(StaleToken):
+            q.ack_many(b)
+        (lz,) = q.lease(1)
+        assert q.ack_many([lz]) == 1
+        with pytest.raises(StaleToken):
+            q.ack_many([lz.token])
+        with pytest.raises(NotALease):
+            q.ack_many([object()])
+        assert len(q) == 1
+    with Db.open(tmp_path / "db") as db:
+        q = open_q(db, flavour, max_depth=3)
+        assert [j.id for j in q.peek(10)] == [2]
+    assert armdb.check(tmp_path / "db").ok
+
+
+def test_q31_a_one_job_batch_of_an_encrypted_queue_still_needs_the_log_key(tmp_path: Path):
+    # SPEC Q31, S10: the batch's commit is logged with the bodies, so an encrypted queue's
+    # push_many needs the log key whatever its length (the lone push needs none)
+    from armdb.config import Config
+    from armdb.errors import EncryptionKeyRequired
+
+    sealed = QueueConfig.balanced().payload_config(Config.balanced().encryption_key(bytes(range(32))).build()).build()
+    with Db.open(tmp_path / "db") as db:
+        q = db.open_queue(VarQ, sealed)
+        for n in (1, 2):
+            with pytest.raises(EncryptionKeyRequired, match="log_encryption_key"):
+                q.push_many(payloads("var", range(n)))
+        assert len(q) == 0
+        assert q.push(Job(5)) == 1
