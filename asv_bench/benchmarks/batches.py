@@ -50,6 +50,38 @@ class BatchCycle:
             q.ack_many(q.lease_batch(size))
 
 
+class LonePushBatchAck:
+    """``BATCH`` jobs pushed one by one, leased and acked in batches of ``size``: a
+    producer's lone pushes and a worker's batches on one queue.  Its ids and gsns are
+    drawn alternately by the lone paths and the batches (``SeqMap.draw_block`` takes a
+    batch's from the rest of the reserved block; when it threw that rest away, this
+    workload reserved ids on disk in the foreground every few dozen calls: 337 µs a
+    job at size 1, 23 µs at size 8, docs/performance.md, round 10)."""
+
+    number = 1
+    warmup_time = 0.0
+    repeat = (3, 20, 20.0)
+    params = [[1, 8, 64]]
+    param_names = ["size"]
+
+    def setup(self, size: int) -> None:
+        self.fx = QueueFixture("var", config="defaults")
+        self.payloads = [body(i) for i in range(size)]
+        self.rounds = max(1, BATCH // size)
+        for _ in range(3):
+            self.time_lone_push_batch_ack(size)
+
+    def teardown(self, size: int) -> None:
+        self.fx.close()
+
+    def time_lone_push_batch_ack(self, size: int) -> None:
+        q, payloads = self.fx.queue, self.payloads
+        for _ in range(self.rounds):
+            for p in payloads:
+                q.push(p)
+            q.ack_many(q.lease_batch(size))
+
+
 class Extend:
     """``BATCH`` extends of one held lease (a header update each)."""
 
