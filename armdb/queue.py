@@ -789,6 +789,7 @@ class Queue(Generic[T]):
             # of a one-row batch commit and has the same outcome: all or nothing, the same
             # checks.  An encrypted queue keeps the batch's logged commit, which needs the
             # log key, so that push_many asks for the key whatever the batch's length.
+            self._check_room(1)  # (the batch's message; _push_body checks again, under no lock either)
             return [self._push_body(bodies[0], now, delay_ms)]
         if self._payload is not None:
             first = self._commit_batch(self._db, self, True, (bodies, n, delay_ms))
@@ -2100,11 +2101,9 @@ class Queue(Generic[T]):
                 plan.apply.append(functools.partial(self._cache_drop, rid))
         return len(picked)
 
-    def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
-        """Plan the ``n`` pushes of a batch, every lock of the queue held (armdb.tx.commit_batch;
-        returns the first id): ``payloads`` is the rows' bytes end to end (fixed) or the list
-        of bodies (var).  ``QueueFull`` on the whole batch (Q21).  An ``ack_many`` commits by
-        armdb.tx.commit_ack_many, which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
+    def _check_room(self, n: int) -> None:
+        """``QueueFull`` when a batch of ``n`` pushes would take the queue past ``max_depth``
+        (Q21: judged on the whole batch)."""
         cap = self._max_depth
         if cap is not None:
             live = sum(len(sh.live) for sh in self._shards)
@@ -2113,6 +2112,13 @@ class Queue(Generic[T]):
                     f"queue {self.name!r}: pushing {n} rows would leave {live + n} live rows, above "
                     f"max_depth={cap}; nothing was pushed"
                 )
+
+    def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
+        """Plan the ``n`` pushes of a batch, every lock of the queue held (armdb.tx.commit_batch;
+        returns the first id): ``payloads`` is the rows' bytes end to end (fixed) or the list
+        of bodies (var).  ``QueueFull`` on the whole batch (Q21).  An ``ack_many`` commits by
+        armdb.tx.commit_ack_many, which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
+        self._check_room(n)
         first = plan.draw_block(self._seq_name, n)
         payload = self._payload
         if payload is not None:

@@ -575,7 +575,7 @@ def test_q31_q32_a_one_job_batch_takes_the_lone_paths_with_the_same_outcome(tmp_
         assert db.txlog.commits == commits  # the lone push: a body record and a header slot
         q.push_many(payloads(flavour, [8]), delay=60)
         assert q.push_many(payloads(flavour, [9])) == [3]
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFull, match="max_depth=3; nothing was pushed"):
             q.push_many(payloads(flavour, [10]))
         b = q.lease_batch(1)
         assert b.ids.tolist() == [1] and doc_of(b.payloads[0]) == 7

@@ -417,12 +417,23 @@ def test_t2_a_waiting_checkpoint_is_not_starved_by_new_commits(db_path, monkeypa
 
 
 class _FailingDatasync(_fs.RealFS):
-    """The real file system, except that ``fdatasync`` fails with EIO once ``armed``."""
+    """The real file system, except that ``fdatasync`` fails with EIO once ``armed``, in
+    the thread that armed it: the commits' checkpoints run there.  The Db's timed store
+    syncs run in a thread of their own, whenever the host lets them; failing those too
+    fenced the store at a moment of the host's choosing (a loaded host's CI run)."""
 
-    armed = False
+    armed_in: int | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self.armed_in is not None
+
+    @armed.setter
+    def armed(self, on: bool) -> None:
+        self.armed_in = threading.get_ident() if on else None
 
     def fdatasync(self, fd: int) -> None:
-        if self.armed:
+        if self.armed_in == threading.get_ident():
             raise OSError(errno.EIO, "injected")
         super().fdatasync(fd)
 
