@@ -63,6 +63,19 @@ def test_q1_plain_values_pack_to_msgpack_s_bytes_and_read_back_as_msgpack_reads(
     assert all(_same(a, _unpack(r)) for a, r in zip(back, raws))
 
 
+_strs = st.one_of(st.text(alphabet=st.characters(max_codepoint=127), min_size=28, max_size=300),
+                 st.text(min_size=28, max_size=120), st.text(max_size=4))
+
+
+@settings(max_examples=300)
+@given(st.lists(st.one_of(st.dictionaries(_strs, st.one_of(_strs, st.integers(0, 9)), max_size=5),
+                          st.lists(_strs, max_size=5)), max_size=4))
+def test_q1_str_keys_and_values_around_the_str8_bounds_pack_as_msgpack_packs_them(vs):
+    # SPEC Q1: the containers' inline str (fixstr under 32 bytes, str 8 under 256) and the
+    # recursion's (longer, or not ASCII) write msgpack's bytes
+    assert pack_plain(vs) == [_P.pack(v) for v in vs]
+
+
 def test_q1_every_length_form_and_int_width():
     # SPEC Q1: the shortest int, str, bin, array and map forms, at each boundary
     vs = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1, -1, -32, -33, -128, -129,
