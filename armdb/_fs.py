@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _fail
-from ._core.atomicfile import msync_range, pwrite_all
+from ._core.atomicfile import msync_range, pwrite_all, pwritev_all
 
 PAGE = _mmap.PAGESIZE
 # New files and folders are private to their owner, like PostgreSQL's data directory
@@ -154,6 +154,16 @@ class RealFS:
     # cost about as much as the write.  A file system that overrides ``pwrite`` (tests)
     # has its own method called, as before.
     pwrite = staticmethod(pwrite_all)
+
+    def pwritev(self, fd: int, parts: list[bytes | bytearray], offset: int) -> None:
+        """``pwrite`` of ``parts`` end to end (a batch's log record, left in pieces): one
+        vectored write, without their join, while ``pwrite`` is this class's own; a file
+        system that overrides ``pwrite`` (tests, replication) gets the join through it,
+        one call as before."""
+        if type(self).pwrite is RealFS.pwrite:
+            pwritev_all(fd, parts, offset)
+        else:
+            self.pwrite(fd, b"".join(parts), offset)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)

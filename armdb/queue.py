@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
-from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
+from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put_ids, longest
 from ._core.fixed import push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
@@ -792,7 +792,11 @@ class Queue(Generic[T]):
             self._check_room(1)  # (the batch's message; _push_body checks again, under no lock either)
             return [self._push_body(bodies[0], now, delay_ms)]
         if self._payload is not None:
-            first = self._commit_batch(self._db, self, True, (bodies, n, delay_ms))
+            # The plan leaves the ids in ``ids``, the same int objects it keys the cached
+            # bodies with (no second int a row: about 90 instructions a row).
+            ids: list[int] = []
+            self._commit_batch(self._db, self, True, (bodies, n, delay_ms, ids))
+            return ids
         else:
             first = self._commit_batch(self._db, self, True, (b"".join(bodies), n, delay_ms))
         return list(range(first, first + n))
@@ -1133,17 +1137,14 @@ class Queue(Generic[T]):
             k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
             self._cache_bytes -= cache_evict(cache, k)  # (a compiled loop: no Python call a body)
 
-    def _cache_put_many(self, first: int, bodies: list[bytes]) -> None:
-        """:meth:`_cache_put` of a batch's bodies (ids ``first``, ``first + 1``, ...),
-        under one hold of the cache's lock, by a compiled loop."""
+    def _cache_put_ids(self, ids: list[int], bodies: list[bytes]) -> None:
+        """:meth:`_cache_put` of a batch's bodies (``ids[i]`` is ``bodies[i]``'s id) and the
+        eviction after them, under one hold of the cache's lock, by one compiled call."""
         budget = self._cache_budget
         if budget <= 0:
             return
         with self._cache_lock:
-            size = self._cache_bytes + cache_put(self._cache, first, bodies, budget)
-            self._cache_bytes = size
-            if size > budget:
-                self._cache_evict()
+            self._cache_bytes = cache_put_ids(self._cache, ids, bodies, budget, self._cache_bytes)
 
     def _cache_drop_many(self, ids: np.ndarray) -> None:
         """:meth:`_cache_drop` of a batch's ids (``uint64``), under one hold of the
@@ -2113,11 +2114,13 @@ class Queue(Generic[T]):
                     f"max_depth={cap}; nothing was pushed"
                 )
 
-    def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, *, now: int) -> int:
+    def _tx_push_many(self, plan: Plan, payloads: Any, n: int, delay_ms: int, ids: list[int] | None = None, *,
+                      now: int) -> int:
         """Plan the ``n`` pushes of a batch, every lock of the queue held (armdb.tx.commit_batch;
         returns the first id): ``payloads`` is the rows' bytes end to end (fixed) or the list
-        of bodies (var).  ``QueueFull`` on the whole batch (Q21).  An ``ack_many`` commits by
-        armdb.tx.commit_ack_many, which calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
+        of bodies (var); a var batch's ``ids``, if given, is filled with its ids.  ``QueueFull``
+        on the whole batch (Q21).  An ``ack_many`` commits by armdb.tx.commit_ack_many, which
+        calls :meth:`_tx_plan_acks` and :meth:`_tx_apply_acks`."""
         self._check_room(n)
         first = plan.draw_block(self._seq_name, n)
         payload = self._payload
@@ -2131,9 +2134,13 @@ class Queue(Generic[T]):
             plan.add_bitcask(payload)
             plan.payload_writes[self] = plan.payload_writes.get(self, 0) + n
 
+            if ids is None:
+                ids = []
+            ids[:] = range(first, first + n)  # (a plan run again refills it)
+
             def apply_bodies() -> None:
                 payload.write_puts_locked(keys, payloads, g0)
-                self._cache_put_many(first, payloads)
+                self._cache_put_ids(ids, payloads)
 
             plan.apply.append(apply_bodies)
         self._plan_blocks(plan, lambda sh, i0, nsh, buf: sh.plan_push_block(

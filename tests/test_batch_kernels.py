@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
-from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put, longest
+from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put_ids, longest
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -61,6 +61,19 @@ def test_q1_plain_values_pack_to_msgpack_s_bytes_and_read_back_as_msgpack_reads(
     back = unpack_plain(raws)
     assert back is not None
     assert all(_same(a, _unpack(r)) for a, r in zip(back, raws))
+
+
+_strs = st.one_of(st.text(alphabet=st.characters(max_codepoint=127), min_size=28, max_size=300),
+                 st.text(min_size=28, max_size=120), st.text(max_size=4))
+
+
+@settings(max_examples=300)
+@given(st.lists(st.one_of(st.dictionaries(_strs, st.one_of(_strs, st.integers(0, 9)), max_size=5),
+                          st.lists(_strs, max_size=5)), max_size=4))
+def test_q1_str_keys_and_values_around_the_str8_bounds_pack_as_msgpack_packs_them(vs):
+    # SPEC Q1: the containers' inline str (fixstr under 32 bytes, str 8 under 256) and the
+    # recursion's (longer, or not ASCII) write msgpack's bytes
+    assert pack_plain(vs) == [_P.pack(v) for v in vs]
 
 
 def test_q1_every_length_form_and_int_width():
@@ -149,7 +162,7 @@ def test_q1_a_batch_of_plain_and_other_payloads_round_trips_through_a_queue(tmp_
 def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
     # SPEC Q1: a cached body is the pushed body; a lease of an uncached one reads the store
     cache: dict[int, bytes] = {7: b"old"}
-    assert cache_put(cache, 10, [b"a", b"bb" * 50, b"ccc"], 10) == 4  # the 100-byte body is over budget
+    assert cache_put_ids(cache, [10, 11, 12], [b"a", b"bb" * 50, b"ccc"], 10, 3) == 7  # the 100-byte body is over budget
     assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]  # insertion order: eviction's
     assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
     assert cache == {12: b"ccc"}
@@ -295,9 +308,47 @@ def test_q1_short_strings_and_ints_inline_in_maps_and_lists_pack_as_msgpack_pack
 def test_q1_the_body_cache_keys_ids_past_the_long_range():
     # SPEC Q1: a body's key is its id as an int, whatever its width (the one-digit path below 2**63)
     cache: dict[int, bytes] = {}
-    assert cache_put(cache, 2**63 - 2, [b"a", b"b", b"c"], 10) == 3
-    assert cache_put(cache, 2**64 - 1, [b"d"], 10) == 1
+    assert cache_put_ids(cache, [2**63 - 2, 2**63 - 1, 2**63], [b"a", b"b", b"c"], 10, 0) == 3
+    assert cache_put_ids(cache, [2**64 - 1], [b"d"], 10, 3) == 4
     assert list(cache) == [2**63 - 2, 2**63 - 1, 2**63, 2**64 - 1]
+
+
+def _put_ids_reference(cache: dict[int, bytes], ids: list[int], bodies: list[bytes], budget: int, held: int) -> int:
+    """Queue._cache_put's dict operations for each body, then the oldest dropped until the
+    cache is within its budget: what cache_put_ids does in one call."""
+    for i, body in zip(ids, bodies, strict=True):
+        if len(body) <= budget:
+            cache[i] = body
+            held += len(body)
+    while held > budget and cache:
+        held -= len(cache.pop(next(iter(cache))))
+    return held
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.binary(max_size=60), max_size=30), st.booleans()), max_size=12),
+       st.integers(0, 400))
+def test_q1_a_push_batch_s_put_and_eviction_do_what_the_dict_operations_do(batches, budget):
+    # SPEC Q1: a batch's bodies are cached under their ids and the oldest (dict order, a
+    # pop's put-backs included) dropped until the cache is within its budget
+    cache: dict[int, bytes] = {}
+    model: dict[int, bytes] = {}
+    held = want = 0
+    next_id = 1
+    for bodies, pop in batches:
+        ids = list(range(next_id, next_id + len(bodies)))
+        next_id += len(bodies)
+        held = cache_put_ids(cache, ids, bodies, budget, held)
+        want = _put_ids_reference(model, ids, bodies, budget, want)
+        assert held == want == sum(map(len, cache.values())) and list(cache.items()) == list(model.items())
+        if pop and cache:  # a lease takes one; its bytes leave the count
+            k = next(reversed(cache))
+            held -= len(cache.pop(k))
+            want -= len(model.pop(k))
+    with pytest.raises(ValueError):
+        cache_put_ids({}, [1], [b"a", b"b"], 10, 0)
+    with pytest.raises(TypeError):
+        cache_put_ids({}, [1], ["a"], 10, 0)
 
 
 def _evict_reference(cache: dict[int, bytes], k: int) -> int:
@@ -320,7 +371,7 @@ def test_q1_eviction_rounds_drop_the_oldest_bodies_in_push_order(seed):
         if op < 0.35:
             n = rng.choice([1, 5, 50, 400])
             bodies = [rng.randbytes(rng.randrange(1, 40)) for _ in range(n)]
-            assert cache_put(cache, next_id, bodies, 1000) == sum(map(len, bodies))
+            assert cache_put_ids(cache, list(range(next_id, next_id + n)), bodies, 10**9, 0) == sum(map(len, bodies))
             model.update(zip(range(next_id, next_id + n), bodies))
             next_id += n
         elif op < 0.75:

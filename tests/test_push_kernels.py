@@ -7,6 +7,7 @@ tests/test_bitcask.py checks record by record.  They only skip the item tuple a 
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -202,6 +203,97 @@ def test_t2_log_record_parts_refuses_a_part_that_is_not_bytes():
 
     with pytest.raises(TypeError):
         log_record_parts(1, 0, 1, b"\x91", [memoryview(b"a")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(txid=st.integers(0, 2**64 - 1), flags=st.integers(0, 2**32 - 1), head=st.binary(max_size=5),
+       parts=st.lists(st.tuples(st.binary(max_size=700), st.booleans()), max_size=5))
+def test_t2_log_frame_parts_and_the_parts_are_the_framed_record(txid, flags, head, parts):
+    # SPEC T2: the frame (header, CRC over the parts where they lie, head), the parts and
+    # the padding end to end are log_record_parts' record (its reference), byte for byte
+    from armdb._core.fixed import log_frame_parts, log_record_parts
+    from armdb.txlog import REC_MAGIC, encode_record
+
+    blocks = [bytearray(b) if mutable else b for b, mutable in parts]
+    frame, pad = log_frame_parts(REC_MAGIC, flags, txid, head, blocks)
+    body = head + b"".join(b for b, _ in parts)
+    want = log_record_parts(REC_MAGIC, flags, txid, head, blocks)
+    assert frame + b"".join(blocks) + pad == want == encode_record(txid, body, flags)
+    assert len(frame) == 24 + len(head) and pad == bytes(len(pad)) and len(want) % 8 == 0
+
+
+def test_t2_log_frame_parts_refuses_a_part_that_is_not_bytes():
+    from armdb._core.fixed import log_frame_parts
+
+    with pytest.raises(TypeError):
+        log_frame_parts(1, 0, 1, b"\x91", [b"a", memoryview(b"a")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.tuples(st.binary(max_size=300), st.booleans()), max_size=80),
+       big=st.sampled_from([0, 300 * 1024]), offset=st.integers(0, 5000))
+def test_pwritev_all_writes_the_join_of_its_parts(tmp_path_factory, parts, big, offset):
+    # atomicfile.pwritev_all (TxLog's write of a batch's record) writes what pwrite_all
+    # writes for the join: any mix of bytes and bytearray, empty parts, more parts than
+    # one vectored call takes (joined), and a write above 256 KiB (without the GIL)
+    from armdb._core.atomicfile import pwrite_all, pwritev_all
+
+    blocks: list[bytes | bytearray] = [bytearray(b) if mutable else b for b, mutable in parts]
+    if big:
+        blocks.insert(len(blocks) // 2, bytes(range(256)) * (big // 256))
+    d = tmp_path_factory.mktemp("pwv")
+    fa = os.open(d / "a", os.O_RDWR | os.O_CREAT)
+    fb = os.open(d / "b", os.O_RDWR | os.O_CREAT)
+    try:
+        pwritev_all(fa, blocks, offset)
+        pwrite_all(fb, b"".join(blocks), offset)
+        assert (d / "a").read_bytes() == (d / "b").read_bytes()
+        assert os.fstat(fa).st_size == (offset + sum(map(len, blocks)) if any(blocks) else 0)
+    finally:
+        os.close(fa)
+        os.close(fb)
+
+
+def test_pwritev_all_raises_oserror_and_refuses_other_parts(tmp_path: Path):
+    import errno
+
+    from armdb._core.atomicfile import pwritev_all
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(TypeError):
+            pwritev_all(fd, [b"a", memoryview(b"b")], 0)
+        with pytest.raises(OSError) as err:
+            pwritev_all(fd, [b"a"], -1)
+        assert err.value.errno == errno.EINVAL
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:
+        pwritev_all(fd, [b"a", b"b"], 0)  # closed descriptor
+    assert err.value.errno == errno.EBADF
+
+
+def test_realfs_pwritev_goes_through_an_overriding_pwrite_as_one_joined_write(tmp_path: Path):
+    # A file system that overrides pwrite (fault injection, recording, replication) sees a
+    # batch's record as it saw it before: one pwrite of the whole record
+    from armdb import _fs
+
+    calls: list[tuple[bytes, int]] = []
+
+    class Recording(_fs.RealFS):
+        def pwrite(self, fd: int, data, offset: int) -> None:
+            calls.append((bytes(data), offset))
+            super().pwrite(fd, data, offset)
+
+    fs = Recording()
+    fd = fs.open(str(tmp_path / "f"), os.O_RDWR | os.O_CREAT)
+    try:
+        fs.pwritev(fd, [b"ab", bytearray(b"cd"), b""], 3)
+        _fs.RealFS().pwritev(fd, [b"x", bytearray(b"yz")], 0)
+        assert fs.pread(fd, 100, 0) == b"xyzabcd"
+    finally:
+        fs.close(fd)
+    assert calls == [(b"abcd", 3)]
 
 
 def _old_body(rows: list, packed: list[tuple[int, bytes]]) -> bytes:

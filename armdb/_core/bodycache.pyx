@@ -13,24 +13,57 @@ from cpython.bytes cimport PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdlib cimport free, realloc
 from libc.stdint cimport uint64_t
 
-from armdb._core._util cimport py_uint
 
 
-def cache_put(dict cache, uint64_t first, list bodies, Py_ssize_t budget):
-    """Put ``bodies[i]`` (``bytes``) under id ``first + i``, each no longer than
-    ``budget`` (a longer one is not cached); returns the bytes put."""
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size, added = 0
+def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize_t held):
+    """Put ``bodies[i]`` (``bytes``) under ``ids[i]`` (the ints ``push_many`` returns, so
+    the cache's keys are those objects, not a new int a body), each no longer than
+    ``budget`` (a longer one is not cached); then, while the cache
+    holds more than ``budget`` bytes (``held`` before the put), the oldest bodies dropped
+    (dict order, as :func:`cache_evict`): a push batch's put and eviction in one call.
+    Returns the bytes held after."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size, k = 0, cap = 0, pos = 0
     cdef object body
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef PyObject** victims = NULL
+    cdef PyObject** more
+    if PyList_GET_SIZE(ids) != n:
+        raise ValueError("cache_put_ids needs one id per body")
     for i in range(n):
         body = <object>PyList_GET_ITEM(bodies, i)
         size = PyBytes_GET_SIZE(<bytes?>body)
         if size <= budget:
-            PyDict_SetItem(cache, py_uint(first + <uint64_t>i), body)
-            added += size
-    return added
+            PyDict_SetItem(cache, <object>PyList_GET_ITEM(ids, i), body)
+            held += size
+    if held <= budget:
+        return held
+    try:
+        # The victims' keys first, then their deletes: a dict must not change under
+        # PyDict_Next.  (Owned references: a key outlives its entry until deleted.)
+        size = held
+        while size > budget and PyDict_Next(cache, &pos, &key, &value):
+            if k == cap:
+                cap = cap * 2 if cap else 256
+                more = <PyObject**>realloc(victims, cap * sizeof(PyObject*))
+                if more == NULL:
+                    raise MemoryError()
+                victims = more
+            size -= PyBytes_GET_SIZE(<bytes?><object>value)
+            Py_INCREF(<object>key)
+            victims[k] = key
+            k += 1
+        for i in range(k):
+            PyDict_DelItem(cache, <object>victims[i])
+        return size
+    finally:
+        for i in range(k):
+            Py_DECREF(<object>victims[i])
+        free(victims)
 
 
 def cache_pop(dict cache, const uint64_t[::1] ids):

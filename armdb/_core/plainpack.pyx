@@ -145,12 +145,20 @@ cdef int _blob(Buf* b, const char* s, Py_ssize_t n, uint8_t fix, Py_ssize_t fixm
 
 
 cdef inline int _fixstr(Buf* b, const char* s, Py_ssize_t n) except -1:
-    """A str of fewer than 32 bytes (msgpack's fixstr: one header byte), as :func:`_blob`
-    writes it, inline in the container loops (most keys and values of a payload)."""
-    cdef uint8_t* p = _room(b, 1 + n)
-    p[0] = 0xa0 | <uint8_t>n
-    copy_bytes(p + 1, s, n)
-    b.n += 1 + n
+    """A str of fewer than 256 bytes as :func:`_blob` writes it (msgpack's fixstr, one
+    header byte, under 32 bytes; its str 8, two, from 32), inline in the container loops
+    (most keys and values of a payload: a recursive call for a text of 32 bytes or more
+    cost the bench's payload about 60 instructions)."""
+    cdef uint8_t* p = _room(b, 2 + n)
+    if n < 32:
+        p[0] = 0xa0 | <uint8_t>n
+        copy_bytes(p + 1, s, n)
+        b.n += 1 + n
+    else:
+        p[0] = 0xd9
+        p[1] = <uint8_t>n
+        copy_bytes(p + 2, s, n)
+        b.n += 2 + n
     return 0
 
 
@@ -257,14 +265,14 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
         while _dnext(o, &pos, &k, &v):
-            # A short ASCII str key or value inline; anything else by the recursion.  (The
+            # An ASCII str key or value under 256 bytes inline; anything else by the recursion.  (The
             # value's three branches repeat the list loop's: one inline helper for both
             # measured 127 instructions a job more on push_many(1000), round 9.)
-            if _type_of(k) == &_STR and _ascii(k) and _ulen(k) < 32:
+            if _type_of(k) == &_STR and _ascii(k) and _ulen(k) < 256:
                 _fixstr(b, <const char*>_udata(k), _ulen(k))
             elif _pack(b, k, depth + 1, True):
                 return 1
-            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 32:
+            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 256:
                 _fixstr(b, <const char*>_udata(v), _ulen(v))
             elif _type_of(v) == &_INT:
                 if _int(b, v):
@@ -280,7 +288,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         b.n += _w_len(p, n, 0x90, 16, 0, 0xdc, 0xdd)
         for i in range(n):
             v = _litem(o, i) if t == &_LIST else _titem(o, i)
-            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 32:
+            if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 256:
                 _fixstr(b, <const char*>_udata(v), _ulen(v))
             elif _type_of(v) == &_INT:
                 if _int(b, v):
