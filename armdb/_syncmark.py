@@ -48,9 +48,13 @@ def cell(identity: bytes, mark: int, generation: int) -> bytes:
     return _cell(_digest(identity), mark, generation)
 
 
+_CELL_HEAD = struct.Struct("<QI")  # mark, generation
+_CELL_CRC = struct.Struct("<I")
+
+
 def _cell(digest: bytes, mark: int, generation: int) -> bytes:
-    body = struct.pack("<QI", mark, generation)
-    return body + struct.pack("<I", zlib.crc32(digest, zlib.crc32(body)))
+    body = _CELL_HEAD.pack(mark, generation)
+    return body + _CELL_CRC.pack(zlib.crc32(digest, zlib.crc32(body)))
 
 
 def _digest(identity: bytes) -> bytes:

@@ -559,7 +559,8 @@ class Db:
 
     def tx(self) -> Any:
         """Start a transaction builder (T1)."""
-        self.check_open()
+        if self._closed:
+            self.check_open()  # raises DbClosed
         return Tx(self)
 
     def stats(self) -> dict[str, Any]:

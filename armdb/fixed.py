@@ -572,7 +572,8 @@ class FixedShard(_k.SlotStore):
         if self.poisoned is not None:
             self.check_writable()
         v = self._put(slot, OCCUPIED, body, version)
-        self._wrote_or_stash(slot)
+        if self._report or self.sync_every is not None:  # else _wrote has nothing to do
+            self._wrote_or_stash(slot)
         _fail.point("fixed.after_slot_write")
         return v
 

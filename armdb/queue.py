@@ -2018,7 +2018,8 @@ class Queue(Generic[T]):
         else:
             row = transitions.push(seq, due, now, 0, body)
         plan.rows.append(["F", self.name, fixed.index, slot, version, OCCUPIED, row])
-        plan.add_fixed(fixed)
+        if fixed not in plan.fixed:  # plan.add_fixed, one frame less
+            plan.fixed.append(fixed)
         # A partial, not a closure: a closure makes a cell of each of the seven names it
         # reads, and every read of them here goes through its cell.
         plan.apply.append(functools.partial(_apply_push, sh, slot, row, version, due, seq))

@@ -164,10 +164,14 @@ class Tx:
         """
         if self._finished:
             self._open_step()  # raises
-        q = self._queue_arg(queue)
-        delay_ms = 0 if delay is None else to_ms(delay, "delay")
-        if delay_ms < 0 or delay_ms >= 1 << 62:
-            raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
+        # _queue_arg's test inline (one frame less a step); it raises.
+        q = queue if isinstance(queue, Queue) and queue._belongs_to(self._db) else self._queue_arg(queue)
+        if delay is None:
+            delay_ms = 0
+        else:
+            delay_ms = to_ms(delay, "delay")
+            if delay_ms < 0 or delay_ms >= 1 << 62:
+                raise ConfigError(f"delay must not be negative, nor reach past 2**62 ms, got {delay!r}")
         self._steps.append(_Push(q, q._encode(payload), delay_ms))
         if q._body_sealed:
             self._sealed = True
@@ -201,7 +205,8 @@ class Tx:
         (``PayloadTypeError`` at this call for a value that would not read back)."""
         if self._finished:
             self._open_step()  # raises
-        m = self._map_arg(map)
+        # _map_arg's test inline (one frame less a step); it raises.
+        m = map if isinstance(map, Map) and self._db._maps.get(map.name) is map else self._map_arg(map)
         self._steps.append(_MapWrite(m, key, encode_key(key), value, encode_value(value)))
         if m._store._encrypted:
             self._sealed = True
@@ -329,8 +334,9 @@ class Tx:
                     if shard.poisoned is not None or shard.sf.closed:
                         shard.check_writable()  # raises
                 # Only a commit that goes ahead persists the id blocks it drew.
-                for name, n in plan.drawn.items():
-                    db.seqmap.reserve_through(name, n)
+                if plan.drawn:
+                    for name, n in plan.drawn.items():
+                        db.seqmap.reserve_through(name, n)
                 end = txlog.append(plan.rows, plan.packed)
             except BaseException:
                 plan.give_back()
@@ -482,7 +488,9 @@ class Tx:
                     continue  # deleting a missing key is a no-op (T1)
                 gsn = plan.gsn()
                 plan.rows.append(["B", m.name, raw_key, raw_value, gsn])
-                plan.add_bitcask(m._store)
+                store = m._store
+                if store not in plan.bitcask:  # plan.add_bitcask, one frame less
+                    plan.bitcask.append(store)
                 plan.apply.append(functools.partial(m._tx_write, raw_key, raw_value, gsn))
 
 

@@ -336,7 +336,9 @@ class TxLog:
         """Record in the synced mark what the last completed sync covered (the file's
         next sync makes it durable).  The mark only sharpens open's verdict, so a failure
         to write it is logged, not raised, and later syncs no longer write one."""
-        with self._mark_lock:
+        lock = self._mark_lock
+        lock.acquire()  # not ``with``: see append_body
+        try:
             marks = self._marks
             if marks is None or self._fd < 0:
                 return
@@ -345,6 +347,8 @@ class TxLog:
             except OSError as e:
                 log.warning("%s: could not write the log's synced mark (%s); open will rely on record flags", self._path, e)
                 self._marks = None
+        finally:
+            lock.release()
 
     def _unlink(self, old: list[str]) -> None:
         fs = _fs.FS
@@ -480,33 +484,30 @@ class TxLog:
         every committer whose record it did not cover raise ``StorageError``, so
         no commit whose record the failed sync should have covered is applied.
         """
-        self._sync_local(end)
+        group = self._group
+        # (The local sync in this frame, not a helper's: a durable commit's own Python.)
+        if group.synced < end:  # else a sync that started after our append already finished
+            fs = _fs.FS
+            try:
+                err = group.sync_to(end, None if fs.native_fdatasync() else fs.fdatasync)
+            except OSError as e:
+                self.poisoned = e  # never retried (S12)
+                raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
+            if err:
+                failure = OSError(err, os.strerror(err))
+                if self.poisoned is None:
+                    self.poisoned = failure
+                raise StorageError(
+                    f"{self._path}: log sync failed ({failure}); nothing of this commit was applied; reopen the "
+                    f"database"
+                ) from failure
+            self._note_synced()
+            _fail.point("txlog.after_sync")
         primary = self.db._primary
         if primary is not None and self.db.tx_config.replicas:
             # Replicated ahead too (R4): the followers hold the record before any row of
             # it is applied, so a promoted follower replays it.  Waits as long as it takes.
             primary.wait_replicated(self.db.tx_config.replicas)
-
-    def _sync_local(self, end: int) -> None:
-        group = self._group
-        if group.synced >= end:
-            return  # a sync that started after our append already finished
-        fs = _fs.FS
-        try:
-            err = group.sync_to(end, None if fs.native_fdatasync() else fs.fdatasync)
-        except OSError as e:
-            self.poisoned = e  # never retried (S12)
-            raise StorageError(f"{self._path}: log sync failed ({e}); reopen the database") from e
-        if err:
-            failure = OSError(err, os.strerror(err))
-            if self.poisoned is None:
-                self.poisoned = failure
-            raise StorageError(
-                f"{self._path}: log sync failed ({failure}); nothing of this commit was applied; reopen the "
-                f"database"
-            ) from failure
-        self._note_synced()
-        _fail.point("txlog.after_sync")
 
     def done(self) -> bool:
         """A commit finished applying (or gave up).  Returns whether the log is due a

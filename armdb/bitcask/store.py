@@ -1020,7 +1020,10 @@ class BitcaskStore:
 
     def shard_lock(self, key: bytes) -> tuple[str, threading.Lock]:
         """``(lock_key(key)[0], lock_for(key))`` in one shard lookup (the commit hot path)."""
-        sh = self._shard(key if type(key) is bytes else self._key_arg(key))
+        if type(key) is not bytes:
+            key = self._key_arg(key)
+        shards = self._shards  # _shard, its frame saved on the commit path
+        sh = shards[0] if len(shards) == 1 else shards[zlib.crc32(key) % len(shards)]
         return sh.sdir, sh.lock
 
     def all_locks(self) -> list[tuple[tuple[str, int], threading.Lock]]:
