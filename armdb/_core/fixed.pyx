@@ -341,46 +341,13 @@ def log_record(uint32_t magic, uint32_t flags, uint64_t txid, bytes body not Non
     return rec
 
 
-def log_record_parts(uint32_t magic, uint32_t flags, uint64_t txid, bytes head not None, list parts not None):
-    """:func:`log_record` of the body ``head`` then each of ``parts`` (``bytes`` or
-    ``bytearray``) end to end, framed straight from them: a batch's record (the list
-    header, then its blocks of packed rows) with each byte copied once, where a join
-    of the body then :func:`log_record` copied it twice (about 400 instructions a row
-    of a var ``push_many``).  The same bytes as ``log_record(..., b"".join(...))``."""
-    cdef Py_ssize_t i, k = len(parts), blen = len(head), m
-    cdef object part
-    for i in range(k):
-        part = <object>PyList_GET_ITEM(parts, i)
-        if type(part) is bytes:
-            blen += len(<bytes>part)
-        elif type(part) is bytearray:
-            blen += len(<bytearray>part)
-        else:
-            raise TypeError("log_record_parts takes bytes or bytearray parts")
-    rec = _log_frame(magic, flags, txid, blen)
-    cdef uint8_t* q = <uint8_t*>PyBytes_AS_STRING(rec) + 24
-    m = len(head)
-    memcpy(q, PyBytes_AS_STRING(head), m)
-    q += m
-    for i in range(k):
-        part = <object>PyList_GET_ITEM(parts, i)
-        if type(part) is bytes:
-            m = len(<bytes>part)
-            memcpy(q, PyBytes_AS_STRING(part), m)
-        else:
-            m = len(<bytearray>part)
-            memcpy(q, PyByteArray_AS_STRING(part), m)
-        q += m
-    _log_seal(rec, blen)
-    return rec
-
-
 _PADS = [bytes(i) for i in range(8)]
 
 
 def log_frame_parts(uint32_t magic, uint32_t flags, uint64_t txid, bytes head not None, list parts not None):
-    """:func:`log_record_parts` left in pieces: ``(frame, pad)`` such that ``frame``, then
-    each of ``parts``, then ``pad`` end to end are its bytes.  ``frame`` is the record's
+    """The record of the body ``head`` then each of ``parts`` (``bytes`` or ``bytearray``)
+    end to end, as :func:`log_record` frames their join, left in pieces: ``(frame, pad)``
+    such that ``frame``, then each of ``parts``, then ``pad`` end to end are its bytes.  ``frame`` is the record's
     header (its CRC over the whole body, taken from the parts where they lie) then
     ``head``; ``pad`` the zero padding.  A batch's record then reaches the file by one
     vectored write (``armdb._core.atomicfile.pwritev_all``) with no copy of the rows."""
