@@ -529,6 +529,8 @@ class Queue(Generic[T]):
                 var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
                             self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
                             _fail, _GONE, self._commit_settle)
+                vcodec = typing.cast(VarCodec, self._codec)
+                var.set_plain(vcodec._plain_type, vcodec._decodes_as_is)
                 if self._ack_locks is not None and not self._body_sealed:
                     # The common ack's commit in VarFast.ack itself (commit_settle's steps,
                     # without its frame); other stores keep commit_settle.

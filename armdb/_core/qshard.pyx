@@ -70,6 +70,7 @@ from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
 from armdb._core.locks cimport Lock, give, take
+from armdb._core.plainpack cimport pack_one, unpack_one
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -1092,6 +1093,10 @@ cdef class VarFast(FixedFast):
     # shard's two locks in the global order, the packed starts of the ack's log rows and
     # armdb.tx._fence_after_log.  ack_first None: every ack goes to ``settle``.
     cdef object payload, fence, rows
+    # The codec's plain case (set_plain): a payload of exactly ``plain_type`` packs by
+    # the compiled plain codec, and with ``decodes_as_is`` a plain body is the payload.
+    cdef object plain_type
+    cdef bint decodes_as_is
     cdef dict pd
     cdef list ack_first, ack_second
     cdef bytes fhead, bhead
@@ -1117,6 +1122,14 @@ cdef class VarFast(FixedFast):
         self.fail = fail
         self.gone = gone
         self.settle = settle
+
+    def set_plain(self, plain_type, bint decodes_as_is):
+        """The codec's common case (``VarCodec._plain_type``, ``VarCodec._decodes_as_is``),
+        which push and ``lease(1)`` run here without the Python frames of the codec's
+        ``encode`` and ``decode``: the same compiled codec those call first
+        (``armdb._core.plainpack``); anything it does not take goes to them."""
+        self.plain_type = plain_type
+        self.decodes_as_is = decodes_as_is
 
     def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows):
         """The lone ack's commit in this call (:meth:`_commit_ack`), for a body store of
@@ -1188,7 +1201,11 @@ cdef class VarFast(FixedFast):
         now = self._now()
         if now < 0 or <uint64_t>now >= self.max_due:
             return self.push_py(payload, None)
-        body = self.encode(payload)
+        body = None
+        if type(payload) is self.plain_type and self.plain_type is not None:
+            body = pack_one(payload)  # VarCodec.encode's first step
+        if body is None:
+            body = self.encode(payload)
         if type(body) is not bytes:  # (VarCodec.encode returns bytes) nothing written yet: the Python body
             return self.push_py(payload, None)
         seq = self._draw_seq()
@@ -1243,9 +1260,13 @@ cdef class VarFast(FixedFast):
             finally:
                 give(self.cache_lock)
         payload = self.gone
+        cdef bint ok = False
         if body is not None:
             try:
-                payload = self.decode(body)
+                if self.decodes_as_is:
+                    payload = unpack_one(<bytes>body, &ok)  # VarCodec.decode's first step
+                if not ok:
+                    payload = self.decode(body)
             except Exception:  # Queue._read_payloads dead-letters it
                 payload = self.gone
         if payload is self.gone:
