@@ -109,11 +109,14 @@ class Commits(NamedTuple):
     this module): ``settle(db, queue, token, ack, delay_ms=None, dead=False, poisoned=False)``,
     a var queue's ack or nack (``armdb.tx.commit_settle``), and ``dead_rows(db, queue, ids,
     redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``), and
-    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``)."""
+    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``),
+    and ``fence``, the failure handling after a log append that every commit shares
+    (``armdb.tx._fence_after_log``), for the lone var ack that ``VarFast.ack`` commits."""
 
     settle: Callable[..., None]
     dead_rows: Callable[..., int]
     batch: Callable[..., Any]  # (db, queue, push, args): push_many and ack_many (armdb.tx.commit_batch)
+    fence: Callable[..., BaseException]
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -380,6 +383,7 @@ class Queue(Generic[T]):
         self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
+        self._fence_after_log = commits.fence  # VarFast.ack's commit fails as every commit does
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.push_body_rows, tomb_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
@@ -529,11 +533,8 @@ class Queue(Generic[T]):
                 var.set_plain(vcodec._plain_type, vcodec._decodes_as_is)
                 if self._ack_locks is not None and not self._body_sealed:
                     # The common ack's commit in VarFast.ack itself (commit_settle's steps,
-                    # without its frame); other stores keep commit_settle.  Its failure
-                    # after the log append goes through the shared _fence_after_log (armdb.tx
-                    # sits above this module: imported here, once per open).
-                    from .tx import _fence_after_log
-                    var.set_ack(body_store, self._ack_locks, *self._ack_heads, _fence_after_log, ack_rows)
+                    # without its frame); other stores keep commit_settle.
+                    var.set_ack(body_store, self._ack_locks, *self._ack_heads, self._fence_after_log, ack_rows)
                 self._fast = var
                 # As a fixed queue's: the compiled push, lease(1) and ack shadow the
                 # methods below, and hand all but the common case to _push, _lease and
