@@ -54,7 +54,7 @@ import numpy as np
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put_ids, longest
-from ._core.fixed import push_body_rows, ring_next
+from ._core.fixed import ack_rows, push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
@@ -109,11 +109,14 @@ class Commits(NamedTuple):
     this module): ``settle(db, queue, token, ack, delay_ms=None, dead=False, poisoned=False)``,
     a var queue's ack or nack (``armdb.tx.commit_settle``), and ``dead_rows(db, queue, ids,
     redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``), and
-    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``)."""
+    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``),
+    and ``fence``, the failure handling after a log append that every commit shares
+    (``armdb.tx._fence_after_log``), for the lone var ack that ``VarFast.ack`` commits."""
 
     settle: Callable[..., None]
     dead_rows: Callable[..., int]
     batch: Callable[..., Any]  # (db, queue, push, args): push_many and ack_many (armdb.tx.commit_batch)
+    fence: Callable[..., BaseException]
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -380,6 +383,7 @@ class Queue(Generic[T]):
         self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
+        self._fence_after_log = commits.fence  # VarFast.ack's commit fails as every commit does
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.push_body_rows, tomb_rows).
         self._body_row_head = b"\x95" + packb("B") + packb(spec.payload_name)
@@ -525,6 +529,12 @@ class Queue(Generic[T]):
                 var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
                             self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
                             _fail, _GONE, self._commit_settle)
+                vcodec = typing.cast(VarCodec, self._codec)
+                var.set_plain(vcodec._plain_type, vcodec._decodes_as_is)
+                if self._ack_locks is not None and not self._body_sealed:
+                    # The common ack's commit in VarFast.ack itself (commit_settle's steps,
+                    # without its frame); other stores keep commit_settle.
+                    var.set_ack(body_store, self._ack_locks, *self._ack_heads, self._fence_after_log, ack_rows)
                 self._fast = var
                 # As a fixed queue's: the compiled push, lease(1) and ack shadow the
                 # methods below, and hand all but the common case to _push, _lease and

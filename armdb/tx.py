@@ -549,6 +549,11 @@ def commit_settle(db: Db, q: Queue[Any], token: LeaseToken, ack: bool, delay_ms:
     path's plan, closures, step and builder objects about 60k of a var ack's 107k
     instructions.)
 
+    The common ack (this handle's unaltered token, a body store of one unencrypted
+    shard) does not come here: ``VarFast.ack`` runs these same steps in compiled code
+    (``armdb._core.qshard.VarFast._commit_ack``, tested against this function), with the
+    same failure handling through :func:`_fence_after_log`.
+
     A nack builds the step and commits it by :meth:`Tx._commit_locked`, whose planner
     hands a lone settle straight to ``Queue._tx_settle``; it takes only its header
     shard's lock (it leaves the body alone).  Neither emits stream jobs, so there is no

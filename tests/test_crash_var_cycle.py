@@ -21,10 +21,21 @@ VarJobs = armdb.queue("jobs", payload=dict, var=True)
 
 # Prints "P id n" once push returned, "L id" before an ack and "A id" once it returned.
 # Every third job is left leased (not acked): the reopen must keep it too.
+# How the children open the Db and the queue: as a user does (the defaults), the bench's
+# tuned row (no fsync, long leases, a body cache: armdb._bench.open_armdb), and durable
+# commits (the ack's log record synced before it is applied).  The lone ack commits in
+# VarFast.ack (its _commit_ack) in each.
+OPENERS = {
+    "defaults": "db = armdb.Db.open({path!r})\nq = db.open_queue(armdb.queue('jobs', payload=dict, var=True))",
+    "tuned": "from armdb import _bench\ndb, q = _bench.open_armdb({path!r}, armdb.queue('jobs', payload=dict, var=True), "
+             "tuned=True)",
+    "durable": "db = armdb.Db.open({path!r}, tx_config=armdb.TxConfig(durable=True))\n"
+               "q = db.open_queue(armdb.queue('jobs', payload=dict, var=True))",
+}
+
 CYCLER = """
 import armdb, hashlib
-db = armdb.Db.open({path!r})
-q = db.open_queue(armdb.queue("jobs", payload=dict, var=True))
+{opener}
 n = {base}
 while True:
     jid = q.push({{"n": n, "digest": hashlib.sha1(str(n).encode()).hexdigest(), "pad": "y" * (n % 200)}})
@@ -71,7 +82,8 @@ def _check_reopened(path: str, pushed: dict[int, int], acked: set[int], maybe: s
 
 
 @pytest.mark.crash
-def test_q14_var_cycle_sigkill_acked_never_return_pushed_never_lost(tmp_path):
+@pytest.mark.parametrize("opener", sorted(OPENERS))
+def test_q14_var_cycle_sigkill_acked_never_return_pushed_never_lost(tmp_path, opener):
     # SPEC Q12, Q14, Q15
     path = str(tmp_path / "db")
     rng = random.Random(17)
@@ -80,7 +92,7 @@ def test_q14_var_cycle_sigkill_acked_never_return_pushed_never_lost(tmp_path):
     acking: set[int] = set()
     rounds = int(os.environ.get("ARMDB_KILLS_QUEUE", "6"))
     for r in range(rounds):
-        p = spawn_child(CYCLER.format(path=path, base=r * 1_000_000))
+        p = spawn_child(CYCLER.format(opener=OPENERS[opener].format(path=path), base=r * 1_000_000))
         _read(p.stdout.readline(), pushed, acked, acking)  # type: ignore[union-attr]  # open and cycling
         time.sleep(rng.uniform(0.0, 0.3))
         out, _ = kill_and_read(p)
@@ -91,8 +103,7 @@ def test_q14_var_cycle_sigkill_acked_never_return_pushed_never_lost(tmp_path):
 
 ONE_CYCLE = """
 import armdb
-db = armdb.Db.open({path!r})
-q = db.open_queue(armdb.queue("jobs", payload=dict, var=True))
+{opener}
 a = q.push({{"n": 1}})
 b = q.push({{"n": 2}})
 (lz,) = q.lease(1)
@@ -103,14 +114,15 @@ print("acked", flush=True)
 
 
 @pytest.mark.crash
+@pytest.mark.parametrize("opener", sorted(OPENERS))
 @pytest.mark.parametrize("point", ["txlog.after_append", "bitcask.after_append:2", "txlog.after_apply"])
-def test_t2_var_ack_killed_after_its_log_record_is_replayed_whole(tmp_path, point):
+def test_t2_var_ack_killed_after_its_log_record_is_replayed_whole(tmp_path, point, opener):
     # SPEC T2, Q14: the ack's record is in the log (the process died, the page cache kept
     # it), so the reopen applies all of it: the header and the body both go, the other
     # row stays.  bitcask.after_append:2 passes the two pushes' body writes and stops in
     # the ack's tombstone, after the header was freed.
     path = str(tmp_path / "db")
-    r = run_child(ONE_CYCLE.format(path=path), env=child_env(ARMDB_FAILPOINT=point))
+    r = run_child(ONE_CYCLE.format(opener=OPENERS[opener].format(path=path)), env=child_env(ARMDB_FAILPOINT=point))
     assert r.returncode == 86, r.stderr
     assert "acked" not in r.stdout
     leased = int(r.stdout.split()[0])

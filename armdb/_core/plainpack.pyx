@@ -332,6 +332,29 @@ def pack_plain(list values, object top=None):
     return out
 
 
+cdef object pack_one(object value):
+    """``pack_plain([value])[0]``, or None where that is None: the msgpack bytes of one
+    plain value, without the argument and result lists (a var queue's push,
+    ``armdb._core.qshard.VarFast``, calls it from C; declared in plainpack.pxd)."""
+    cdef Buf b
+    b.p = <uint8_t*>malloc(4096)
+    if b.p == NULL:
+        raise MemoryError()
+    b.cap = 4096
+    b.n = 0
+    try:
+        if _pack(&b, <PyObject*>value, 0, False):
+            return None
+        return PyBytes_FromStringAndSize(<char*>b.p, b.n)
+    finally:
+        free(b.p)
+
+
+def pack_one_plain(value):
+    """:func:`pack_one` from Python (its tests compare it with :func:`pack_plain` and msgpack)."""
+    return pack_one(value)
+
+
 # -- unpacking ----------------------------------------------------------------------------
 
 cdef PyObject* _cache[_CACHE]  # interned short ASCII strings, owned; NULL: empty slot
@@ -737,3 +760,28 @@ def unpack_plain(list raws):
         return out
     finally:
         Py_XDECREF(tpl.d)
+
+
+cdef object unpack_one(bytes raw, bint* ok):
+    """``unpack_plain([raw])[0]`` with ``ok`` set, or ``ok`` cleared where that is None:
+    one body decoded without the argument and result lists (a var queue's ``lease(1)``,
+    ``armdb._core.qshard.VarFast``, calls it from C; declared in plainpack.pxd)."""
+    cdef Src s
+    s.tpl = NULL  # (a lone body: no map follows to use a template)
+    s.p = <const uint8_t*>PyBytes_AS_STRING(raw)
+    s.n = PyBytes_GET_SIZE(raw)
+    s.at = 0
+    x = _unpack(&s, 0, False)
+    if x is _BAD or s.at != s.n:
+        ok[0] = False
+        return None
+    ok[0] = True
+    return x
+
+
+def unpack_one_plain(bytes raw not None):
+    """:func:`unpack_one` from Python, ``(ok, value)`` (its tests compare it with
+    :func:`unpack_plain` and msgpack)."""
+    cdef bint ok = False
+    x = unpack_one(raw, &ok)
+    return ok, x

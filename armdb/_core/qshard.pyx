@@ -70,6 +70,7 @@ from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
 from armdb._core.locks cimport Lock, give, take
+from armdb._core.plainpack cimport pack_one, unpack_one
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -1088,6 +1089,17 @@ cdef class VarFast(FixedFast):
     cdef Lock cache_lock
     cdef PutKernel putter
     cdef dict cache
+    # The lone ack's commit (set_ack): the body store and its instance dict, each header
+    # shard's two locks in the global order, the packed starts of the ack's log rows and
+    # armdb.tx._fence_after_log.  ack_first None: every ack goes to ``settle``.
+    cdef object payload, fence, rows
+    # The codec's plain case (set_plain): a payload of exactly ``plain_type`` packs by
+    # the compiled plain codec, and with ``decodes_as_is`` a plain body is the payload.
+    cdef object plain_type
+    cdef bint decodes_as_is
+    cdef dict pd
+    cdef list ack_first, ack_second
+    cdef bytes fhead, bhead
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
                 read_payloads, fail, gone, settle):
@@ -1110,6 +1122,46 @@ cdef class VarFast(FixedFast):
         self.fail = fail
         self.gone = gone
         self.settle = settle
+
+    def set_plain(self, plain_type, bint decodes_as_is):
+        """The codec's common case (``VarCodec._plain_type``, ``VarCodec._decodes_as_is``),
+        which push and ``lease(1)`` run here without the Python frames of the codec's
+        ``encode`` and ``decode``: the same compiled codec those call first
+        (``armdb._core.plainpack``); anything it does not take goes to them."""
+        self.plain_type = plain_type
+        self.decodes_as_is = decodes_as_is
+
+    def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows):
+        """The lone ack's commit in this call (:meth:`_commit_ack`), for a body store of
+        one shard that is not encrypted: the store, each header shard's two locks in the
+        global order (``Queue._ack_locks``, both ``armdb._core.locks.Lock``), the packed
+        starts of the ack's two log rows (``Queue._ack_heads``), the shared failure
+        handling after a log append (``armdb.tx._fence_after_log``) and the record body's
+        encoder (``armdb._core.fixed.ack_rows``)."""
+        pd = payload.__dict__
+        for name in ("_poisoned", "_closed", "_gsn", "_compact_deferred"):
+            if name not in pd:
+                raise TypeError(f"VarFast: the body store has no instance attribute {name}")
+        for name in ("txlog", "tx_config"):
+            if name not in self.dbd:
+                raise TypeError(f"VarFast: the Db has no instance attribute {name}")
+        if len(pairs) != self.nsh:
+            raise ValueError("VarFast: one lock pair per header shard")
+        first = []
+        second = []
+        for a, b in pairs:
+            if type(a) is not Lock or type(b) is not Lock:
+                raise TypeError("VarFast needs ack locks that are armdb._core.locks.Lock")
+            first.append(a)
+            second.append(b)
+        self.payload = payload
+        self.pd = pd
+        self.fhead = fhead
+        self.bhead = bhead
+        self.fence = fence
+        self.rows = rows
+        self.ack_first = first
+        self.ack_second = second
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
@@ -1149,7 +1201,11 @@ cdef class VarFast(FixedFast):
         now = self._now()
         if now < 0 or <uint64_t>now >= self.max_due:
             return self.push_py(payload, None)
-        body = self.encode(payload)
+        body = None
+        if type(payload) is self.plain_type and self.plain_type is not None:
+            body = pack_one(payload)  # VarCodec.encode's first step
+        if body is None:
+            body = self.encode(payload)
         if type(body) is not bytes:  # (VarCodec.encode returns bytes) nothing written yet: the Python body
             return self.push_py(payload, None)
         seq = self._draw_seq()
@@ -1204,9 +1260,13 @@ cdef class VarFast(FixedFast):
             finally:
                 give(self.cache_lock)
         payload = self.gone
+        cdef bint ok = False
         if body is not None:
             try:
-                payload = self.decode(body)
+                if self.decodes_as_is:
+                    payload = unpack_one(<bytes>body, &ok)  # VarCodec.decode's first step
+                if not ok:
+                    payload = self.decode(body)
             except Exception:  # Queue._read_payloads dead-letters it
                 payload = self.gone
         if payload is self.gone:
@@ -1231,5 +1291,87 @@ cdef class VarFast(FixedFast):
             (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
         if self._now() < 0:
             return self.ack_py(token)  # closed: DbClosed
-        self.settle(self.db, self.queue, token, True)
+        if self.ack_first is None or not self._commit_ack(token):
+            self.settle(self.db, self.queue, token, True)
         return None
+
+    cdef bint _commit_ack(self, object token) except -1:
+        """``armdb.tx.commit_settle`` of an ack, for this handle's unaltered token of
+        shard ``k``: the same steps in the same order, with the typed shard, slot file,
+        header store and locks held here instead of about a dozen attribute reads and the
+        Python frame of that function (a third of the ack's instructions).  Both locks
+        (in the global order); the lease check; the refusals of a fenced or closed store
+        before anything is logged; the body tombstone's gsn; one log record with the
+        header's delete and the body's tombstone (``ack_rows``), synced first when the
+        commit is durable; then the header row freed and the tombstone written
+        (``BitcaskStore.tomb_locked``), in that order (header before body), and a failure
+        after the log append handed to the shared ``_fence_after_log``.  False, having
+        done nothing, for a token whose fields do not fit (``commit_settle`` judges it)."""
+        cdef tuple t = <tuple>token
+        cdef Py_ssize_t k = <object>PyTuple_GET_ITEM(t, 1)
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
+        try:
+            due = <object>PyTuple_GET_ITEM(t, 2)
+            seq = <object>PyTuple_GET_ITEM(t, 3)
+            epoch = <object>PyTuple_GET_ITEM(t, 4)
+        except (OverflowError, TypeError):
+            return False
+        cdef QueueShard sh = <QueueShard>self.shards[k]
+        cdef SlotStore fixed = sh.fixed
+        cdef Lock first = <Lock>self.ack_first[k]
+        cdef Lock second = <Lock>self.ack_second[k]
+        cdef dict pd = self.pd
+        cdef Py_ssize_t slot = -1
+        cdef uint32_t version
+        cdef int r
+        cdef bint checkpoint_due = False
+        payload = self.payload
+        txlog = <object>PyDict_GetItemWithError(self.dbd, "txlog")
+        take(first)
+        try:
+            take(second)
+            try:
+                r = sh._leased(due, seq, epoch, &slot)
+                if r:
+                    raise self.queue._stale(token, r == _ABSENT)
+                version = ring_step(sh.sf.versions[slot])
+                # Refused before anything is logged: a store fenced by a failed sync, a closed one.
+                if fixed.poisoned is not None or sh.sf.closed:
+                    (<object>fixed).check_writable()
+                if <object>PyDict_GetItemWithError(pd, "_poisoned") is not None or \
+                        <object>PyDict_GetItemWithError(pd, "_closed"):
+                    payload.check_writable()
+                # The tombstone's gsn, reserved on disk before it is returned (see
+                # commit_settle: only a failed log append can leave it unused, a gap).
+                gsn = (<object>PyDict_GetItemWithError(pd, "_gsn"))()
+                body, key = self.rows(self.fhead, fixed.index, slot, version, self.bhead, seq, gsn)
+                end = txlog.append_body(body)
+                if (<object>PyDict_GetItemWithError(self.dbd, "tx_config")).durable:
+                    try:
+                        txlog.sync_to(end)  # write-ahead: on disk before anything is applied
+                    except BaseException as e:
+                        err = self.fence((self.queue,), [fixed], [payload], e, True)
+                        txlog.done()
+                        raise err from e
+                try:
+                    sh._free_row(due, seq, slot, version)  # QueueShard.ack_slot
+                    sh.hook_ran = False
+                    # (No cache entry to drop: a lease takes its row's body out of the cache.)
+                    payload.tomb_locked(key, gsn)
+                    self.fail.point("txlog.after_apply")
+                    fixed.raise_sync_error()  # applied in full; its sync failed
+                except BaseException as e:
+                    err = self.fence((self.queue,), [fixed], [payload], e)
+                    txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                    raise err from e
+                checkpoint_due = txlog.done()
+            finally:
+                give(second)
+        finally:
+            give(first)
+        if checkpoint_due:
+            txlog.checkpoint_after_commit()
+        if <object>PyDict_GetItemWithError(pd, "_compact_deferred"):  # maybe_compact's own test
+            payload.maybe_compact()
+        return True
