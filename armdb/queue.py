@@ -724,7 +724,9 @@ class Queue(Generic[T]):
 
         The batch is one logged commit: after a crash, either every row of it exists or
         none does.  Its log record holds every row, so a batch is bounded by the log's
-        record size (1 GiB: a million rows of up to about 1,000 bytes).
+        record size (1 GiB: a million rows of up to about 1,000 bytes).  A batch of one
+        payload is pushed as :meth:`push` pushes it (no log record; the same outcome),
+        except in an encrypted queue.
 
         Raises
         ------
@@ -1068,7 +1070,8 @@ class Queue(Generic[T]):
         """Ack every lease of a :class:`LeaseBatch` (or of a sequence of ``Lease`` objects
         or tokens) in one commit, all or nothing; return how many were acked.
 
-        For a var queue the commit is one log record for the whole batch.
+        For a var queue the commit is one log record for the whole batch; one lease is
+        acked as :meth:`ack` acks it.
 
         Raises
         ------
