@@ -139,14 +139,22 @@ cdef int _pwrite_all(int fd, const unsigned char* data, Py_ssize_t n, long long 
         else:
             w = c_pwrite(fd, data + done, n - done, offset + done)
             e = errno
-        if w < 0:
-            if e == EINTR:
-                continue
-            raise OSError(e, os.strerror(e))
-        if w == 0:
-            raise OSError(EIO, "pwrite wrote nothing")
+        if not _wrote(w, e, "pwrite"):
+            continue
         done += w
     return 0
+
+
+cdef inline bint _wrote(ssize_t w, int e, str call) except -1:
+    """Whether a write's result ``w`` (errno ``e``) wrote bytes: False for an interrupted
+    call, to retry; ``OSError`` for a failed one or one that wrote nothing."""
+    if w < 0:
+        if e == EINTR:
+            return False
+        raise OSError(e, os.strerror(e))
+    if w == 0:
+        raise OSError(EIO, f"{call} wrote nothing")
+    return True
 
 
 DEF _IOV_MAX = 64  # parts :func:`pwritev_all` writes by one pwritev(2); more are joined first
@@ -190,12 +198,8 @@ def pwritev_all(int fd, list parts not None, long long offset):
         else:
             w = c_pwritev(fd, &iov[first], <int>(k - first), offset + done)
             e = errno
-        if w < 0:
-            if e == EINTR:
-                continue
-            raise OSError(e, os.strerror(e))
-        if w == 0:
-            raise OSError(EIO, "pwritev wrote nothing")
+        if not _wrote(w, e, "pwritev"):
+            continue
         done += w
         while w > 0:  # past the parts written whole; into the one written in part
             m = <Py_ssize_t>iov[first].iov_len
