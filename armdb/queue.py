@@ -684,16 +684,18 @@ class Queue(Generic[T]):
     def _push(self, payload: T, delay: timedelta | float | None) -> int:
         now = self._check()
         delay_ms = self._delay_ms(delay, now)
-        return self._push_body(self._encode(payload), now, delay_ms)
-
-    def _push_body(self, body: bytes, now: int, delay_ms: int) -> int:
-        """A lone push of an encoded payload (:meth:`_push`, and a one-job batch)."""
+        body = self._encode(payload)
         cap = self._max_depth
         if cap is not None and self.len() >= cap:
             raise QueueFull(
                 f"queue {self.name!r} holds {cap} live rows (max_depth); ack or dead-letter work, "
                 f"or open it with a larger max_depth"
             )
+        return self._push_body(body, now, delay_ms)
+
+    def _push_body(self, body: bytes, now: int, delay_ms: int) -> int:
+        """A lone push of an encoded payload once ``max_depth`` was checked (:meth:`_push`,
+        and a one-job batch, which checks it with the batch's message)."""
         seq = self._next_id(self._seq_name)
         if self._payload is not None:
             self._put_body(self._payload, seq, body)
@@ -801,7 +803,7 @@ class Queue(Generic[T]):
             # of a one-row batch commit and has the same outcome: all or nothing, the same
             # checks.  An encrypted queue keeps the batch's logged commit, which needs the
             # log key, so that push_many asks for the key whatever the batch's length.
-            self._check_room(1)  # (the batch's message; _push_body checks again, under no lock either)
+            self._check_room(1)  # (the batch's message)
             return [self._push_body(bodies[0], now, delay_ms)]
         if self._payload is not None:
             # The plan leaves the ids in ``ids``, the same int objects it keys the cached

@@ -13,10 +13,9 @@ from cpython.bytes cimport PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.stdlib cimport free, realloc
+from cpython.ref cimport Py_INCREF
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport uint64_t
-
 
 
 def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize_t held):
@@ -26,12 +25,8 @@ def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize
     holds more than ``budget`` bytes (``held`` before the put), the oldest bodies dropped
     (dict order, as :func:`cache_evict`): a push batch's put and eviction in one call.
     Returns the bytes held after."""
-    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size, k = 0, cap = 0, pos = 0
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size
     cdef object body
-    cdef PyObject* key
-    cdef PyObject* value
-    cdef PyObject** victims = NULL
-    cdef PyObject** more
     if PyList_GET_SIZE(ids) != n:
         raise ValueError("cache_put_ids needs one id per body")
     for i in range(n):
@@ -42,28 +37,23 @@ def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize
             held += size
     if held <= budget:
         return held
-    try:
-        # The victims' keys first, then their deletes: a dict must not change under
-        # PyDict_Next.  (Owned references: a key outlives its entry until deleted.)
-        size = held
-        while size > budget and PyDict_Next(cache, &pos, &key, &value):
-            if k == cap:
-                cap = cap * 2 if cap else 256
-                more = <PyObject**>realloc(victims, cap * sizeof(PyObject*))
-                if more == NULL:
-                    raise MemoryError()
-                victims = more
-            size -= PyBytes_GET_SIZE(<bytes?><object>value)
-            Py_INCREF(<object>key)
-            victims[k] = key
-            k += 1
-        for i in range(k):
-            PyDict_DelItem(cache, <object>victims[i])
-        return size
-    finally:
-        for i in range(k):
-            Py_DECREF(<object>victims[i])
-        free(victims)
+    return held - _drop_oldest(cache, PY_SSIZE_T_MAX, held - budget)
+
+
+cdef Py_ssize_t _drop_oldest(dict cache, Py_ssize_t k, Py_ssize_t excess) except -1:
+    """Drop the oldest bodies of ``cache`` (dict order: push order) until ``k`` are gone
+    or their bytes reach ``excess``, whichever comes first; returns their bytes.  The
+    eviction of :func:`cache_evict` (by count) and :func:`cache_put_ids` (by bytes)."""
+    cdef Py_ssize_t pos = 0, i, freed = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef list victims = []
+    while len(victims) < k and freed < excess and PyDict_Next(cache, &pos, &key, &value):
+        freed += PyBytes_GET_SIZE(<bytes?><object>value)
+        victims.append(<object>key)
+    for i in range(len(victims)):  # (not while iterating: a dict must not change under PyDict_Next)
+        PyDict_DelItem(cache, <object>PyList_GET_ITEM(victims, i))
+    return freed
 
 
 def cache_pop(dict cache, const uint64_t[::1] ids):
@@ -119,15 +109,4 @@ def cache_evict(dict cache, Py_ssize_t k):
     """Drop the first ``k`` bodies of ``cache`` (its oldest: the dict is in push order),
     all if it holds fewer; returns their bytes.  ``Queue._cache_evict``'s round, which
     took an ``islice``, a ``pop`` and a ``len`` call a body."""
-    cdef Py_ssize_t pos = 0, i = 0, freed = 0
-    cdef PyObject* key
-    cdef PyObject* value
-    cdef list victims = PyList_New(k if k > 0 else 0)  # (items NULL until set, which the list's free skips)
-    while i < k and PyDict_Next(cache, &pos, &key, &value):
-        freed += PyBytes_GET_SIZE(<bytes?><object>value)
-        Py_INCREF(<object>key)
-        PyList_SET_ITEM(victims, i, <object>key)
-        i += 1
-    for pos in range(i):  # (not while iterating: a dict must not change under PyDict_Next)
-        PyDict_DelItem(cache, <object>PyList_GET_ITEM(victims, pos))
-    return freed
+    return _drop_oldest(cache, k, PY_SSIZE_T_MAX)
