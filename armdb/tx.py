@@ -281,21 +281,30 @@ class Tx:
         # its lock), every lock in the global order (docs/transactions.md), and the
         # queues to wake afterwards: a push, and a nack that makes its row ready again,
         # can end a wait (Q19).  A stale token adds no lock; the plan refuses it.
+        # ``blind``: every step writes without reading stored state (a map put, a push into
+        # a queue with no cap), so the commit may plan on top of commits that are logged
+        # but not yet applied on its shards; any other commit waits until they applied.
         locks: dict[str, threading.Lock] = {}
         ids: list[int] = []
         wake: list[Queue[Any]] = []
+        blind = not stream_dest
         for s in steps:
             t = type(s)
             if t is _MapWrite:
                 k, lock = s.map._store.shard_lock(s.raw_key)
                 locks[k] = lock
+                if s.raw_value is None:
+                    blind = False  # a delete asks whether the key exists
                 continue
             q = s.queue
             if t is _Push:
                 s.seq = seq = plan.draw(q._seq_name)  # reserved only if the commit goes ahead (T5)
                 ids.append(seq)
                 q._tx_locks(locks, seq, None)
+                if q._max_depth is not None:
+                    blind = False  # the cap counts live rows
             else:
+                blind = False  # a settle checks its lease, a batch its rows
                 q._tx_locks(locks, 0, s.token)
                 if s.ack:
                     continue
@@ -303,24 +312,31 @@ class Tx:
                 wake.append(q)
         for q in stream_dest:
             q._tx_all_locks(locks)
-        self._commit_locked(plan, steps, _ordered(locks), registry, wake)
+        self._commit_locked(plan, steps, _ordered(locks), registry, wake, blind)
         return ids
 
-    def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[threading.Lock], registry: Any,
-                       wake: list[Queue[Any]]) -> None:
-        """The commit protocol, in this one frame: take ``locks`` (in their order); under
-        them run the streams (their destinations join ``wake``), plan every row into
-        ``plan``, log them (and sync, if durable), apply them; then, unlocked, run the
-        log's checkpoint if it is due (it syncs the stores, so it takes their locks) and
-        the compactions a rotation under the locks deferred, and wake ``wake``."""
+    def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[Any], registry: Any,
+                       wake: list[Queue[Any]], blind: bool) -> None:
+        """The commit protocol (docs/transactions.md), in this one frame: take ``locks`` (in
+        their order, :func:`_take_for_plan`); under them run the streams (their
+        destinations join ``wake``), plan every row into ``plan`` and log them.  A commit
+        that syncs, or that queues behind commits logged before it on one of its shards,
+        then draws a turn on every shard and releases the locks: it syncs while later
+        commits plan and log, waits for its turns (the log's order on each shard), takes
+        the locks again and applies.  Any other applies at once under the locks.  Then,
+        unlocked, run the log's checkpoint if it is due (it syncs the stores, so it takes
+        their locks) and the compactions a rotation under the locks deferred, and wake
+        ``wake``."""
         db = self._db
         txlog = db.txlog
         now = int(db.clock())
+        durable = self._durable
         held = 0
+        tickets: list[int] | None = None
+        turned = False
         try:
-            for lock in locks:
-                lock.acquire()
-                held += 1
+            _take_for_plan(locks, blind)
+            held = len(locks)
             try:
                 if registry is not None:
                     self._expand_streams(steps, registry, plan, wake)
@@ -341,13 +357,33 @@ class Tx:
             except BaseException:
                 plan.give_back()
                 raise
-            synced = not self._durable
+            queued = durable
+            if not queued:
+                for lock in locks:
+                    if lock.pending:
+                        queued = True
+                        break
+            if queued:
+                # Turns are drawn under the locks, right after the append: on each shard
+                # they follow the log's order.
+                tickets = [lock.ticket() for lock in locks]
+                while held:
+                    held -= 1
+                    locks[held].release()
+            synced = not durable
             try:
                 if not synced:
                     # Write-ahead: the record is on disk before any row is applied.  Threads
                     # committing at once share one fdatasync (TxLog.sync_to, group commit).
                     txlog.sync_to(end)
                     synced = True
+                if tickets is not None:
+                    for lock, t in zip(locks, tickets):
+                        lock.wait_turn(t)
+                    turned = True
+                    for lock in locks:
+                        lock.take_any()
+                        held += 1
                 for fn in plan.apply:
                     fn()
                 _fail.point("txlog.after_apply")
@@ -359,6 +395,14 @@ class Tx:
                 raise err from e
             checkpoint_due = txlog.done()
         finally:
+            if tickets is not None:
+                # Every turn drawn is handed on once, in its turn, whatever happened: the
+                # commits behind this one apply (or, fenced, fail) and direct calls wait.
+                if not turned:
+                    for lock, t in zip(locks, tickets):
+                        lock.wait_turn(t)
+                for lock in locks:
+                    lock.served()
             while held:
                 held -= 1
                 locks[held].release()
@@ -755,7 +799,52 @@ def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.L
     # A nack and a redrive make rows ready, and a batch of pushes adds them (Q19).
     t = type(step)
     woken = t is _Batch or (t is _Settle and not step.ack) or (t is _DeadRows and step.redrive)
-    tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [])
+    tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [], False)
+
+
+def _take_for_plan(locks: list[Any], blind: bool) -> None:
+    """Take every lock of ``locks`` (in their global order) for a ``db.tx()`` commit to
+    plan under, whether or not commits logged before it wait to apply on those shards
+    (armdb._core.locks, "The apply turnstile").  Two rules keep the turnstile free of
+    deadlocks: a thread that holds a shard with such commits never blocks on another
+    lock (whose holder may be waiting for them to apply): it releases what it holds and
+    starts again once that lock was free; and a commit that reads stored state
+    (``blind`` False), or finds a thread waiting for the shard to drain, waits, holding
+    nothing, until those commits applied.  Returns holding all of them."""
+    while True:
+        held = 0
+        busy = drain = None
+        try:
+            for lock in locks:
+                if not lock.try_any():
+                    for i in range(held):
+                        if locks[i].pending:
+                            busy = lock
+                            break
+                    if busy is not None:
+                        break
+                    lock.take_any()
+                held += 1
+            if busy is None:
+                for lock in locks:
+                    if lock.pending and (not blind or lock.draining):
+                        drain = lock
+                        break
+                if drain is None:
+                    return
+        except BaseException:
+            while held:
+                held -= 1
+                locks[held].release()
+            raise
+        while held:
+            held -= 1
+            locks[held].release()
+        if drain is not None:
+            drain.wait_drained()
+        elif busy is not None:
+            busy.take_any()  # its holder is done with it: start again
+            busy.release()
 
 
 def _ordered(locks: dict[str, threading.Lock]) -> list[threading.Lock]:

@@ -4,6 +4,8 @@ call (take and give: what acquire() and release() do)."""
 
 cimport cython
 
+from armdb._core.posix_sync cimport pthread_cond_t, pthread_mutex_t
+
 
 cdef extern from "pythread.h":
     ctypedef void* PyThread_type_lock
@@ -22,15 +24,27 @@ cdef extern from "pythread.h":
 cdef class Lock:
     cdef PyThread_type_lock lock
     cdef bint held
+    # The apply turnstile of a shard (module docstring): tickets of logged commits.
+    cdef readonly Py_ssize_t pending  # tickets issued and not yet served
+    cdef readonly Py_ssize_t draining  # threads waiting for pending to reach 0
+    cdef Py_ssize_t issued  # the next ticket
+    cdef Py_ssize_t serving  # the ticket whose turn it is
+    cdef pthread_mutex_t ts_mu
+    cdef pthread_cond_t ts_cv
     cdef object _wait(self, double timeout)
+    cdef object _acquire_drained(self, double timeout)
+    cdef bint _drained(self, double timeout) except -1
 
 
 cdef inline int take(Lock lock) except -1:
-    """``lock.acquire()``, without the method call."""
+    """``lock.acquire()``, without the method call: the lock, once no logged commit
+    waits to apply on its shard."""
     if PyThread_acquire_lock_timed(lock.lock, 0, 0) == PY_LOCK_ACQUIRED:
-        lock.held = True
-        return 0
-    lock._wait(-1)
+        if lock.pending == 0:
+            lock.held = True
+            return 0
+        PyThread_release_lock(lock.lock)
+    lock._acquire_drained(-1)
     return 0
 
 
