@@ -246,10 +246,10 @@ def armdb_tx_commit(path: str, n: int, *, durable: bool, threads: int = 1, warmu
                     stats: dict[str, float] | None = None) -> float:
     """2-row transactions (a map put and a fixed-queue push) per second.
 
-    The map and the queue have ``shards`` shards each (8 by default), so concurrent
-    commits often lock different shards and a durable commit's log sync can serve
-    several threads (group commit); two commits on one shard serialise, because a
-    durable commit holds its shard locks until its record is synced and applied.
+    The map and the queue have ``shards`` shards each (8 by default); a durable
+    commit's log sync can serve several threads (group commit), and a durable commit
+    releases its shard locks before its sync, so commits on one shard share syncs too
+    and apply in log order after them (docs/transactions.md, "The apply turnstile").
     The stores themselves do not fsync: the log carries the durability of
     ``.durable()`` commits.  ``stats``, when given, receives the log's counters for
     the timed run: ``commits``, ``syncs`` and ``sync_seconds`` (time inside

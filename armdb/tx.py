@@ -312,11 +312,11 @@ class Tx:
                 wake.append(q)
         for q in stream_dest:
             q._tx_all_locks(locks)
-        self._commit_locked(plan, steps, _ordered(locks), registry, wake, blind)
+        self._commit_locked(plan, steps, _ordered(locks), registry, wake, blind, bool(stream_dest))
         return ids
 
     def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[Any], registry: Any,
-                       wake: list[Queue[Any]], blind: bool) -> None:
+                       wake: list[Queue[Any]], blind: bool, hold: bool = False) -> None:
         """The commit protocol (docs/transactions.md), in this one frame: take ``locks`` (in
         their order, :func:`_take_for_plan`); under them run the streams (their
         destinations join ``wake``), plan every row into ``plan`` and log them.  A commit
@@ -326,7 +326,9 @@ class Tx:
         the locks again and applies.  Any other applies at once under the locks.  Then,
         unlocked, run the log's checkpoint if it is due (it syncs the stores, so it takes
         their locks) and the compactions a rotation under the locks deferred, and wake
-        ``wake``."""
+        ``wake``.  ``hold``: a commit that feeds a change stream keeps every lock of its
+        destinations through its sync (T7); it planned on drained shards, so nothing
+        queues ahead of it."""
         db = self._db
         txlog = db.txlog
         now = int(db.clock())
@@ -335,7 +337,7 @@ class Tx:
         tickets: list[int] | None = None
         turned = False
         try:
-            _take_for_plan(locks, blind)
+            _take_for_plan(locks, blind, txlog)
             held = len(locks)
             try:
                 if registry is not None:
@@ -353,17 +355,16 @@ class Tx:
                 if plan.drawn:
                     for name, n in plan.drawn.items():
                         db.seqmap.reserve_through(name, n)
-                end = txlog.append(plan.rows, plan.packed)
+                behind = False
+                for lock in locks:
+                    if lock.pending:
+                        behind = True
+                        break
+                end = txlog.append(plan.rows, plan.packed, behind=behind)
             except BaseException:
                 plan.give_back()
                 raise
-            queued = durable
-            if not queued:
-                for lock in locks:
-                    if lock.pending:
-                        queued = True
-                        break
-            if queued:
+            if (durable and not hold) or behind:
                 # Turns are drawn under the locks, right after the append: on each shard
                 # they follow the log's order.
                 tickets = [lock.ticket() for lock in locks]
@@ -799,18 +800,19 @@ def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.L
     # A nack and a redrive make rows ready, and a batch of pushes adds them (Q19).
     t = type(step)
     woken = t is _Batch or (t is _Settle and not step.ack) or (t is _DeadRows and step.redrive)
-    tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [], False)
+    tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [], blind=False)
 
 
-def _take_for_plan(locks: list[Any], blind: bool) -> None:
+def _take_for_plan(locks: list[Any], blind: bool, txlog: Any) -> None:
     """Take every lock of ``locks`` (in their global order) for a ``db.tx()`` commit to
     plan under, whether or not commits logged before it wait to apply on those shards
     (armdb._core.locks, "The apply turnstile").  Two rules keep the turnstile free of
     deadlocks: a thread that holds a shard with such commits never blocks on another
     lock (whose holder may be waiting for them to apply): it releases what it holds and
     starts again once that lock was free; and a commit that reads stored state
-    (``blind`` False), or finds a thread waiting for the shard to drain, waits, holding
-    nothing, until those commits applied.  Returns holding all of them."""
+    (``blind`` False), or finds a thread waiting for the shard to drain, or a checkpoint
+    waiting for the log's commits to finish (``txlog``), waits, holding nothing, until
+    those commits applied.  Returns holding all of them."""
     while True:
         held = 0
         busy = drain = None
@@ -827,7 +829,7 @@ def _take_for_plan(locks: list[Any], blind: bool) -> None:
                 held += 1
             if busy is None:
                 for lock in locks:
-                    if lock.pending and (not blind or lock.draining):
+                    if lock.pending and (not blind or lock.draining or txlog._idle_waiting):
                         drain = lock
                         break
                 if drain is None:

@@ -372,18 +372,23 @@ class TxLog:
     def needs_key(self) -> bool:
         return self.sealer is None
 
-    def append(self, rows: list[Any], packed: list[tuple[int, bytes | bytearray]] | None = None) -> int:
+    def append(self, rows: list[Any], packed: list[tuple[int, bytes | bytearray]] | None = None, *,
+               behind: bool = False) -> int:
         """Append one commit record; returns the log's end offset after it.  The
         caller must call :meth:`done` after applying (or failing to apply) it.
 
         ``packed``: more rows of the record, already packed as msgpack by a batch's
         compiled plan, as ``(how many rows, bytes)``; they follow ``rows``.
+        ``behind``: the caller holds a shard on which logged commits wait to apply
+        (armdb._core.locks, "The apply turnstile"), so it must not wait for a checkpoint
+        to start a new file: the checkpoint waits for those commits, which wait for the
+        shard.
         """
         if not packed:
             # The compiled packer writes msgpack's own bytes for plain rows (lists of str,
             # bytes, int, None: every row a commit plans); msgpack packs anything else.
             got = pack_plain([rows])
-            return self.append_body(got[0] if got is not None else packb(rows))
+            return self.append_body(got[0] if got is not None else packb(rows), behind=behind)
         # The body is the list header, then ``rows``, then each block as it came: the
         # record is framed from those parts (log_frame_parts) and written from them.
         # (A plain loop: a comprehension and two generators cost an ack_many of 64 rows
@@ -404,20 +409,22 @@ class TxLog:
                 f"this commit's log record would be {len(head) + size:,} bytes, above the limit of {MAX_BODY:,}; "
                 f"split the batch into smaller ones"
             )
-        return self.append_body(head, parts)
+        return self.append_body(head, parts, behind=behind)
 
-    def append_body(self, body: bytes, parts: list[bytes | bytearray] | None = None) -> int:
+    def append_body(self, body: bytes, parts: list[bytes | bytearray] | None = None, *,
+                    behind: bool = False) -> int:
         """:meth:`append` of a record body already packed whole (the msgpack list of its
         rows, at most ``MAX_BODY`` bytes): a lone var ack packs its two rows in one call
         (``armdb.tx.commit_settle``).  With ``parts``, the body is ``body`` then each of
         them end to end (:meth:`append`'s blocks of packed rows), not joined unless it is
-        sealed.  The caller must call :meth:`done` after it."""
+        sealed.  The caller must call :meth:`done` after it.  ``behind`` as for
+        :meth:`append`."""
         # The lock by acquire and release, not ``with`` (which binds __enter__ and
         # __exit__ at every pass).
         lock = self._lock
         lock.acquire()
         try:
-            while self._idle_waiting:  # a checkpoint is about to start a new file
+            while self._idle_waiting and not behind:  # a checkpoint is about to start a new file
                 self._idle.wait()
             if self._fd < 0:  # Db.close closed the log once every store was closed
                 raise DbClosed(f"the database of {self._path!r}")
