@@ -115,3 +115,94 @@ def test_q28_a_signal_reaches_a_thread_blocked_on_it() -> None:
         signal.signal(signal.SIGUSR1, old)
     assert lock.locked()
     lock.release()
+
+
+# -- the apply turnstile (docs/transactions.md, "The apply turnstile") ------------------------
+
+
+def _ticket(lock: Any) -> int:
+    """Draw a turn as a commit does: under the lock, then release it."""
+    lock.take_any()
+    try:
+        return int(lock.ticket())
+    finally:
+        lock.release()
+
+
+# SPEC T7 (project choice): turns are served in the order they were drawn, whatever the
+# order the waiters arrive in.
+def test_t7_turns_are_served_in_ticket_order() -> None:
+    lock = Lock()
+    tickets = [_ticket(lock) for _ in range(12)]
+    assert tickets == list(range(12)) and lock.pending == 12
+    order: list[int] = []
+
+    def apply(t: int) -> None:
+        lock.wait_turn(t)
+        order.append(t)
+        lock.served()
+
+    threads = [threading.Thread(target=apply, args=(t,)) for t in reversed(tickets)]
+    for th in threads:
+        th.start()
+        time.sleep(0.002)
+    for th in threads:
+        th.join(10)
+    assert order == tickets and lock.pending == 0
+
+
+# SPEC T7 (project choice): a plain acquire waits until no logged commit waits on the
+# shard; the commit's own take_any does not.
+def test_t7_acquire_waits_for_the_shard_to_drain() -> None:
+    lock = Lock()
+    t = _ticket(lock)
+    assert lock.acquire(False) is False and not lock.locked()
+    assert lock.acquire(True, 0.02) is False and not lock.locked()
+    got = threading.Event()
+
+    def direct() -> None:
+        with lock:
+            got.set()
+
+    th = threading.Thread(target=direct)
+    th.start()
+    deadline = time.monotonic() + 5
+    while lock.draining == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert lock.draining == 1 and not got.is_set()
+    assert lock.try_any() is True  # the commit takes it again in its turn
+    lock.wait_turn(t)
+    lock.served()
+    time.sleep(0.02)
+    assert not got.is_set()  # still held by the commit
+    lock.release()
+    th.join(5)
+    assert got.is_set() and lock.draining == 0 and lock.pending == 0 and not lock.locked()
+
+
+# SPEC T7 (project choice): the compiled kernels' take() waits too: a direct push into a
+# header shard with a commit waiting to apply there returns only once it has applied.
+def test_t7_a_direct_push_waits_for_a_logged_commit_on_its_shard(tmp_path: Any) -> None:
+    from armdb import Db, FixedConfig, QueueConfig
+    from armdb._bench import BenchFixed, _fixed_payload
+
+    with Db.open(str(tmp_path / "db")) as db:
+        header = FixedConfig.balanced().shard_count(1).enable_fsync(False).build()
+        q = db.open_queue(BenchFixed, QueueConfig.balanced().header_config(header).build())
+        q.push(_fixed_payload(0))
+        lock = q._shards[0].lock
+        t = _ticket(lock)
+        done = threading.Event()
+
+        def push() -> None:
+            q.push(_fixed_payload(1))
+            done.set()
+
+        th = threading.Thread(target=push)
+        th.start()
+        time.sleep(0.05)
+        assert not done.is_set() and q.len() == 1
+        lock.wait_turn(t)
+        lock.served()
+        th.join(5)
+        assert done.is_set() and q.len() == 2
