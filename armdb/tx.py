@@ -46,6 +46,7 @@ import numpy as np
 from . import _fail
 from ._clock import to_ms
 from ._core.fixed import ack_rows, tomb_rows
+from ._core.locks import draw_turns, serve_turns, take_for_plan, take_turns
 from ._core.qshard import ABSENT
 from .errors import (
     ConfigError,
@@ -318,7 +319,7 @@ class Tx:
     def _commit_locked(self, plan: Plan, steps: list[Any], locks: list[Any], registry: Any,
                        wake: list[Queue[Any]], blind: bool, hold: bool = False) -> None:
         """The commit protocol (docs/transactions.md), in this one frame: take ``locks`` (in
-        their order, :func:`_take_for_plan`); under them run the streams (their
+        their order, ``armdb._core.locks.take_for_plan``); under them run the streams (their
         destinations join ``wake``), plan every row into ``plan`` and log them.  A commit
         that syncs, or that queues behind commits logged before it on one of its shards,
         then draws a turn on every shard and releases the locks: it syncs while later
@@ -337,7 +338,7 @@ class Tx:
         tickets: list[int] | None = None
         turned = False
         try:
-            _take_for_plan(locks, blind, txlog)
+            behind = take_for_plan(locks, blind, txlog)
             held = len(locks)
             try:
                 if registry is not None:
@@ -355,11 +356,6 @@ class Tx:
                 if plan.drawn:
                     for name, n in plan.drawn.items():
                         db.seqmap.reserve_through(name, n)
-                behind = False
-                for lock in locks:
-                    if lock.pending:
-                        behind = True
-                        break
                 end = txlog.append(plan.rows, plan.packed, behind=behind)
             except BaseException:
                 plan.give_back()
@@ -367,10 +363,8 @@ class Tx:
             if (durable and not hold) or behind:
                 # Turns are drawn under the locks, right after the append: on each shard
                 # they follow the log's order.
-                tickets = [lock.ticket() for lock in locks]
-                while held:
-                    held -= 1
-                    locks[held].release()
+                tickets = draw_turns(locks)
+                held = 0
             synced = not durable
             try:
                 if not synced:
@@ -379,12 +373,9 @@ class Tx:
                     txlog.sync_to(end)
                     synced = True
                 if tickets is not None:
-                    for lock, t in zip(locks, tickets):
-                        lock.wait_turn(t)
+                    take_turns(locks, tickets)
                     turned = True
-                    for lock in locks:
-                        lock.take_any()
-                        held += 1
+                    held = len(locks)
                 for fn in plan.apply:
                     fn()
                 _fail.point("txlog.after_apply")
@@ -399,11 +390,7 @@ class Tx:
             if tickets is not None:
                 # Every turn drawn is handed on once, in its turn, whatever happened: the
                 # commits behind this one apply (or, fenced, fail) and direct calls wait.
-                if not turned:
-                    for lock, t in zip(locks, tickets):
-                        lock.wait_turn(t)
-                for lock in locks:
-                    lock.served()
+                serve_turns(locks, tickets, turned)
             while held:
                 held -= 1
                 locks[held].release()
@@ -801,52 +788,6 @@ def _commit_queue_step(db: Db, q: Queue[Any], step: Any, locks: list[threading.L
     t = type(step)
     woken = t is _Batch or (t is _Settle and not step.ack) or (t is _DeadRows and step.redrive)
     tx._commit_locked(Plan(db.seqmap), [step], locks, None, [q] if woken else [], blind=False)
-
-
-def _take_for_plan(locks: list[Any], blind: bool, txlog: Any) -> None:
-    """Take every lock of ``locks`` (in their global order) for a ``db.tx()`` commit to
-    plan under, whether or not commits logged before it wait to apply on those shards
-    (armdb._core.locks, "The apply turnstile").  Two rules keep the turnstile free of
-    deadlocks: a thread that holds a shard with such commits never blocks on another
-    lock (whose holder may be waiting for them to apply): it releases what it holds and
-    starts again once that lock was free; and a commit that reads stored state
-    (``blind`` False), or finds a thread waiting for the shard to drain, or a checkpoint
-    waiting for the log's commits to finish (``txlog``), waits, holding nothing, until
-    those commits applied.  Returns holding all of them."""
-    while True:
-        held = 0
-        busy = drain = None
-        try:
-            for lock in locks:
-                if not lock.try_any():
-                    for i in range(held):
-                        if locks[i].pending:
-                            busy = lock
-                            break
-                    if busy is not None:
-                        break
-                    lock.take_any()
-                held += 1
-            if busy is None:
-                for lock in locks:
-                    if lock.pending and (not blind or lock.draining or txlog._idle_waiting):
-                        drain = lock
-                        break
-                if drain is None:
-                    return
-        except BaseException:
-            while held:
-                held -= 1
-                locks[held].release()
-            raise
-        while held:
-            held -= 1
-            locks[held].release()
-        if drain is not None:
-            drain.wait_drained()
-        elif busy is not None:
-            busy.take_any()  # its holder is done with it: start again
-            busy.release()
 
 
 def _ordered(locks: dict[str, threading.Lock]) -> list[threading.Lock]:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from armdb._core.locks import Lock
+from armdb._core.locks import Lock, draw_turns, serve_turns, take_for_plan, take_turns
 
 calls = st.lists(
     st.one_of(
@@ -120,12 +120,25 @@ def test_q28_a_signal_reaches_a_thread_blocked_on_it() -> None:
 # -- the apply turnstile (docs/transactions.md, "The apply turnstile") ------------------------
 
 
+class _Log:
+    """What take_for_plan reads of the transaction log: whether a checkpoint waits."""
+
+    _idle_waiting = 0
+
+
 def _ticket(lock: Any) -> int:
-    """Draw a turn as a commit does: under the lock, then release it."""
-    lock.take_any()
+    """Draw a turn as a commit does: under the lock, right after its append."""
+    assert take_for_plan([lock], True, _Log()) is (lock.pending > 0)
+    return int(draw_turns([lock])[0])
+
+
+def _apply(lock: Any, t: int, during: Any = None) -> None:
+    take_turns([lock], [t])
     try:
-        return int(lock.ticket())
+        if during is not None:
+            during()
     finally:
+        serve_turns([lock], [t], True)
         lock.release()
 
 
@@ -134,30 +147,28 @@ def _ticket(lock: Any) -> int:
 def test_t7_turns_are_served_in_ticket_order() -> None:
     lock = Lock()
     tickets = [_ticket(lock) for _ in range(12)]
-    assert tickets == list(range(12)) and lock.pending == 12
+    assert tickets == list(range(12)) and lock.pending == 12 and not lock.locked()
     order: list[int] = []
-
-    def apply(t: int) -> None:
-        lock.wait_turn(t)
-        order.append(t)
-        lock.served()
-
-    threads = [threading.Thread(target=apply, args=(t,)) for t in reversed(tickets)]
+    threads = [threading.Thread(target=_apply, args=(lock, t, lambda t=t: order.append(t))) for t in reversed(tickets)]
     for th in threads:
         th.start()
         time.sleep(0.002)
     for th in threads:
         th.join(10)
-    assert order == tickets and lock.pending == 0
+    assert order == tickets and lock.pending == 0 and not lock.locked()
 
 
 # SPEC T7 (project choice): a plain acquire waits until no logged commit waits on the
-# shard; the commit's own take_any does not.
+# shard, and makes blind commits wait with it; a blind commit plans on top otherwise.
 def test_t7_acquire_waits_for_the_shard_to_drain() -> None:
-    lock = Lock()
+    lock, other = Lock(), Lock()
     t = _ticket(lock)
     assert lock.acquire(False) is False and not lock.locked()
     assert lock.acquire(True, 0.02) is False and not lock.locked()
+    assert take_for_plan([lock, other], True, _Log()) is True  # blind: on top of it
+    assert lock.locked() and other.locked()
+    lock.release()
+    other.release()
     got = threading.Event()
 
     def direct() -> None:
@@ -170,14 +181,49 @@ def test_t7_acquire_waits_for_the_shard_to_drain() -> None:
     while lock.draining == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert lock.draining == 1 and not got.is_set()
-    assert lock.try_any() is True  # the commit takes it again in its turn
-    lock.wait_turn(t)
-    lock.served()
+    planned = threading.Event()
+
+    def blind() -> None:  # waits with the drainer, holding nothing
+        take_for_plan([lock], True, _Log())
+        planned.set()
+        lock.release()
+
+    tb = threading.Thread(target=blind)
+    tb.start()
     time.sleep(0.02)
-    assert not got.is_set()  # still held by the commit
-    lock.release()
+    assert not planned.is_set() and not got.is_set() and not lock.locked()
+    _apply(lock, t)
     th.join(5)
-    assert got.is_set() and lock.draining == 0 and lock.pending == 0 and not lock.locked()
+    tb.join(5)
+    assert got.is_set() and planned.is_set() and lock.draining == 0 and lock.pending == 0 and not lock.locked()
+
+
+# SPEC T7 (project choice): a committer that holds a shard with a waiting commit never
+# blocks on another lock: it lets go and starts again once that lock is free.
+def test_t7_a_committer_behind_others_backs_off_a_busy_lock() -> None:
+    first, second = Lock(), Lock()
+    t = _ticket(first)
+    second.acquire()
+    done = threading.Event()
+
+    def commit() -> None:
+        take_for_plan([first, second], True, _Log())
+        done.set()
+        first.release()
+        second.release()
+
+    th = threading.Thread(target=commit)
+    th.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # it lets go of ``first`` while it waits
+        time.sleep(0.005)
+        if not first.locked():
+            break
+    assert not first.locked() and not done.is_set()
+    _apply(first, t)  # the waiting commit can apply: nobody holds its shard
+    second.release()
+    th.join(5)
+    assert done.is_set() and not first.locked() and not second.locked()
 
 
 # SPEC T7 (project choice): the compiled kernels' take() waits too: a direct push into a
@@ -202,7 +248,6 @@ def test_t7_a_direct_push_waits_for_a_logged_commit_on_its_shard(tmp_path: Any) 
         th.start()
         time.sleep(0.05)
         assert not done.is_set() and q.len() == 1
-        lock.wait_turn(t)
-        lock.served()
+        _apply(lock, t)
         th.join(5)
         assert done.is_set() and q.len() == 2

@@ -1,9 +1,13 @@
 # Typed as threading.Lock's type, whose interface it has (acquire, release, locked, the
 # context manager), though it is not that type at run time: the annotations that say
 # threading.Lock (BitcaskStore.lock_for, a Condition's lock) then accept it, and typeshed
-# declares that type final.  The apply turnstile's methods (take_any, try_any, ticket,
-# wait_turn, served, wait_drained; pending, draining) are called by armdb.tx on locks
-# it holds as Any.
+# declares that type final.  Its turnstile counters (pending, draining) are read as Any.
 from _thread import LockType as Lock
+from typing import Any
 
-__all__ = ["Lock"]
+__all__ = ["Lock", "draw_turns", "serve_turns", "take_for_plan", "take_turns"]
+
+def take_for_plan(locks: list[Any], blind: bool, txlog: Any) -> bool: ...
+def draw_turns(locks: list[Any]) -> list[int]: ...
+def take_turns(locks: list[Any], tickets: list[int]) -> None: ...
+def serve_turns(locks: list[Any], tickets: list[int], turned: bool) -> None: ...

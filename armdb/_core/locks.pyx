@@ -18,13 +18,13 @@ ownership, as for any lock without ``_is_owned``).
 The apply turnstile
 -------------------
 A shard's lock also orders the durable transactions logged on that shard
-(docs/transactions.md, "The commit protocol").  A ``db.tx()`` commit takes its shards'
-locks with :meth:`Lock.take_any`, plans and appends its log record, draws one ticket per
-shard (:meth:`Lock.ticket`) and releases the locks before its log sync, so commits on
-the same shards can plan and append while it waits for the disk.  After the sync it
-waits for its turn on every shard (:meth:`Lock.wait_turn`: tickets are served in the
-order they were drawn, which is the log's order on that shard), takes the locks again,
-applies, and hands each turn on (:meth:`Lock.served`).
+(docs/transactions.md, "The apply turnstile").  A ``db.tx()`` commit takes its shards'
+locks with :func:`take_for_plan`, plans and appends its log record, draws one ticket per
+shard and releases the locks (:func:`draw_turns`) before its log sync, so commits on the
+same shards can plan and append while it waits for the disk.  After the sync it waits
+for its turn on every shard (tickets are served in the order they were drawn, which is
+the log's order on that shard) and takes the locks again (:func:`take_turns`), applies,
+and hands each turn on (:func:`serve_turns`).
 
 Everyone else takes the lock as before (``acquire``, ``with``, ``take``), which now also
 waits until no logged commit is waiting to apply on the shard (``pending`` is 0): a
@@ -137,6 +137,8 @@ cdef class Lock:
         cdef long long deadline = 0
         cdef int rc = 0
         cdef bint done
+        if self.pending == 0:
+            return True
         if timeout >= 0:
             deadline = monotonic_ns() + <long long>(min(timeout, 6e4) * 1e9)
             ts.tv_sec = deadline // 1000000000
@@ -153,55 +155,6 @@ cdef class Lock:
             pthread_mutex_unlock(&self.ts_mu)
         self.draining -= 1
         return done
-
-    # -- the apply turnstile (module docstring) -------------------------------------------
-    def take_any(self):
-        """Take the lock whether or not logged commits wait to apply on the shard (a
-        commit that plans on top of them, or applies in its turn)."""
-        if PyThread_acquire_lock_timed(self.lock, 0, 0) == PY_LOCK_ACQUIRED:
-            self.held = True
-            return
-        self._wait(-1)
-
-    def try_any(self):
-        """:meth:`take_any` if the lock is free now; whether it was."""
-        if PyThread_acquire_lock_timed(self.lock, 0, 0) == PY_LOCK_ACQUIRED:
-            self.held = True
-            return True
-        return False
-
-    def ticket(self):
-        """Draw the next turn on this shard (the caller holds the lock and has just
-        logged its commit): the commit now waits to apply here."""
-        cdef Py_ssize_t t
-        pthread_mutex_lock(&self.ts_mu)
-        t = self.issued
-        self.issued += 1
-        self.pending += 1
-        pthread_mutex_unlock(&self.ts_mu)
-        return t
-
-    def wait_turn(self, Py_ssize_t ticket):
-        """Wait without the GIL (holding no lock) until every ticket drawn before
-        ``ticket`` on this shard has been served."""
-        with nogil:
-            pthread_mutex_lock(&self.ts_mu)
-            while self.serving != ticket:
-                pthread_cond_wait(&self.ts_cv, &self.ts_mu)
-            pthread_mutex_unlock(&self.ts_mu)
-
-    def served(self):
-        """The ticket whose turn it is has applied (or given up): the next one's turn."""
-        pthread_mutex_lock(&self.ts_mu)
-        self.serving += 1
-        self.pending -= 1
-        pthread_cond_broadcast(&self.ts_cv)
-        pthread_mutex_unlock(&self.ts_mu)
-
-    def wait_drained(self):
-        """Wait without the GIL (holding no lock) until no logged commit waits to apply
-        on this shard."""
-        self._drained(-1)
 
     cdef object _wait(self, double timeout):
         """A blocking ``acquire`` of a held lock: the wait of ``_thread.lock``."""
@@ -250,3 +203,132 @@ cdef class Lock:
 
     def __repr__(self):
         return f"<armdb lock {'locked' if self.held else 'unlocked'} at {id(self):#x}>"
+
+
+# -- a db.tx() commit's steps through the turnstile, one call each (armdb.tx) --------------------
+cdef inline void _release_first(list locks, Py_ssize_t held):
+    cdef Lock lock
+    while held:
+        held -= 1
+        lock = <Lock>locks[held]
+        lock.held = False
+        PyThread_release_lock(lock.lock)
+
+
+def take_for_plan(list locks not None, bint blind, object txlog):
+    """Take every lock of ``locks`` (``Lock`` objects, in their global order) for a
+    ``db.tx()`` commit to plan under, whether or not logged commits wait to apply on
+    those shards.  Two rules keep the turnstile free of deadlocks: a thread that holds a
+    shard with such commits never blocks on another lock (whose holder may be waiting
+    for them to apply): it releases what it holds and starts again once that lock was
+    free; and a commit that reads stored state (``blind`` False), or finds a thread
+    waiting for the shard to drain, or a checkpoint of ``txlog`` waiting for the log's
+    commits to finish, waits, holding nothing, until those commits applied.  Returns
+    whether it holds a shard with such commits (the commit is logged behind them)."""
+    cdef Py_ssize_t n = len(locks), held, i
+    cdef Lock lock, busy, drain
+    cdef bint behind
+    for i in range(n):
+        if type(locks[i]) is not Lock:
+            raise TypeError("take_for_plan takes armdb._core.locks.Lock objects")
+    while True:
+        held = 0
+        busy = drain = None
+        behind = False
+        try:
+            for i in range(n):
+                lock = <Lock>locks[i]
+                if PyThread_acquire_lock_timed(lock.lock, 0, 0) != PY_LOCK_ACQUIRED:
+                    if behind:
+                        busy = lock
+                        break
+                    lock._wait(-1)
+                lock.held = True
+                held += 1
+                if lock.pending:
+                    behind = True
+            if busy is None:
+                if not behind:
+                    return False
+                for i in range(n):
+                    lock = <Lock>locks[i]
+                    if lock.pending and (not blind or lock.draining or txlog._idle_waiting):
+                        drain = lock
+                        break
+                if drain is None:
+                    return True
+        except BaseException:
+            _release_first(locks, held)
+            raise
+        _release_first(locks, held)
+        if drain is not None:
+            drain._drained(-1)
+        else:
+            busy._wait(-1)  # its holder is done with it: start again
+            busy.held = False
+            PyThread_release_lock(busy.lock)
+
+
+def draw_turns(list locks not None):
+    """Draw a turn on every lock of ``locks`` (held, right after the commit's log
+    append), then release them; returns the tickets."""
+    cdef Py_ssize_t n = len(locks), i
+    cdef Lock lock
+    cdef list tickets = []
+    for i in range(n):
+        lock = <Lock>locks[i]
+        pthread_mutex_lock(&lock.ts_mu)
+        tickets.append(lock.issued)
+        lock.issued += 1
+        lock.pending += 1
+        pthread_mutex_unlock(&lock.ts_mu)
+    _release_first(locks, n)
+    return tickets
+
+
+def take_turns(list locks not None, list tickets not None):
+    """Wait (holding nothing) for the commit's turn on every lock, then take them all
+    in their order."""
+    cdef Py_ssize_t n = len(locks), i
+    cdef Lock lock
+    _wait_turns(locks, tickets)
+    for i in range(n):
+        lock = <Lock>locks[i]
+        if PyThread_acquire_lock_timed(lock.lock, 0, 0) != PY_LOCK_ACQUIRED:
+            try:
+                lock._wait(-1)
+            except BaseException:
+                _release_first(locks, i)
+                raise
+        lock.held = True
+
+
+cdef int _wait_turns(list locks, list tickets) except -1:
+    cdef Py_ssize_t n = len(locks), i, t
+    cdef Lock lock
+    for i in range(n):
+        lock = <Lock>locks[i]
+        t = tickets[i]
+        if lock.serving != t:
+            with nogil:
+                pthread_mutex_lock(&lock.ts_mu)
+                while lock.serving != t:
+                    pthread_cond_wait(&lock.ts_cv, &lock.ts_mu)
+                pthread_mutex_unlock(&lock.ts_mu)
+    return 0
+
+
+def serve_turns(list locks not None, list tickets not None, bint turned):
+    """Hand on the commit's turn on every lock (waiting for it first unless ``turned``):
+    once, in its turn, whatever happened to the commit."""
+    cdef Py_ssize_t n = len(locks), i
+    cdef Lock lock
+    if not turned:
+        _wait_turns(locks, tickets)
+    for i in range(n):
+        lock = <Lock>locks[i]
+        pthread_mutex_lock(&lock.ts_mu)
+        lock.serving += 1
+        lock.pending -= 1
+        pthread_cond_broadcast(&lock.ts_cv)
+        pthread_mutex_unlock(&lock.ts_mu)
