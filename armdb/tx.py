@@ -356,7 +356,7 @@ class Tx:
                 if plan.drawn:
                     for name, n in plan.drawn.items():
                         db.seqmap.reserve_through(name, n)
-                end = txlog.append(plan.rows, plan.packed, behind=behind)
+                end = txlog.append(plan.rows, plan.packed, behind)
             except BaseException:
                 plan.give_back()
                 raise

@@ -372,7 +372,7 @@ class TxLog:
     def needs_key(self) -> bool:
         return self.sealer is None
 
-    def append(self, rows: list[Any], packed: list[tuple[int, bytes | bytearray]] | None = None, *,
+    def append(self, rows: list[Any], packed: list[tuple[int, bytes | bytearray]] | None = None,
                behind: bool = False) -> int:
         """Append one commit record; returns the log's end offset after it.  The
         caller must call :meth:`done` after applying (or failing to apply) it.
@@ -382,13 +382,14 @@ class TxLog:
         ``behind``: the caller holds a shard on which logged commits wait to apply
         (armdb._core.locks, "The apply turnstile"), so it must not wait for a checkpoint
         to start a new file: the checkpoint waits for those commits, which wait for the
-        shard.
+        shard.  (Positional, not keyword-only: a keyword-only default costs every call
+        from compiled code a dictionary lookup.)
         """
         if not packed:
             # The compiled packer writes msgpack's own bytes for plain rows (lists of str,
             # bytes, int, None: every row a commit plans); msgpack packs anything else.
             got = pack_plain([rows])
-            return self.append_body(got[0] if got is not None else packb(rows), behind=behind)
+            return self.append_body(got[0] if got is not None else packb(rows), None, behind)
         # The body is the list header, then ``rows``, then each block as it came: the
         # record is framed from those parts (log_frame_parts) and written from them.
         # (A plain loop: a comprehension and two generators cost an ack_many of 64 rows
@@ -409,9 +410,9 @@ class TxLog:
                 f"this commit's log record would be {len(head) + size:,} bytes, above the limit of {MAX_BODY:,}; "
                 f"split the batch into smaller ones"
             )
-        return self.append_body(head, parts, behind=behind)
+        return self.append_body(head, parts, behind)
 
-    def append_body(self, body: bytes, parts: list[bytes | bytearray] | None = None, *,
+    def append_body(self, body: bytes, parts: list[bytes | bytearray] | None = None,
                     behind: bool = False) -> int:
         """:meth:`append` of a record body already packed whole (the msgpack list of its
         rows, at most ``MAX_BODY`` bytes): a lone var ack packs its two rows in one call
