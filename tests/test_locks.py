@@ -251,3 +251,42 @@ def test_t7_a_direct_push_waits_for_a_logged_commit_on_its_shard(tmp_path: Any) 
         _apply(lock, t)
         th.join(5)
         assert done.is_set() and q.len() == 2
+
+
+# SPEC T7 (project choice): a direct call is not kept out of a shard by a steady stream
+# of durable commits on it: while it waits, committers step back.
+def test_t7_direct_calls_are_not_starved_by_durable_commits(tmp_path: Any) -> None:
+    from armdb import Config, Db, FixedConfig, QueueConfig
+    from armdb._bench import BenchFixed, _fixed_payload
+
+    with Db.open(str(tmp_path / "db")) as db:
+        m = db.open_map("m", Config.balanced().shard_count(1).enable_fsync(False).build())
+        header = FixedConfig.balanced().shard_count(1).enable_fsync(False).build()
+        q = db.open_queue(BenchFixed, QueueConfig.balanced().header_config(header).build())
+        stop = threading.Event()
+        commits = [0] * 4
+
+        def committer(t: int) -> None:
+            i = 0
+            while not stop.is_set():
+                db.tx().put(m, f"{t}-{i}", i).push(q, _fixed_payload(i)).durable().commit()
+                commits[t] += 1
+                i += 1
+
+        threads = [threading.Thread(target=committer, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        try:
+            while sum(commits) < 20:
+                time.sleep(0.001)
+            before = sum(commits)
+            for i in range(100):  # each waits for the commits ahead of it, then goes first
+                q.push(_fixed_payload(i))
+                m.put(f"direct-{i}", i)
+            assert sum(commits) > before  # the commits went on meanwhile
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(30)
+        assert not any(th.is_alive() for th in threads)
+        assert q.len() == sum(commits) + 100 and all(m.get(f"direct-{i}") == i for i in range(100))

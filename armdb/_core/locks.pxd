@@ -26,14 +26,15 @@ cdef class Lock:
     cdef bint held
     # The apply turnstile of a shard (module docstring): tickets of logged commits.
     cdef readonly Py_ssize_t pending  # tickets issued and not yet served
-    cdef readonly Py_ssize_t draining  # threads waiting for pending to reach 0
+    cdef readonly Py_ssize_t draining  # threads waiting to take it once pending is 0
     cdef Py_ssize_t issued  # the next ticket
     cdef Py_ssize_t serving  # the ticket whose turn it is
     cdef pthread_mutex_t ts_mu
     cdef pthread_cond_t ts_cv
     cdef object _wait(self, double timeout)
     cdef object _acquire_drained(self, double timeout)
-    cdef bint _drained(self, double timeout) except -1
+    cdef void _draining(self, int step) noexcept
+    cdef bint _drained(self, double timeout, bint stepped_back) except -1
 
 
 cdef inline int take(Lock lock) except -1:

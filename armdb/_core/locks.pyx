@@ -112,48 +112,61 @@ cdef class Lock:
 
     cdef object _acquire_drained(self, double timeout):
         """A blocking ``acquire``: wait (holding nothing) until no logged commit waits to
-        apply on the shard, then for the lock; again if a commit logged in between."""
+        apply on the shard, then for the lock; again if a commit logged in between.  The
+        wait counts in ``draining`` until the lock is taken, so that committers step
+        back meanwhile (:func:`take_for_plan`): a steady stream of commits on the shard
+        cannot keep this thread out."""
         cdef double deadline = monotonic() + timeout if timeout != -1 else 0.0
         cdef double left = -1
-        while True:
-            if self.pending != 0:
+        self._draining(1)
+        try:
+            while True:
+                if self.pending != 0:
+                    if timeout != -1:
+                        left = deadline - monotonic()
+                    if not self._drained(left, False):
+                        return False
                 if timeout != -1:
-                    left = deadline - monotonic()
-                if not self._drained(left):
+                    left = max(deadline - monotonic(), 0.0)
+                if not self._wait(left):
                     return False
-            if timeout != -1:
-                left = max(deadline - monotonic(), 0.0)
-            if not self._wait(left):
-                return False
-            if self.pending == 0:
-                return True
-            self.held = False
-            PyThread_release_lock(self.lock)
+                if self.pending == 0:
+                    return True
+                self.held = False
+                PyThread_release_lock(self.lock)
+        finally:
+            self._draining(-1)
 
-    cdef bint _drained(self, double timeout) except -1:
-        """Wait without the GIL until ``pending`` is 0 (at most ``timeout`` seconds unless
-        it is negative); whether it is."""
+    cdef void _draining(self, int step) noexcept:
+        pthread_mutex_lock(&self.ts_mu)
+        self.draining += step
+        if self.draining == 0:
+            pthread_cond_broadcast(&self.ts_cv)  # committers that stepped back
+        pthread_mutex_unlock(&self.ts_mu)
+
+    cdef bint _drained(self, double timeout, bint stepped_back) except -1:
+        """Wait without the GIL until ``pending`` is 0 (and, for a committer that
+        ``stepped_back``, ``draining`` too), at most ``timeout`` seconds unless it is
+        negative; whether it is."""
         cdef timespec ts
         cdef long long deadline = 0
         cdef int rc = 0
         cdef bint done
-        if self.pending == 0:
+        if self.pending == 0 and not (stepped_back and self.draining):
             return True
         if timeout >= 0:
             deadline = monotonic_ns() + <long long>(min(timeout, 6e4) * 1e9)
             ts.tv_sec = deadline // 1000000000
             ts.tv_nsec = deadline % 1000000000
-        self.draining += 1
         with nogil:
             pthread_mutex_lock(&self.ts_mu)
-            while self.pending != 0 and rc != ETIMEDOUT:
+            while (self.pending != 0 or (stepped_back and self.draining != 0)) and rc != ETIMEDOUT:
                 if timeout < 0:
                     pthread_cond_wait(&self.ts_cv, &self.ts_mu)
                 else:
                     rc = pthread_cond_timedwait(&self.ts_cv, &self.ts_mu, &ts)
-            done = self.pending == 0
+            done = self.pending == 0 and not (stepped_back and self.draining != 0)
             pthread_mutex_unlock(&self.ts_mu)
-        self.draining -= 1
         return done
 
     cdef object _wait(self, double timeout):
@@ -247,22 +260,25 @@ def take_for_plan(list locks not None, bint blind, object txlog):
                 held += 1
                 if lock.pending:
                     behind = True
+                if lock.draining and drain is None:
+                    drain = lock  # a thread waits to take it once drained: step back
             if busy is None:
-                if not behind:
-                    return False
-                for i in range(n):
-                    lock = <Lock>locks[i]
-                    if lock.pending and (not blind or lock.draining or txlog._idle_waiting):
-                        drain = lock
-                        break
                 if drain is None:
-                    return True
+                    if not behind:
+                        return False
+                    for i in range(n):
+                        lock = <Lock>locks[i]
+                        if lock.pending and (not blind or txlog._idle_waiting):
+                            drain = lock
+                            break
+                    if drain is None:
+                        return True
         except BaseException:
             _release_first(locks, held)
             raise
         _release_first(locks, held)
-        if drain is not None:
-            drain._drained(-1)
+        if busy is None:
+            drain._drained(-1, True)
         else:
             busy._wait(-1)  # its holder is done with it: start again
             busy.held = False
