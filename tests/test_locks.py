@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from armdb import _fs
 from armdb._core.locks import Lock, draw_turns, serve_turns, take_for_plan, take_turns
 
 calls = st.lists(
@@ -290,3 +291,74 @@ def test_t7_direct_calls_are_not_starved_by_durable_commits(tmp_path: Any) -> No
                 th.join(30)
         assert not any(th.is_alive() for th in threads)
         assert q.len() == sum(commits) + 100 and all(m.get(f"direct-{i}") == i for i in range(100))
+
+
+class _HeldSync(_fs.RealFS):
+    """The real file system, except that the log's ``fdatasync`` waits for ``go`` while
+    ``hold`` is set."""
+
+    def __init__(self) -> None:
+        self.hold = False
+        self.go = threading.Event()
+        self.waiting = threading.Event()
+
+    def fdatasync(self, fd: int) -> None:
+        if self.hold:
+            self.waiting.set()
+            self.go.wait(10)
+        super().fdatasync(fd)
+
+
+# SPEC T7 (project choice): a blind commit that planned on top of a commit waiting for
+# its sync, when a checkpoint starts right then, appends without waiting for the
+# checkpoint, which waits for the very commit whose shard it holds.  (Had it waited,
+# the three would wait for each other for ever.)
+def test_t7_a_commit_behind_others_does_not_wait_for_a_checkpoint(tmp_path: Any) -> None:
+    from armdb import Config, Db, TxConfig
+    from armdb.tx import Tx
+
+    fs = _HeldSync()
+    with _fs.use(fs):
+        db = Db.open(str(tmp_path / "db"), tx_config=TxConfig(checkpoint_bytes=1 << 30))
+        m = db.open_map("m", Config.balanced().shard_count(1).enable_fsync(False).build())
+        m.put("warm", 0)
+        fs.hold = True
+        first = threading.Thread(target=lambda: db.tx().put(m, "a", 1).durable().commit())
+        first.start()  # logged, its locks released, its sync held
+        assert fs.waiting.wait(10)
+        checkpoint = threading.Thread(target=db.txlog.checkpoint)
+        plan = Tx._plan
+
+        def plan_then_checkpoint(self: Any, *args: Any) -> None:
+            plan(self, *args)
+            if not checkpoint.is_alive() and checkpoint.ident is None:
+                checkpoint.start()  # it waits for the first commit to finish
+                deadline = time.monotonic() + 10
+                while not db.txlog._idle_waiting and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert db.txlog._idle_waiting
+
+        second_done = threading.Event()
+
+        def second() -> None:
+            Tx._plan = plan_then_checkpoint  # type: ignore[method-assign]
+            try:
+                db.tx().put(m, "b", 2).commit()
+            finally:
+                Tx._plan = plan  # type: ignore[method-assign]
+            second_done.set()
+
+        ts = threading.Thread(target=second)
+        ts.start()
+        deadline = time.monotonic() + 10
+        while not db.txlog._idle_waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)  # the second commit has appended by now (it does not wait)
+        fs.hold = False
+        fs.go.set()
+        for th in (first, ts, checkpoint):
+            th.join(10)
+        alive = [th for th in (first, ts, checkpoint) if th.is_alive()]
+        assert not alive, "the commits and the checkpoint wait for each other"
+        assert second_done.is_set() and m.get("a") == 1 and m.get("b") == 2
+        db.close()
