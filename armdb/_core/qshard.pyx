@@ -1207,12 +1207,14 @@ cdef class VarFast(FixedFast):
             return self.push_py(payload, None)
         seq = self._draw_seq()
         id_ = seq
-        try:
+        cdef bint pushed = False
+        try:  # (try/finally: no cost on the way through, where try/except saves the exception state)
             self._put_body(seq, id_, body)  # the body first (Q15)
             self._insert(seq, now, id_, b"")
-        except BaseException:
-            self._uncache(seq)  # (Queue._push_body's reason)
-            raise
+            pushed = True
+        finally:
+            if not pushed:
+                self._uncache(seq)  # (Queue._push_body's reason)
         return seq
 
     cdef int _uncache(self, object seq) except -1:
