@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
-from ._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put_ids, longest
+from ._core.bodycache import cache_drop, cache_pop, cache_put_ids, longest
 from ._core.fixed import ack_rows, push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
@@ -417,10 +417,14 @@ class Queue(Generic[T]):
         self._pushed_bodies = 0  # lone pushes' body writes (_put_body, under _cache_lock): payload_writes adds them
         self._orphans_collected = 0
         self._poisoned = 0  # rows dead-lettered at lease because their body cannot be decoded
-        # Raw var bodies by id (payload_config.cache_bytes): push fills it, a lease takes
-        # its rows' bodies out of it (so an ack has none to drop), retention drops them;
-        # over budget, the oldest push goes first (a plain dict in insertion order: an
-        # OrderedDict's bookkeeping cost more than a batched cycle's own Python per row).
+        # Raw var bodies by id (payload_config.cache_bytes): push fills it while a body
+        # fits in the budget, a lease takes its rows' bodies out of it (so an ack has none
+        # to drop), and every other way a row with a cached body goes (retention, purge,
+        # a batch ack of bodies it did not take, a push that failed after its body, close)
+        # drops its entry.  A full cache takes no new body: it keeps the oldest pushes,
+        # which a queue leases first, and nothing is ever evicted (an eviction of the
+        # oldest, as before, left a backlog larger than the cache reading every lease from
+        # the data file, and cost a push into a full cache a put and an eviction).
         # Guarded by _cache_lock.
         self._cache: dict[int, bytes] = {}
         self._cache_bytes = 0
@@ -527,7 +531,7 @@ class Queue(Generic[T]):
                     self._lease_timeouts, self._gens, Lease, LeaseToken, self._handle)
                 body_store = typing.cast("BitcaskStore", self._payload)
                 var.set_var(body_store.put, body_store._putter if len(body_store._shards) == 1 else None,
-                            self._cache, self._cache_lock, self._cache_evict, self._decode, self._read_payloads,
+                            self._cache, self._cache_lock, self._decode, self._read_payloads,
                             _fail, _GONE, self._commit_settle)
                 vcodec = typing.cast(VarCodec, self._codec)
                 var.set_plain(vcodec._plain_type, vcodec._decodes_as_is)
@@ -641,6 +645,9 @@ class Queue(Generic[T]):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        with self._cache_lock:  # a handle kept after close holds no bodies
+            self._cache.clear()
+            self._cache_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------------
     def _check(self) -> int:
@@ -697,14 +704,20 @@ class Queue(Generic[T]):
         """A lone push of an encoded payload once ``max_depth`` was checked (:meth:`_push`,
         and a one-job batch, which checks it with the batch's message)."""
         seq = self._next_id(self._seq_name)
-        if self._payload is not None:
-            self._put_body(self._payload, seq, body)
-            pid, inline = seq, b""
-        else:
-            pid, inline = 0, body
         sh = self._shards[seq % len(self._shards)]
-        with sh.lock:
-            sh.push(now + delay_ms, seq, now, pid, inline)
+        if self._payload is not None:
+            try:
+                self._put_body(self._payload, seq, body)
+                with sh.lock:
+                    sh.push(now + delay_ms, seq, now, seq, b"")
+            except BaseException:
+                # A body cached for a row whose header was not written would hold its
+                # budget until close: no lease takes it, nothing evicts it.
+                self._cache_drop(seq)
+                raise
+        else:
+            with sh.lock:
+                sh.push(now + delay_ms, seq, now, 0, body)
         self._notify()
         return seq
 
@@ -1114,47 +1127,34 @@ class Queue(Generic[T]):
         return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs, cached)))
 
     def _put_body(self, store: BitcaskStore, seq: int, body: bytes) -> None:
-        """A lone push's body: written first (Q15), counted, and cached, the count and
-        the cache under one hold of the cache's lock (taken by acquire and release: a
-        ``with`` binds ``__enter__`` and ``__exit__`` at every pass)."""
+        """A lone push's body: written first (Q15), counted, and cached (:meth:`_cache_put`),
+        the count and the cache under one hold of the cache's lock (taken by acquire and
+        release: a ``with`` binds ``__enter__`` and ``__exit__`` at every pass)."""
         store.put(seq.to_bytes(8, "big"), body)  # qrows.body_key
-        budget = self._cache_budget
         lock = self._cache_lock
         lock.acquire()
         try:
             self._pushed_bodies += 1
-            if len(body) <= budget:
+            size = self._cache_bytes + len(body)
+            if size <= self._cache_budget:
                 self._cache[seq] = body
-                self._cache_bytes += len(body)
-                if self._cache_bytes > budget:
-                    self._cache_evict()
+                self._cache_bytes = size
         finally:
             lock.release()
         _fail.point("queue.var_push.after_body")
 
     def _cache_put(self, seq: int, body: bytes) -> None:
-        if self._cache_budget <= 0 or len(body) > self._cache_budget:
-            return
+        """Cache ``seq``'s body if it fits in the room the budget has left; a full cache
+        takes no new body (it keeps the oldest, which the queue leases first)."""
         with self._cache_lock:
-            self._cache[seq] = body
-            self._cache_bytes += len(body)
-            if self._cache_bytes > self._cache_budget:
-                self._cache_evict()
-
-    def _cache_evict(self) -> None:
-        """Drop the oldest bodies (in push order) until the cache is within its budget;
-        under ``_cache_lock``.  By rounds, with no Python loop per body: each round drops as
-        many of the oldest as the excess over the average body size asks for (at least
-        one), so a round may drop a few bodies more than the least that would do."""
-        cache = self._cache
-        while self._cache_bytes > self._cache_budget and cache:
-            excess = self._cache_bytes - self._cache_budget
-            k = -(-excess * len(cache) // self._cache_bytes)  # ceil(excess / average size)
-            self._cache_bytes -= cache_evict(cache, k)  # (a compiled loop: no Python call a body)
+            size = self._cache_bytes + len(body)
+            if size <= self._cache_budget:
+                self._cache[seq] = body
+                self._cache_bytes = size
 
     def _cache_put_ids(self, ids: list[int], bodies: list[bytes]) -> None:
-        """:meth:`_cache_put` of a batch's bodies (``ids[i]`` is ``bodies[i]``'s id) and the
-        eviction after them, under one hold of the cache's lock, by one compiled call."""
+        """:meth:`_cache_put` of a batch's bodies (``ids[i]`` is ``bodies[i]``'s id) while
+        they fit, under one hold of the cache's lock, by one compiled call."""
         budget = self._cache_budget
         if budget <= 0:
             return

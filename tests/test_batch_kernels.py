@@ -10,7 +10,6 @@ exactly as ``msgpack.unpackb(raw, raw=False, strict_map_key=False)`` gives it.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
@@ -21,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from armdb import Db, queue
-from armdb._core.bodycache import cache_drop, cache_evict, cache_pop, cache_put_ids, longest
+from armdb._core.bodycache import cache_drop, cache_pop, cache_put_ids, longest
 from armdb._core.plain import reads_back_one
 from armdb._core.plainpack import pack_plain, unpack_plain
 
@@ -163,9 +162,11 @@ def test_q1_the_body_cache_loops_do_what_the_dict_operations_do():
     # SPEC Q1: a cached body is the pushed body; a lease of an uncached one reads the store
     cache: dict[int, bytes] = {7: b"old"}
     assert cache_put_ids(cache, [10, 11, 12], [b"a", b"bb" * 50, b"ccc"], 10, 3) == 7  # the 100-byte body is over budget
-    assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]  # insertion order: eviction's
+    assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc")]
+    assert cache_put_ids(cache, [13, 14, 15], [b"dd", b"eeee", b"f"], 10, 7) == 9  # full at 14: the rest is not cached
+    assert list(cache.items()) == [(7, b"old"), (10, b"a"), (12, b"ccc"), (13, b"dd")]  # nothing evicted
     assert cache_drop(cache, np.array([10, 11, 7], dtype=np.uint64)) == 4
-    assert cache == {12: b"ccc"}
+    assert cache == {12: b"ccc", 13: b"dd"}
 
 
 
@@ -243,21 +244,6 @@ def test_q1_truncated_maps_and_strings_are_left_to_msgpack():
     assert unpack_plain(ok) == [_unpack(r) for r in ok]
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 50), st.binary(max_size=30)), max_size=30), st.integers(0, 40),
-       st.lists(st.integers(0, 50), max_size=10))
-def test_q1_cache_evict_drops_the_oldest_as_the_dict_operations_do(items, k, gone):
-    # SPEC Q1: the cache's eviction round drops the k oldest bodies, in push order
-    cache = dict(items)
-    for key in gone:  # holes at the front, as acks leave them
-        cache.pop(key, None)
-    want = dict(cache)
-    victims = list(itertools.islice(want, k))
-    freed = sum(map(len, map(want.pop, victims)))
-    assert cache_evict(cache, k) == freed
-    assert list(cache.items()) == list(want.items())
-
-
 @settings(max_examples=12, deadline=None)
 @given(st.integers(0, 90), st.integers(1, 120), st.integers(0, 40), st.integers(1, 3))
 def test_q32_claim_new_leases_what_claim_block_leases(tmp_path_factory, rows, n, acked, max_attempts):
@@ -314,23 +300,24 @@ def test_q1_the_body_cache_keys_ids_past_the_long_range():
 
 
 def _put_ids_reference(cache: dict[int, bytes], ids: list[int], bodies: list[bytes], budget: int, held: int) -> int:
-    """Queue._cache_put's dict operations for each body, then the oldest dropped until the
-    cache is within its budget: what cache_put_ids does in one call."""
+    """Queue._cache_put's dict operations for each body while it fits in the room left,
+    the first that does not (and is not longer than the whole budget) ending the batch:
+    what cache_put_ids does in one call."""
     for i, body in zip(ids, bodies, strict=True):
-        if len(body) <= budget:
+        if held + len(body) <= budget:
             cache[i] = body
             held += len(body)
-    while held > budget and cache:
-        held -= len(cache.pop(next(iter(cache))))
+        elif len(body) <= budget:
+            break
     return held
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.binary(max_size=60), max_size=30), st.booleans()), max_size=12),
        st.integers(0, 400))
-def test_q1_a_push_batch_s_put_and_eviction_do_what_the_dict_operations_do(batches, budget):
-    # SPEC Q1: a batch's bodies are cached under their ids and the oldest (dict order, a
-    # pop's put-backs included) dropped until the cache is within its budget
+def test_q1_a_push_batch_s_put_does_what_the_dict_operations_do(batches, budget):
+    # SPEC Q1: a batch's bodies are cached under their ids while they fit in the budget; a
+    # full cache keeps what it holds (nothing is evicted) and takes no more
     cache: dict[int, bytes] = {}
     model: dict[int, bytes] = {}
     held = want = 0
@@ -340,9 +327,10 @@ def test_q1_a_push_batch_s_put_and_eviction_do_what_the_dict_operations_do(batch
         next_id += len(bodies)
         held = cache_put_ids(cache, ids, bodies, budget, held)
         want = _put_ids_reference(model, ids, bodies, budget, want)
-        assert held == want == sum(map(len, cache.values())) and list(cache.items()) == list(model.items())
-        if pop and cache:  # a lease takes one; its bytes leave the count
-            k = next(reversed(cache))
+        assert held == want == sum(map(len, cache.values())) <= max(budget, 0)
+        assert list(cache.items()) == list(model.items())
+        if pop and cache:  # a lease takes the oldest; its bytes leave the count and make room
+            k = next(iter(cache))
             held -= len(cache.pop(k))
             want -= len(model.pop(k))
     with pytest.raises(ValueError):
@@ -351,18 +339,16 @@ def test_q1_a_push_batch_s_put_and_eviction_do_what_the_dict_operations_do(batch
         cache_put_ids({}, [1], ["a"], 10, 0)
 
 
-def _evict_reference(cache: dict[int, bytes], k: int) -> int:
-    victims = list(cache)[:max(k, 0)]
-    return sum(len(cache.pop(key)) for key in victims)
-
-
 @pytest.mark.parametrize("seed", range(4))
-def test_q1_eviction_rounds_drop_the_oldest_bodies_in_push_order(seed):
-    # SPEC Q1: each round drops the first bodies in the dict's order (push order, a pop's
-    # put-backs at the end), through resizes, clears, drops, pops and several caches
+def test_q1_the_cache_loops_keep_the_oldest_bodies_through_puts_drops_and_pops(seed):
+    # SPEC Q1: through batch puts, lone puts, drops, pops (a pop that misses puts back
+    # what it took), clears and several caches, each cache holds what the dict operations
+    # give, within its budget, and a full cache takes nothing new
     rng = random.Random(seed)
-    caches = [{} for _ in range(6)]
-    models = [{} for _ in range(6)]
+    caches: list[dict[int, bytes]] = [{} for _ in range(6)]
+    models: list[dict[int, bytes]] = [{} for _ in range(6)]
+    helds = [0] * 6
+    budget = 2000
     next_id = 1
     for _ in range(3000):
         c = rng.randrange(len(caches)) if rng.random() < 0.3 else 0
@@ -371,28 +357,35 @@ def test_q1_eviction_rounds_drop_the_oldest_bodies_in_push_order(seed):
         if op < 0.35:
             n = rng.choice([1, 5, 50, 400])
             bodies = [rng.randbytes(rng.randrange(1, 40)) for _ in range(n)]
-            assert cache_put_ids(cache, list(range(next_id, next_id + n)), bodies, 10**9, 0) == sum(map(len, bodies))
-            model.update(zip(range(next_id, next_id + n), bodies))
+            ids = list(range(next_id, next_id + n))
+            want = _put_ids_reference(model, ids, bodies, budget, sum(map(len, model.values())))
+            helds[c] = cache_put_ids(cache, ids, bodies, budget, helds[c])
+            assert helds[c] == want
             next_id += n
-        elif op < 0.75:
-            k = rng.choice([0, 1, 3, 50, 300, 5000])
-            assert cache_evict(cache, k) == _evict_reference(model, k)
-        elif op < 0.85 and model:
-            ids = rng.sample(sorted(model), min(len(model), rng.randrange(1, 30)))
-            assert cache_drop(cache, np.array(ids, dtype=np.uint64)) == sum(len(model.pop(i)) for i in ids)
-        elif op < 0.93 and model:  # a pop that misses puts the bodies it took back, at the end
-            ids = sorted(model)[: rng.randrange(1, 20)] + ([10**12] if rng.random() < 0.5 else [])
+        elif op < 0.6 and model:  # a lease of the oldest rows, as a queue leases them
+            ids = list(model)[: rng.randrange(1, 60)]
             got = cache_pop(cache, np.array(ids, dtype=np.uint64))
-            if 10**12 in ids:
-                assert got is None
-                for i in ids[:-1]:
-                    model[i] = model.pop(i)
-            else:
-                assert got is not None and got[0] == [model.pop(i) for i in ids]
-        elif op < 0.96:
+            assert got is not None and got[0] == [model.pop(i) for i in ids]
+            helds[c] -= got[1]
+        elif op < 0.8 and model:
+            ids = rng.sample(sorted(model), min(len(model), rng.randrange(1, 30)))
+            freed = cache_drop(cache, np.array(ids, dtype=np.uint64))
+            assert freed == sum(len(model.pop(i)) for i in ids)
+            helds[c] -= freed
+        elif op < 0.9 and model:  # a pop that misses puts the bodies it took back, at the end
+            ids = sorted(model)[: rng.randrange(1, 20)] + [10**12]
+            assert cache_pop(cache, np.array(ids, dtype=np.uint64)) is None
+            for i in ids[:-1]:
+                model[i] = model.pop(i)
+        elif op < 0.93:
             cache.clear()
             model.clear()
-        else:  # a lone push's body, by the dict itself
-            cache[next_id] = model[next_id] = b"x" * rng.randrange(1, 9)
+            helds[c] = 0
+        else:  # a lone push's body (Queue._cache_put), by the dict itself
+            body = b"x" * rng.randrange(1, 9)
+            if helds[c] + len(body) <= budget:
+                cache[next_id] = model[next_id] = body
+                helds[c] += len(body)
             next_id += 1
         assert list(cache.items()) == list(model.items())
+        assert helds[c] == sum(map(len, cache.values())) <= budget

@@ -519,18 +519,22 @@ def _body_cfg(cache_bytes: int) -> QueueConfig:
 
 
 def test_q31_q32_batches_keep_the_payload_cache_within_budget(db):
-    # SPEC Q31, Q32: push_many fills the body cache within its budget, the oldest pushes
-    # going first; lease_batch reads cached bodies without the data file and the others
-    # from it (a partly cached batch); ack_many empties the cache
+    # SPEC Q31, Q32: push_many fills the body cache within its budget, a full cache taking
+    # no more (it keeps the oldest, leased first); lease_batch reads cached bodies without
+    # the data file and the others from it (a partly cached batch); ack_many empties the cache
     qq = db.open_queue(VarQ, _body_cfg(300))
     ids = qq.push_many([Job(10**12 + i) for i in range(100)])
-    body = len(qq._cache[ids[-1]])  # every body has this size (a uint64 in an array)
+    body = len(qq._cache[ids[0]])  # every body has this size (a uint64 in an array)
     assert qq._cache_bytes == sum(map(len, qq._cache.values())) <= 300
-    assert sorted(qq._cache) == ids[-len(qq._cache):]  # the newest bodies, and as many as fit
+    assert list(qq._cache) == ids[:len(qq._cache)]  # the oldest bodies, and as many as fit
     assert len(qq._cache) == 300 // body
-    got = qq.lease_batch(100)
-    assert list(got.payloads) == [Job(10**12 + i) for i in range(100)] and got.ids.tolist() == ids
-    assert qq.ack_many(got) == 100
+    more = qq.push_many([Job(i) for i in range(5)]) + [qq.push(Job(5))]  # full: neither batch nor lone push cached
+    assert list(qq._cache) == ids[:300 // body] and not set(more) & set(qq._cache)
+    ids += more
+    got = qq.lease_batch(200)
+    assert list(got.payloads) == [Job(10**12 + i) for i in range(100)] + [Job(i) for i in range(6)]
+    assert got.ids.tolist() == ids
+    assert qq.ack_many(got) == 106
     assert len(qq._cache) == 0 and qq._cache_bytes == 0
 
 

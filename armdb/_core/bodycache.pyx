@@ -4,26 +4,27 @@ and changed a batch at a time by a compiled loop.
 
 ``push_many`` puts a batch's bodies, ``lease_batch`` takes them back, ``ack_many`` drops
 them: with Python's ``dict.update``, ``map`` and ``sum`` that was a few Python objects
-and calls per row for each of the three.  These loops do the same dict operations (the
-dict stays a plain dict in insertion order, which ``Queue._cache_evict`` relies on); the
-caller holds the cache's lock and keeps the byte count.
+and calls per row for each of the three.  These loops do the same dict operations; the
+caller holds the cache's lock and keeps the byte count.  Nothing is ever evicted: a body
+is cached only while it fits in the budget (``Queue._cache_put``), and leaves as its row
+is leased or removed.
 """
 
 from cpython.bytes cimport PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem
+from cpython.dict cimport PyDict_SetItem
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
-from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport uint64_t
 
 
 def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize_t held):
     """Put ``bodies[i]`` (``bytes``) under ``ids[i]`` (the ints ``push_many`` returns, so
-    the cache's keys are those objects, not a new int a body), each no longer than
-    ``budget`` (a longer one is not cached); then, while the cache
-    holds more than ``budget`` bytes (``held`` before the put), the oldest bodies dropped
-    (dict order, as :func:`cache_evict`): a push batch's put and eviction in one call.
+    the cache's keys are those objects, not a new int a body) while they fit in the room
+    the cache has left (``budget`` less ``held``, the bytes held before the put): the
+    first body that does not fit ends the put, so a full cache keeps the bodies it holds
+    (the oldest, which a queue leases first) and costs a batch one comparison.  A body
+    longer than ``budget`` is never cached and is skipped.  Nothing is evicted.
     Returns the bytes held after."""
     cdef Py_ssize_t i, n = PyList_GET_SIZE(bodies), size
     cdef object body
@@ -32,36 +33,20 @@ def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize
     for i in range(n):
         body = <object>PyList_GET_ITEM(bodies, i)
         size = PyBytes_GET_SIZE(<bytes?>body)
-        if size <= budget:
-            PyDict_SetItem(cache, <object>PyList_GET_ITEM(ids, i), body)
-            held += size
-    if held <= budget:
-        return held
-    return held - _drop_oldest(cache, PY_SSIZE_T_MAX, held - budget)
-
-
-cdef Py_ssize_t _drop_oldest(dict cache, Py_ssize_t k, Py_ssize_t excess) except -1:
-    """Drop the oldest bodies of ``cache`` (dict order: push order) until ``k`` are gone
-    or their bytes reach ``excess``, whichever comes first; returns their bytes.  The
-    eviction of :func:`cache_evict` (by count) and :func:`cache_put_ids` (by bytes)."""
-    cdef Py_ssize_t pos = 0, i, freed = 0
-    cdef PyObject* key
-    cdef PyObject* value
-    cdef list victims = []
-    while len(victims) < k and freed < excess and PyDict_Next(cache, &pos, &key, &value):
-        freed += PyBytes_GET_SIZE(<bytes?><object>value)
-        victims.append(<object>key)
-    for i in range(len(victims)):  # (not while iterating: a dict must not change under PyDict_Next)
-        PyDict_DelItem(cache, <object>PyList_GET_ITEM(victims, i))
-    return freed
+        if size > budget - held:
+            if size <= budget:
+                break  # full: the rest of the batch is read back from the store when leased
+            continue
+        PyDict_SetItem(cache, <object>PyList_GET_ITEM(ids, i), body)
+        held += size
+    return held
 
 
 def cache_pop(dict cache, const uint64_t[::1] ids):
     """The cached bodies of ``ids`` in order, taken out of the cache (a batch lease's
     bodies, decoded once; its ack then has none to drop): ``(bodies, bytes)``, one dict
     operation a body; or None unless every one of ``ids`` is cached, with the cache
-    holding what it held (the bodies taken before a missing one are put back, at the
-    end of the eviction order)."""
+    holding what it held (the bodies taken before a missing one are put back)."""
     cdef Py_ssize_t i, j, n = ids.shape[0], freed = 0
     cdef object body
     cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
@@ -103,10 +88,3 @@ def cache_drop(dict cache, const uint64_t[::1] ids):
         if body is not None:
             freed += PyBytes_GET_SIZE(<bytes?>body)
     return freed
-
-
-def cache_evict(dict cache, Py_ssize_t k):
-    """Drop the first ``k`` bodies of ``cache`` (its oldest: the dict is in push order),
-    all if it holds fewer; returns their bytes.  ``Queue._cache_evict``'s round, which
-    took an ``islice``, a ``pop`` and a ``len`` call a body."""
-    return _drop_oldest(cache, k, PY_SSIZE_T_MAX)

@@ -64,7 +64,7 @@ class FixedFast:
 
 @final
 class VarFast(FixedFast):
-    def set_var(self, store_put: Any, putter: Any, cache: dict[int, bytes], cache_lock: Any, cache_evict: Any,
+    def set_var(self, store_put: Any, putter: Any, cache: dict[int, bytes], cache_lock: Any,
                 decode: Any, read_payloads: Any, fail: Any, gone: Any, settle: Any) -> None: ...
     def set_plain(self, plain_type: Any, decodes_as_is: bool) -> None: ...
     def set_ack(self, payload: Any, pairs: list[tuple[Any, Any]], fhead: bytes, bhead: bytes, fence: Any,

@@ -1085,7 +1085,7 @@ cdef class VarFast(FixedFast):
     methods document.  The ack hands the common token to ``armdb.tx.commit_settle``.
     """
 
-    cdef object store_put, cache_evict, decode, read_payloads, fail, gone, settle
+    cdef object store_put, decode, read_payloads, fail, gone, settle
     cdef Lock cache_lock
     cdef PutKernel putter
     cdef dict cache
@@ -1101,12 +1101,12 @@ cdef class VarFast(FixedFast):
     cdef list ack_first, ack_second
     cdef bytes fhead, bhead
 
-    def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
+    def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
                 read_payloads, fail, gone, settle):
         """The var queue's parts: its body store's ``put`` and, when that store has one
         shard and is not encrypted, its compiled put (``BitcaskStore._putter``, called
-        without the Python frame of ``put``), its body cache (the dict, its lock,
-        ``Queue._cache_evict``), the codec's ``decode``, ``Queue._read_payloads``, the
+        without the Python frame of ``put``), its body cache (the dict and its lock), the
+        codec's ``decode``, ``Queue._read_payloads``, the
         ``armdb._fail`` module (its ``point`` is looked up at each call, as the Python
         callers do), the ``_GONE`` marker and the ack's commit (``armdb.tx.commit_settle``)."""
         for name in ("_cache_bytes", "_cache_budget", "_pushed_bodies"):
@@ -1116,7 +1116,6 @@ cdef class VarFast(FixedFast):
         self.putter = putter
         self.cache = cache
         self.cache_lock = cache_lock
-        self.cache_evict = cache_evict
         self.decode = decode
         self.read_payloads = read_payloads
         self.fail = fail
@@ -1165,7 +1164,8 @@ cdef class VarFast(FixedFast):
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
-        cache's lock (the byte count is read and written only under it)."""
+        cache's lock if it fits in the room left (the byte count is read and written only
+        under it; a full cache keeps the oldest bodies, which are leased first)."""
         cdef bytes key = PyBytes_FromStringAndSize(NULL, 8)
         store_be64(<uint8_t*>PyBytes_AS_STRING(key), id_)  # qrows.body_key
         if self.putter is not None:
@@ -1177,13 +1177,10 @@ cdef class VarFast(FixedFast):
         take(self.cache_lock)
         try:
             PyDict_SetItem(self.qd, "_pushed_bodies", <object>PyDict_GetItemWithError(self.qd, "_pushed_bodies") + 1)
-            budget = <object>PyDict_GetItemWithError(self.qd, "_cache_budget")
-            if n <= budget:
+            size = <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") + n
+            if size <= <object>PyDict_GetItemWithError(self.qd, "_cache_budget"):
                 self.cache[seq] = body
-                size = <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") + n
                 PyDict_SetItem(self.qd, "_cache_bytes", size)
-                if size > budget:
-                    self.cache_evict()
         finally:
             give(self.cache_lock)
         self.fail.point("queue.var_push.after_body")
@@ -1210,9 +1207,28 @@ cdef class VarFast(FixedFast):
             return self.push_py(payload, None)
         seq = self._draw_seq()
         id_ = seq
-        self._put_body(seq, id_, body)  # the body first (Q15)
-        self._insert(seq, now, id_, b"")
+        cdef bint pushed = False
+        try:  # (try/finally: no cost on the way through, where try/except saves the exception state)
+            self._put_body(seq, id_, body)  # the body first (Q15)
+            self._insert(seq, now, id_, b"")
+            pushed = True
+        finally:
+            if not pushed:
+                self._uncache(seq)  # (Queue._push_body's reason)
         return seq
+
+    cdef int _uncache(self, object seq) except -1:
+        """``Queue._cache_drop``: ``seq``'s cached body, if any, dropped."""
+        cdef object body
+        take(self.cache_lock)
+        try:
+            body = self.cache.pop(seq, None)
+            if body is not None:
+                PyDict_SetItem(self.qd, "_cache_bytes",
+                               <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - len(<bytes>body))
+        finally:
+            give(self.cache_lock)
+        return 0
 
     def lease(self, n=1, *, lease_timeout=None):
         """Lease up to ``n`` due rows in key order; a list of ``Lease`` (``Queue.lease``,
