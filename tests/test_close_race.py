@@ -273,12 +273,12 @@ def test_commit_holding_its_locks_while_close_starts_still_applies(tmp_path: Pat
     store = m.store
     append = TxLog.append
 
-    def append_once_close_began(self, rows, packed=None):  # runs in the committing thread, locks held
+    def append_once_close_began(self, rows, packed=None, behind=False):  # in the committing thread, locks held
         limit = time.monotonic() + 5
         while not store._closed and time.monotonic() < limit:
             time.sleep(0.001)
         assert store._closed, "close did not begin"
-        return append(self, rows, packed)
+        return append(self, rows, packed, behind)
 
     monkeypatch.setattr(TxLog, "append", append_once_close_began)
     result: list[object] = []

@@ -304,10 +304,10 @@ def test_t2_a_var_batch_logs_the_record_it_logged_when_its_body_was_joined(tmp_p
         seen: list[tuple[int, bytes]] = []
         append = txlog.append
 
-        def spy(rows, packed=None):
+        def spy(rows, packed=None, behind=False):
             start = txlog._end
             want = _old_body(rows, [(c, bytes(b)) for c, b in packed]) if packed else None
-            end = append(rows, packed)
+            end = append(rows, packed, behind)
             if want is not None:
                 seen.append((start, want))
             return end

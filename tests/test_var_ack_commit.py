@@ -57,9 +57,9 @@ def _drive(path: Path, steps: list[tuple[str, Any]], compiled: bool, durable: bo
     bodies: list[bytes] = []
     append = db.txlog.append_body
 
-    def recording(body: bytes, parts: Any = None) -> int:
+    def recording(body: bytes, parts: Any = None, behind: bool = False) -> int:
         bodies.append(bytes(body))
-        return append(body, parts)
+        return append(body, parts, behind)
 
     db.txlog.append_body = recording  # (an instance attribute: both paths look it up per call)
     out: list[Any] = []
