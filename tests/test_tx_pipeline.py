@@ -303,7 +303,8 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
     model = Model()
     producers_done = threading.Event()
     stop_reader = threading.Event()
-    per_writer = int(os.environ.get("ARMDB_TXPIPE_OPS", "300"))
+    per_writer = int(os.environ.get("ARMDB_TXPIPE_OPS", "400"))
+    seed = 1000 if durable else 0  # each thread's choices are seeded; the interleaving is the host's
 
     def check_parked(where: str) -> None:
         # Every parked push that returned (counted after it returned) is in len() (T2).
@@ -315,7 +316,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
     def tx_writer(t: int, name: str) -> None:
         """Blind commits (put + push), some with a delete of another key and a parked
         push, half durable; and delete-only commits.  Reads its own writes after each."""
-        rng = random.Random(100 + t)
+        rng = random.Random(seed + 100 + t)
         own = [t * 1000 + i for i in range(10)]
         for _ in range(per_writer):
             m = rng.randrange(2)
@@ -371,7 +372,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
     def stream_writer(name: str) -> None:
         """Commits into the stream source (each put emits a job into txp_stream under every
         lock of that queue, T6/T7), some with a push into txp_fixed, some with a delete."""
-        rng = random.Random(7)
+        rng = random.Random(seed + 7)
         own = list(range(5000, 5008))
         for _ in range(per_writer):
             k = rng.choice(own)
@@ -406,7 +407,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
     def direct_writer(name: str) -> None:
         """Direct puts then pushes of a job naming the put (the put returned first, so a
         consumer must see it), direct deletes, push_many, parked pushes."""
-        rng = random.Random(11)
+        rng = random.Random(seed + 11)
         own = [9000 + i for i in range(10)]
         last_put: dict[tuple[int, int], int] = {}
         for _ in range(per_writer):
@@ -465,7 +466,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
 
     def direct_consumer(name: str) -> None:
         """lease(n), then a direct ack, nack (delay 0) or dead-letter of each lease."""
-        rng = random.Random(21)
+        rng = random.Random(seed + 21)
         idle = 0
         while idle < 3:
             got = 0
@@ -489,7 +490,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
 
     def batch_consumer(name: str) -> None:
         """lease_batch then ack_many, or the next lease_batch(ack=previous batch) (Q31, Q32)."""
-        rng = random.Random(31)
+        rng = random.Random(seed + 31)
         prev: dict[str, tuple[Any, list[tuple[int, int, int, int]]]] = {}
         idle = 0
         while idle < 3:
@@ -528,7 +529,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
     def tx_consumer(name: str) -> None:
         """Acks and nacks inside commits, with a put or delete of its own key (commits
         that read state: tokens, the net depth of txp_var); half durable."""
-        rng = random.Random(41)
+        rng = random.Random(seed + 41)
         own = [7000 + i for i in range(6)]
         idle = 0
         while idle < 3:
@@ -568,7 +569,7 @@ def test_t2_threads_on_shared_shards_keep_order_visibility_and_every_row(db_path
             model.check_read(maps, m, k, v, f"{name} after its commit")
 
     def reader(name: str) -> None:
-        rng = random.Random(51)
+        rng = random.Random(seed + 51)
         while not stop_reader.is_set():
             keys = list(model.published.copy().items())
             for (m, k), v in rng.sample(keys, min(8, len(keys))):

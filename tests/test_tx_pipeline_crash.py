@@ -15,7 +15,7 @@ gsn or slot version ahead of a logged but unapplied commit, loses that commit at
 replay after a kill (a Bitcask row is replayed only above its shard's highest gsn, a slot
 only at a newer version): the first check below catches it.
 
-Sizes: ``ARMDB_KILLS_TXPIPE`` kills (default 6); the slow form runs 40.
+Sizes: ``ARMDB_KILLS_TXPIPE`` kills (default 10); the slow form runs 40.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def _run(db_path: Path, rounds: int, seed: int) -> Journal:
 # and acks share shards: nothing journaled is lost, nothing is half applied.
 @pytest.mark.crash
 def test_t3_sigkill_amid_durable_commits_and_direct_ops_keeps_every_commit_whole(db_path: Path) -> None:
-    _run(db_path, int(os.environ.get("ARMDB_KILLS_TXPIPE", "6")), seed=1)
+    _run(db_path, int(os.environ.get("ARMDB_KILLS_TXPIPE", "10")), seed=1)
 
 
 # The same, 40 kills.
