@@ -310,15 +310,19 @@ def _run(db_path: Path, rounds: int, seed: int) -> Journal:
         code = CHILD.format(path=str(db_path), base=r * 10_000_000, seed=seed * 1000 + r, committers=COMMITTERS,
                             direct_base=DIRECT_BASE, mark=MARK, lease_timeout=LEASE_TIMEOUT)
         child = Child(code)
-        want = rng.randint(40, 600)  # journal lines before the kill
-        if not child.wait_lines(want, STALL):
-            out, err = child.kill(stacks=True)
-            raise AssertionError(
-                f"round {r}: the child stopped journaling after {len(out.splitlines())} of {want} lines "
-                f"(no line for {STALL:.0f} s: a deadlock, or a thread died); its threads and stderr:\n{err[-20000:]}"
-            )
-        time.sleep(rng.uniform(0, 0.03))
-        out, err = child.kill()
+        try:
+            want = rng.randint(40, 600)  # journal lines before the kill
+            if not child.wait_lines(want, STALL):
+                out, err = child.kill(stacks=True)
+                raise AssertionError(
+                    f"round {r}: the child stopped journaling after {len(out.splitlines())} of {want} lines "
+                    f"(no line for {STALL:.0f} s: a deadlock, or a thread died); its threads and stderr:\n{err[-20000:]}"
+                )
+            time.sleep(rng.uniform(0, 0.03))
+            out, err = child.kill()
+        finally:
+            if child.p.poll() is None:  # the test itself was interrupted: no child outlives it
+                child.p.kill()
         assert "Traceback" not in err, f"round {r}: a child thread failed:\n{err}"
         j.read(out)
         _check(db_path, j, r)
