@@ -59,3 +59,4 @@ cdef class PutKernel:
     cdef uint64_t seq_mask
     cdef bint fsync
     cpdef object put(self, Py_ssize_t i, bytes key, bytes value)
+    cpdef object tomb(self, bytes key, object gsn)

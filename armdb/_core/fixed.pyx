@@ -489,6 +489,80 @@ cdef class PutKernel:
             self.auto_compact(store, sh)
         return seq
 
+    cpdef object tomb(self, bytes key, object gsn):
+        """``BitcaskStore.tomb_locked``: the delete ``(key, None, gsn)`` of a store of one
+        shard (a var queue's lone ack of its body; the caller holds the shard's lock), as
+        ``write_locked`` writes it, in one compiled call: the tombstone
+        (:func:`bitcask_tomb`'s record, flagged when everything before it was synced)
+        appended by the file system's ``pwrite``, the file's counters, the hint entry,
+        the failpoint ``bitcask.after_append``, the index change (:func:`bitcask_tomb_drop`,
+        or ``store._index_update``), the shard's highest gsn, then the timed sync when
+        due, in that order.  Anything else (several shards, a closed or fenced store, a
+        gsn that is not a plain one, a missing key, a rotation due) goes to
+        ``store.write_locked``, which judges it.  Returns what ``write_locked`` returns:
+        whether a record was written."""
+        store = self.store
+        cdef uint64_t g
+        if len(self.shards) != 1 or type(gsn) is not int or key is None:
+            return store.write_locked(key, None, gsn)
+        try:
+            g = gsn
+        except OverflowError:
+            return store.write_locked(key, None, gsn)
+        sh = self.shards[0]
+        if sh.closed or <object>PyDict_GetItemWithError(self.sd, "_poisoned") is not None or g > _SEQ_MASK:
+            return store.write_locked(key, None, gsn)
+        cdef uint64_t word = g | _TOMBSTONE
+        act = sh.active
+        cdef Py_ssize_t off = act.size
+        # Everything before this record was synced: say so (as _write does).
+        if act.version >= self.marked_version and off == sh.synced:
+            word |= _SYNCED_BEFORE
+        total = act.total
+        rec = _tomb_record(key, sh.index, word, sh.highest, self.magic, self.max_key, off, total,
+                           self.max_file_size)
+        if rec is None:
+            return store.write_locked(key, None, gsn)
+        try:
+            (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(act.fd, rec, off)
+        except OSError as e:
+            raise store._append_failed(act, off, e) from e
+        cdef Py_ssize_t size = len(<bytes>rec)
+        act.size = off + size
+        act.total = total + size
+        sh.dirty = True
+        _hint_add(sh.hint, word, off, 0, key, <object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL"))
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("bitcask.after_append")
+        fid = act.fid
+        cdef Py_ssize_t old = _tomb_drop(sh.index, key, fid)
+        if old >= 0:
+            act.dead += old + size  # the put and its tombstone, garbage at once
+        else:
+            store._index_update(sh, key, fid, off, size, word)
+        sh.highest = gsn
+        cdef double now
+        if self.fsync:  # _maybe_sync without its frame, as _write runs it (sh.dirty is set above)
+            now = monotonic_s()  # time.monotonic()
+            if not self.sync_interval or now - sh.last_sync >= self.sync_interval:
+                store._sync_due(sh, now)
+        return True
+
+
+cdef int _hint_add(object hint, uint64_t word, uint64_t off, uint32_t vlen, bytes key,
+                   Py_ssize_t hint_spill) except -1:
+    """``_HintBuilder.add`` of one record's entry, for the kernels that write a lone
+    record (:func:`_bitcask_put`, :meth:`PutKernel.tomb`): its steps without its frame."""
+    if hint.broken:
+        return 0
+    if hint.parts:  # a group write's entries, parked: they come first
+        hint._unpark()
+    buf = hint.buf
+    hint.crc = _hint_put(buf, hint.crc, word, off, vlen, key)
+    hint.count += 1
+    if len(buf) >= hint_spill:
+        hint._spill_or_give_up()
+    return 0
+
 
 cdef bint _bitcask_put(object store, object sh, bytes key, bytes value, uint64_t seq, uint16_t magic,
                        Py_ssize_t marked_version, Py_ssize_t max_file_size, Py_ssize_t hint_spill, object pwrite,
@@ -530,15 +604,7 @@ cdef bint _bitcask_put(object store, object sh, bytes key, bytes value, uint64_t
     act.size = off + size
     act.total = total + size
     sh.dirty = True
-    hint = sh.hint
-    if not hint.broken:  # _HintBuilder.add
-        if hint.parts:  # a group write's entries, parked: they come first
-            hint._unpark()
-        buf = hint.buf
-        hint.crc = _hint_put(buf, hint.crc, word, off, <uint32_t>vlen, key)
-        hint.count += 1
-        if len(buf) >= hint_spill:
-            hint._spill_or_give_up()
+    _hint_add(sh.hint, word, off, <uint32_t>vlen, key, hint_spill)
     point("bitcask.after_append")
     cdef dict index = sh.index
     fid = act.fid
@@ -1417,6 +1483,12 @@ def bitcask_tomb(key, dict index, uint64_t word, uint64_t highest, uint16_t magi
     judge: a key not ``bytes``, longer than ``max_key`` or not in ``index`` (deleting a
     missing key writes nothing), a gsn 0, above the gsn mask or not above ``highest``,
     or a record that would need a rotation first."""
+    return _tomb_record(key, index, word, highest, magic, max_key, size, total, max_size)
+
+
+cdef object _tomb_record(object key, dict index, uint64_t word, uint64_t highest, uint16_t magic,
+                         Py_ssize_t max_key, Py_ssize_t size, Py_ssize_t total, Py_ssize_t max_size):
+    """:func:`bitcask_tomb`, for :meth:`PutKernel.tomb`."""
     cdef uint64_t gsn = word & _SEQ_MASK
     if type(key) is not bytes or gsn == 0 or gsn <= highest:
         return None
