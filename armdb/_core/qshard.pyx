@@ -1100,6 +1100,12 @@ cdef class VarFast(FixedFast):
     cdef dict pd
     cdef list ack_first, ack_second
     cdef bytes fhead, bhead
+    # The lone ack's log append and its end (_log_append, _log_done): the Db's TxLog and
+    # its instance dict (re-read when the Db's ``txlog`` is another object), armdb._fs's
+    # dict (a test's file system is read at each call), the record framer and constants.
+    cdef object tlog, frame_record
+    cdef dict td, fsd
+    cdef uint32_t rec_magic, synced_flag
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, cache_evict, decode,
                 read_payloads, fail, gone, settle):
@@ -1154,6 +1160,14 @@ cdef class VarFast(FixedFast):
                 raise TypeError("VarFast needs ack locks that are armdb._core.locks.Lock")
             first.append(a)
             second.append(b)
+        from armdb import _fs, logformat
+        from armdb._core.fixed import log_record
+        self.fsd = vars(_fs)
+        self.frame_record = log_record
+        self.rec_magic = logformat.REC_MAGIC
+        self.synced_flag = logformat.FLAG_SYNCED_BEFORE
+        self.tlog = None
+        self.td = None
         self.payload = payload
         self.pd = pd
         self.fhead = fhead
@@ -1162,6 +1176,86 @@ cdef class VarFast(FixedFast):
         self.rows = rows
         self.ack_first = first
         self.ack_second = second
+
+    cdef dict _log_dict(self, object txlog):
+        """The instance dict of the Db's log, or None when its ``append_body`` or ``done``
+        is set on the instance (a test's): the ack then calls them."""
+        if txlog is not self.tlog:
+            td = vars(txlog)
+            for name in ("_lock", "_idle", "_idle_waiting", "_fd", "poisoned", "_group", "sealer", "_next_txid",
+                         "_end", "_inflight", "commits", "_checkpoint_bytes", "pending"):
+                if name not in td:
+                    raise TypeError(f"VarFast: the log has no instance attribute {name}")
+            if type(td["_lock"]) is not Lock:
+                raise TypeError("VarFast needs a log whose lock is an armdb._core.locks.Lock")
+            self.td = td
+            self.tlog = txlog
+        if PyDict_GetItemWithError(self.td, "append_body") != NULL or PyDict_GetItemWithError(self.td, "done") != NULL:
+            return None
+        return self.td
+
+    cdef object _log_append(self, object txlog, bytes body):
+        """``TxLog.append_body(body)`` of a record body packed whole, without its frame: in
+        the common case (an unsealed log that is open, not poisoned, with no checkpoint
+        waiting) the same record (``log_record``: the flag when everything before it was
+        synced) written by the file system's ``pwrite`` at the log's end, under the log's
+        lock, then its counters, the group sync told, and the failpoint
+        ``txlog.after_append`` once the lock is released.  A failed write goes through
+        ``TxLog._append_failed``, as the method's does.  Any other case, and a log whose
+        methods a test set on the instance, calls the method, which judges it."""
+        cdef dict td = self._log_dict(txlog)
+        if td is None:
+            return txlog.append_body(body)
+        cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
+        cdef bint common = False
+        take(lock)
+        try:
+            group = <object>PyDict_GetItemWithError(td, "_group")
+            if not <object>PyDict_GetItemWithError(td, "_idle_waiting") and \
+                    <object>PyDict_GetItemWithError(td, "_fd") >= 0 and \
+                    <object>PyDict_GetItemWithError(td, "poisoned") is None and \
+                    <object>PyDict_GetItemWithError(td, "sealer") is None and not group.err:
+                common = True
+                txid = <object>PyDict_GetItemWithError(td, "_next_txid")
+                end = <object>PyDict_GetItemWithError(td, "_end")
+                # The flag says that everything before this record was synced (append_body).
+                raw = self.frame_record(self.rec_magic, self.synced_flag if end == group.synced else 0, txid, body)
+                try:
+                    (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(
+                        <object>PyDict_GetItemWithError(td, "_fd"), raw, end)
+                except OSError as e:
+                    raise txlog._append_failed(end, e) from e
+                PyDict_SetItem(td, "_next_txid", txid + 1)
+                end += len(<bytes>raw)
+                PyDict_SetItem(td, "_end", end)
+                group.wrote(end)
+                PyDict_SetItem(td, "_inflight", <object>PyDict_GetItemWithError(td, "_inflight") + 1)
+                PyDict_SetItem(td, "commits", <object>PyDict_GetItemWithError(td, "commits") + 1)
+        finally:
+            give(lock)
+        if not common:
+            return txlog.append_body(body)  # (nothing written: the method waits or raises)
+        self.fail.point("txlog.after_append")
+        return end
+
+    cdef bint _log_done(self, object txlog) except -1:
+        """``TxLog.done()`` without its frame (see :meth:`_log_append`): one commit fewer
+        in flight, a waiting checkpoint woken when none is left; whether the log is due a
+        checkpoint."""
+        cdef dict td = self._log_dict(txlog)
+        if td is None:
+            return txlog.done()
+        cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
+        take(lock)
+        try:
+            inflight = <object>PyDict_GetItemWithError(td, "_inflight") - 1
+            PyDict_SetItem(td, "_inflight", inflight)
+            if <object>PyDict_GetItemWithError(td, "_idle_waiting") and inflight == 0:
+                (<object>PyDict_GetItemWithError(td, "_idle")).notify_all()
+            return <object>PyDict_GetItemWithError(td, "_end") > <object>PyDict_GetItemWithError(td, "_checkpoint_bytes") \
+                and not <object>PyDict_GetItemWithError(td, "pending")
+        finally:
+            give(lock)
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
@@ -1346,13 +1440,13 @@ cdef class VarFast(FixedFast):
                 # commit_settle: only a failed log append can leave it unused, a gap).
                 gsn = (<object>PyDict_GetItemWithError(pd, "_gsn"))()
                 body, key = self.rows(self.fhead, fixed.index, slot, version, self.bhead, seq, gsn)
-                end = txlog.append_body(body)
+                end = self._log_append(txlog, body)
                 if (<object>PyDict_GetItemWithError(self.dbd, "tx_config")).durable:
                     try:
                         txlog.sync_to(end)  # write-ahead: on disk before anything is applied
                     except BaseException as e:
                         err = self.fence((self.queue,), [fixed], [payload], e, True)
-                        txlog.done()
+                        self._log_done(txlog)
                         raise err from e
                 try:
                     sh._free_row(due, seq, slot, version)  # QueueShard.ack_slot
@@ -1366,9 +1460,9 @@ cdef class VarFast(FixedFast):
                     fixed.raise_sync_error()  # applied in full; its sync failed
                 except BaseException as e:
                     err = self.fence((self.queue,), [fixed], [payload], e)
-                    txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                    self._log_done(txlog)  # only once the stores are fenced: a checkpoint may follow
                     raise err from e
-                checkpoint_due = txlog.done()
+                checkpoint_due = self._log_done(txlog)
             finally:
                 give(second)
         finally:
