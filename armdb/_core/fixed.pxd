@@ -58,5 +58,9 @@ cdef class PutKernel:
     cdef Py_ssize_t marked_version, max_file_size, max_key, max_value
     cdef uint64_t seq_mask
     cdef bint fsync
+    # The fields tomb reads and writes by their slot's offset (see _slot_offset): the
+    # classes of the shard, its data file and its hint builder, and the offsets (_AT_*).
+    cdef type shard_t, file_t, hint_t
+    cdef Py_ssize_t at[20]
     cpdef object put(self, Py_ssize_t i, bytes key, bytes value)
     cpdef object tomb(self, bytes key, object gsn)

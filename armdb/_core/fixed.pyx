@@ -19,7 +19,7 @@ value), table-driven "slice-by-8" as in Intel's and zlib's implementations.
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
@@ -418,6 +418,64 @@ cdef uint64_t _SYNCED_BEFORE = 1ULL << 62
 cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
 
 
+# -- fields of the Bitcask's slotted dataclasses, by offset ---------------------------------
+#
+# A kernel that updates a shard's counters (PutKernel.tomb) reads and writes about twenty
+# fields of three slotted classes (armdb.bitcask's _Shard, _DataFile, _HintBuilder).  From
+# C each is a generic attribute lookup (the type's method cache, the member descriptor,
+# its getter: about 90 instructions); the field itself is a pointer at a fixed offset in
+# the object, which the member descriptor records.  The kernel takes those offsets once
+# and reads and writes the pointer as the descriptor does (T_OBJECT_EX: a field never set
+# raises AttributeError), for objects whose type is exactly the class it took them from.
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+from types import MemberDescriptorType
+
+cdef int _T_OBJECT_EX = 16  # structmember.h: an object field, AttributeError when unset
+
+cdef enum:
+    _AT_ACTIVE, _AT_CLOSED, _AT_SYNCED, _AT_INDEX, _AT_HIGHEST, _AT_HINT, _AT_DIRTY, _AT_LAST_SYNC,
+    _AT_SIZE, _AT_VERSION, _AT_TOTAL, _AT_FD, _AT_FID, _AT_DEAD,
+    _AT_BROKEN, _AT_PARTS, _AT_BUF, _AT_CRC, _AT_COUNT
+
+
+cdef Py_ssize_t _slot_offset(type cls, str name) except -1:
+    """The offset of field ``name`` of slotted class ``cls`` (TypeError for anything but
+    a plain object slot)."""
+    d = cls.__dict__.get(name)
+    if type(d) is not MemberDescriptorType:
+        raise TypeError(f"{cls.__name__}.{name} is not a slot")
+    cdef PyMemberDef* m = (<PyMemberDescrObject*><PyObject*>d).d_member
+    if m.type != _T_OBJECT_EX or m.flags != 0:
+        raise TypeError(f"{cls.__name__}.{name} is not a plain object slot")
+    return m.offset
+
+
+cdef inline object _field(object o, Py_ssize_t at):
+    """Field ``at`` of ``o`` (whose type gave the offset), as its member descriptor reads it."""
+    cdef PyObject* v = (<PyObject**>((<char*><PyObject*>o) + at))[0]
+    if v == NULL:
+        raise AttributeError(f"{type(o).__name__} field at {at} is not set")
+    return <object>v
+
+
+cdef inline int _set_field(object o, Py_ssize_t at, object v) except -1:
+    """Set field ``at`` of ``o`` to ``v``, as its member descriptor does."""
+    cdef PyObject** p = <PyObject**>((<char*><PyObject*>o) + at)
+    cdef PyObject* old = p[0]
+    Py_INCREF(v)
+    p[0] = <PyObject*>v
+    Py_XDECREF(old)
+    return 0
+
+
 cdef class PutKernel:
     """``BitcaskStore.put`` of an unencrypted store, after its argument checks, in one
     compiled call (``put``): the shard's lock, the closed and fenced checks, the gsn
@@ -460,6 +518,16 @@ cdef class PutKernel:
         self.seq_mask = seq_mask
         self.fsync = cfg.enable_fsync
         self.sync_interval = cfg.sync_interval
+        sh = shards[0]
+        self.shard_t = type(sh)
+        self.file_t = type(sh.active)
+        self.hint_t = type(sh.hint)
+        for i, name in enumerate(("active", "closed", "synced", "index", "highest", "hint", "dirty", "last_sync")):
+            self.at[_AT_ACTIVE + i] = _slot_offset(self.shard_t, name)
+        for i, name in enumerate(("size", "version", "total", "fd", "fid", "dead")):
+            self.at[_AT_SIZE + i] = _slot_offset(self.file_t, name)
+        for i, name in enumerate(("broken", "parts", "buf", "crc", "count")):
+            self.at[_AT_BROKEN + i] = _slot_offset(self.hint_t, name)
 
     cpdef object put(self, Py_ssize_t i, bytes key, bytes value):
         """Put ``value`` under ``key`` in shard ``i`` (the caller picked it as
@@ -494,13 +562,14 @@ cdef class PutKernel:
         shard (a var queue's lone ack of its body; the caller holds the shard's lock), as
         ``write_locked`` writes it, in one compiled call: the tombstone
         (:func:`bitcask_tomb`'s record, flagged when everything before it was synced)
-        appended by the file system's ``pwrite``, the file's counters, the hint entry,
-        the failpoint ``bitcask.after_append``, the index change (:func:`bitcask_tomb_drop`,
-        or ``store._index_update``), the shard's highest gsn, then the timed sync when
-        due, in that order.  Anything else (several shards, a closed or fenced store, a
-        gsn that is not a plain one, a missing key, a rotation due) goes to
-        ``store.write_locked``, which judges it.  Returns what ``write_locked`` returns:
-        whether a record was written."""
+        appended by the file system's ``pwrite``, the file's counters, the hint entry
+        (``_HintBuilder.add``), the failpoint ``bitcask.after_append``, the index change
+        (:func:`bitcask_tomb_drop`, or ``store._index_update``), the shard's highest gsn,
+        then the timed sync when due, in that order; the shard's, file's and hint's
+        fields by their slots (:func:`_field`).  Anything else (several shards, a closed
+        or fenced store, a gsn that is not a plain one, a missing key, a rotation due)
+        goes to ``store.write_locked``, which judges it.  Returns what ``write_locked``
+        returns: whether a record was written."""
         store = self.store
         cdef uint64_t g
         if len(self.shards) != 1 or type(gsn) is not int or key is None:
@@ -510,40 +579,54 @@ cdef class PutKernel:
         except OverflowError:
             return store.write_locked(key, None, gsn)
         sh = self.shards[0]
-        if sh.closed or <object>PyDict_GetItemWithError(self.sd, "_poisoned") is not None or g > _SEQ_MASK:
+        if type(sh) is not self.shard_t:
+            return store.write_locked(key, None, gsn)
+        act = _field(sh, self.at[_AT_ACTIVE])
+        hint = _field(sh, self.at[_AT_HINT])
+        if type(act) is not self.file_t or type(hint) is not self.hint_t or _field(sh, self.at[_AT_CLOSED]) or \
+                <object>PyDict_GetItemWithError(self.sd, "_poisoned") is not None or g > _SEQ_MASK:
             return store.write_locked(key, None, gsn)
         cdef uint64_t word = g | _TOMBSTONE
-        act = sh.active
-        cdef Py_ssize_t off = act.size
+        off_ = _field(act, self.at[_AT_SIZE])
+        cdef Py_ssize_t off = off_
         # Everything before this record was synced: say so (as _write does).
-        if act.version >= self.marked_version and off == sh.synced:
+        if _field(act, self.at[_AT_VERSION]) >= self.marked_version and off_ == _field(sh, self.at[_AT_SYNCED]):
             word |= _SYNCED_BEFORE
-        total = act.total
-        rec = _tomb_record(key, sh.index, word, sh.highest, self.magic, self.max_key, off, total,
-                           self.max_file_size)
+        total = _field(act, self.at[_AT_TOTAL])
+        index = _field(sh, self.at[_AT_INDEX])
+        rec = _tomb_record(key, index, word, _field(sh, self.at[_AT_HIGHEST]), self.magic, self.max_key, off,
+                           total, self.max_file_size)
         if rec is None:
             return store.write_locked(key, None, gsn)
         try:
-            (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(act.fd, rec, off)
+            (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(_field(act, self.at[_AT_FD]), rec, off_)
         except OSError as e:
             raise store._append_failed(act, off, e) from e
         cdef Py_ssize_t size = len(<bytes>rec)
-        act.size = off + size
-        act.total = total + size
-        sh.dirty = True
-        _hint_add(sh.hint, word, off, 0, key, <object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL"))
+        _set_field(act, self.at[_AT_SIZE], off + size)
+        _set_field(act, self.at[_AT_TOTAL], total + size)
+        _set_field(sh, self.at[_AT_DIRTY], True)
+        # _HintBuilder.add (as _hint_add, by the slots)
+        if not _field(hint, self.at[_AT_BROKEN]):
+            if _field(hint, self.at[_AT_PARTS]):  # a group write's entries, parked: they come first
+                hint._unpark()
+            buf = _field(hint, self.at[_AT_BUF])
+            _set_field(hint, self.at[_AT_CRC], _hint_put(buf, _field(hint, self.at[_AT_CRC]), word, off, 0, key))
+            _set_field(hint, self.at[_AT_COUNT], _field(hint, self.at[_AT_COUNT]) + 1)
+            if len(buf) >= <Py_ssize_t>(<object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL")):
+                hint._spill_or_give_up()
         (<object>PyDict_GetItemWithError(self.faild, "point"))("bitcask.after_append")
-        fid = act.fid
-        cdef Py_ssize_t old = _tomb_drop(sh.index, key, fid)
+        fid = _field(act, self.at[_AT_FID])
+        cdef Py_ssize_t old = _tomb_drop(index, key, fid)
         if old >= 0:
-            act.dead += old + size  # the put and its tombstone, garbage at once
+            _set_field(act, self.at[_AT_DEAD], _field(act, self.at[_AT_DEAD]) + (old + size))  # the put and its tombstone, garbage at once
         else:
             store._index_update(sh, key, fid, off, size, word)
-        sh.highest = gsn
+        _set_field(sh, self.at[_AT_HIGHEST], gsn)
         cdef double now
         if self.fsync:  # _maybe_sync without its frame, as _write runs it (sh.dirty is set above)
             now = monotonic_s()  # time.monotonic()
-            if not self.sync_interval or now - sh.last_sync >= self.sync_interval:
+            if not self.sync_interval or now - <double>_field(sh, self.at[_AT_LAST_SYNC]) >= self.sync_interval:
                 store._sync_due(sh, now)
         return True
 
