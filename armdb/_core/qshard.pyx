@@ -1087,6 +1087,7 @@ cdef class VarFast(FixedFast):
 
     cdef object store_put, cache_evict, decode, read_payloads, fail, gone, settle
     cdef Lock cache_lock
+    cdef dict faild  # the armdb._fail module's dict: its ``point``, read at each call
     cdef PutKernel putter
     cdef dict cache
     # The lone ack's commit (set_ack): the body store and its instance dict, each header
@@ -1126,6 +1127,7 @@ cdef class VarFast(FixedFast):
         self.decode = decode
         self.read_payloads = read_payloads
         self.fail = fail
+        self.faild = vars(fail)
         self.gone = gone
         self.settle = settle
 
@@ -1194,7 +1196,7 @@ cdef class VarFast(FixedFast):
             return None
         return self.td
 
-    cdef object _log_append(self, object txlog, bytes body):
+    cdef object _log_append(self, object txlog, dict td, bytes body):
         """``TxLog.append_body(body)`` of a record body packed whole, without its frame: in
         the common case (an unsealed log that is open, not poisoned, with no checkpoint
         waiting) the same record (``log_record``: the flag when everything before it was
@@ -1202,8 +1204,8 @@ cdef class VarFast(FixedFast):
         lock, then its counters, the group sync told, and the failpoint
         ``txlog.after_append`` once the lock is released.  A failed write goes through
         ``TxLog._append_failed``, as the method's does.  Any other case, and a log whose
-        methods a test set on the instance, calls the method, which judges it."""
-        cdef dict td = self._log_dict(txlog)
+        methods a test set on the instance (``td`` None: see :meth:`_log_dict`), calls
+        the method, which judges it."""
         if td is None:
             return txlog.append_body(body)
         cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
@@ -1211,8 +1213,8 @@ cdef class VarFast(FixedFast):
         take(lock)
         try:
             group = <object>PyDict_GetItemWithError(td, "_group")
-            if not <object>PyDict_GetItemWithError(td, "_idle_waiting") and \
-                    <object>PyDict_GetItemWithError(td, "_fd") >= 0 and \
+            fd = <object>PyDict_GetItemWithError(td, "_fd")
+            if not <object>PyDict_GetItemWithError(td, "_idle_waiting") and fd >= 0 and \
                     <object>PyDict_GetItemWithError(td, "poisoned") is None and \
                     <object>PyDict_GetItemWithError(td, "sealer") is None and not group.err:
                 common = True
@@ -1221,8 +1223,7 @@ cdef class VarFast(FixedFast):
                 # The flag says that everything before this record was synced (append_body).
                 raw = self.frame_record(self.rec_magic, self.synced_flag if end == group.synced else 0, txid, body)
                 try:
-                    (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(
-                        <object>PyDict_GetItemWithError(td, "_fd"), raw, end)
+                    (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(fd, raw, end)
                 except OSError as e:
                     raise txlog._append_failed(end, e) from e
                 PyDict_SetItem(td, "_next_txid", txid + 1)
@@ -1235,14 +1236,13 @@ cdef class VarFast(FixedFast):
             give(lock)
         if not common:
             return txlog.append_body(body)  # (nothing written: the method waits or raises)
-        self.fail.point("txlog.after_append")
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("txlog.after_append")
         return end
 
-    cdef bint _log_done(self, object txlog) except -1:
+    cdef bint _log_done(self, object txlog, dict td) except -1:
         """``TxLog.done()`` without its frame (see :meth:`_log_append`): one commit fewer
         in flight, a waiting checkpoint woken when none is left; whether the log is due a
         checkpoint."""
-        cdef dict td = self._log_dict(txlog)
         if td is None:
             return txlog.done()
         cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
@@ -1280,7 +1280,7 @@ cdef class VarFast(FixedFast):
                     self.cache_evict()
         finally:
             give(self.cache_lock)
-        self.fail.point("queue.var_push.after_body")
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("queue.var_push.after_body")
         return 0
 
     def push(self, payload, *, delay=None):
@@ -1422,6 +1422,7 @@ cdef class VarFast(FixedFast):
         cdef bint checkpoint_due = False
         payload = self.payload
         txlog = <object>PyDict_GetItemWithError(self.dbd, "txlog")
+        cdef dict td = self._log_dict(txlog)  # (None: the log's methods are called)
         take(first)
         try:
             take(second)
@@ -1440,13 +1441,13 @@ cdef class VarFast(FixedFast):
                 # commit_settle: only a failed log append can leave it unused, a gap).
                 gsn = (<object>PyDict_GetItemWithError(pd, "_gsn"))()
                 body, key = self.rows(self.fhead, fixed.index, slot, version, self.bhead, seq, gsn)
-                end = self._log_append(txlog, body)
+                end = self._log_append(txlog, td, body)
                 if (<object>PyDict_GetItemWithError(self.dbd, "tx_config")).durable:
                     try:
                         txlog.sync_to(end)  # write-ahead: on disk before anything is applied
                     except BaseException as e:
                         err = self.fence((self.queue,), [fixed], [payload], e, True)
-                        self._log_done(txlog)
+                        self._log_done(txlog, td)
                         raise err from e
                 try:
                     sh._free_row(due, seq, slot, version)  # QueueShard.ack_slot
@@ -1456,13 +1457,13 @@ cdef class VarFast(FixedFast):
                         self.putter.tomb(key, gsn)  # BitcaskStore.tomb_locked, without its frame
                     else:  # (several shards; or a test's tomb_locked, set on the instance)
                         payload.tomb_locked(key, gsn)
-                    self.fail.point("txlog.after_apply")
+                    (<object>PyDict_GetItemWithError(self.faild, "point"))("txlog.after_apply")
                     fixed.raise_sync_error()  # applied in full; its sync failed
                 except BaseException as e:
                     err = self.fence((self.queue,), [fixed], [payload], e)
-                    self._log_done(txlog)  # only once the stores are fenced: a checkpoint may follow
+                    self._log_done(txlog, td)  # only once the stores are fenced: a checkpoint may follow
                     raise err from e
-                checkpoint_due = self._log_done(txlog)
+                checkpoint_due = self._log_done(txlog, td)
             finally:
                 give(second)
         finally:
