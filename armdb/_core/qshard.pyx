@@ -1139,13 +1139,16 @@ cdef class VarFast(FixedFast):
         self.plain_type = plain_type
         self.decodes_as_is = decodes_as_is
 
-    def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows):
+    def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows,
+                frame_record, dict fs_module not None, uint32_t rec_magic, uint32_t synced_flag):
         """The lone ack's commit in this call (:meth:`_commit_ack`), for a body store of
         one shard that is not encrypted: the store, each header shard's two locks in the
         global order (``Queue._ack_locks``, both ``armdb._core.locks.Lock``), the packed
         starts of the ack's two log rows (``Queue._ack_heads``), the shared failure
         handling after a log append (``armdb.tx._fence_after_log``) and the record body's
-        encoder (``armdb._core.fixed.ack_rows``)."""
+        encoder (``armdb._core.fixed.ack_rows``); for the log append (:meth:`_log_append`),
+        the record's framer (``armdb._core.fixed.log_record``), ``armdb._fs``'s dict and
+        the log's ``REC_MAGIC`` and ``FLAG_SYNCED_BEFORE`` (``armdb.logformat``)."""
         pd = payload.__dict__
         for name in ("_poisoned", "_closed", "_gsn", "_compact_deferred"):
             if name not in pd:
@@ -1162,12 +1165,10 @@ cdef class VarFast(FixedFast):
                 raise TypeError("VarFast needs ack locks that are armdb._core.locks.Lock")
             first.append(a)
             second.append(b)
-        from armdb import _fs, logformat
-        from armdb._core.fixed import log_record
-        self.fsd = vars(_fs)
-        self.frame_record = log_record
-        self.rec_magic = logformat.REC_MAGIC
-        self.synced_flag = logformat.FLAG_SYNCED_BEFORE
+        self.fsd = fs_module
+        self.frame_record = frame_record
+        self.rec_magic = rec_magic
+        self.synced_flag = synced_flag
         self.tlog = None
         self.td = None
         self.payload = payload
