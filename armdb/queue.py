@@ -54,7 +54,7 @@ import numpy as np
 from . import _fail, _fs, transitions
 from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_pop, cache_put_ids, longest
-from ._core.fixed import ack_rows, push_body_rows, ring_next
+from ._core.fixed import ack_rows, log_record, push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
@@ -78,6 +78,7 @@ from .errors import (
 )
 from .fixed import DELETED, HEADER_PAGE, OCCUPIED, FixedStore
 from .layout import QUEUE_META
+from .logformat import FLAG_SYNCED_BEFORE, REC_MAGIC
 from .qrows import (
     DEAD_BIT,
     HEADER_SIZE,
@@ -538,7 +539,8 @@ class Queue(Generic[T]):
                 if self._ack_locks is not None and not self._body_sealed:
                     # The common ack's commit in VarFast.ack itself (commit_settle's steps,
                     # without its frame); other stores keep commit_settle.
-                    var.set_ack(body_store, self._ack_locks, *self._ack_heads, self._fence_after_log, ack_rows)
+                    var.set_ack(body_store, self._ack_locks, *self._ack_heads, self._fence_after_log, ack_rows,
+                                log_record, vars(_fs), REC_MAGIC, FLAG_SYNCED_BEFORE)
                 self._fast = var
                 # As a fixed queue's: the compiled push, lease(1) and ack shadow the
                 # methods below, and hand all but the common case to _push, _lease and

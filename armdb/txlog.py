@@ -412,6 +412,17 @@ class TxLog:
             )
         return self.append_body(head, parts, behind)
 
+    def _append_failed(self, end: int, e: OSError) -> StorageError:
+        """The error of an append whose write failed (the caller holds ``_lock``; also
+        ``armdb._core.qshard.VarFast``'s compiled append): the file cut back to ``end``,
+        where the record started, so that nothing of it is left to replay; a failed cut
+        poisons the log.  Nothing was committed."""
+        try:
+            _fs.FS.ftruncate(self._fd, end)
+        except OSError:
+            self.poisoned = e
+        return StorageError(f"{self._path}: log append failed ({e}); nothing was committed")
+
     def append_body(self, body: bytes, parts: list[bytes | bytearray] | None = None,
                     behind: bool = False) -> int:
         """:meth:`append` of a record body already packed whole (the msgpack list of its
@@ -459,11 +470,7 @@ class TxLog:
                     fs.pwritev(self._fd, pieces, end)
                     size = sum(map(len, pieces))
             except OSError as e:
-                try:
-                    _fs.FS.ftruncate(self._fd, end)
-                except OSError:
-                    self.poisoned = e
-                raise StorageError(f"{self._path}: log append failed ({e}); nothing was committed") from e
+                raise self._append_failed(end, e) from e
             self._next_txid = txid + 1
             end += size
             self._end = end

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import armdb
@@ -160,6 +161,55 @@ def test_s6_tomb_locked_writes_what_write_locked_writes(tmp_path: Path, case: st
                 assert a.hint.crc == b.hint.crc
                 if a.active.size > DATA_START:  # the records, after the file's header
                     assert _tail(a.active.path) == _tail(b.active.path)
+    finally:
+        for s, _ in stores:
+            s.close()
+
+
+def _shard_state(s: Any, hint_at: int) -> tuple[Any, ...]:
+    sh = s._shards[0]
+    return (sh.index, sh.tombs, sh.highest, {f: (x.dead, x.size, x.total) for f, x in sh.files.items()},
+            sh.hint.count, sh.hint.crc, bytes(sh.hint.buf[hint_at:]) if sh.hint.count else b"",
+            _tail(sh.active.path) if sh.active.size > DATA_START else b"")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "tomb", "tomb", "sync", "rotate"]), st.integers(0, 7),
+                              st.integers(0, 1500)), max_size=40),
+       small=st.booleans(), fsync=st.booleans())
+def test_s6_compiled_tomb_writes_what_write_locked_writes(tmp_path_factory: pytest.TempPathFactory,
+                                                         ops: list[tuple[str, int, int]], small: bool,
+                                                         fsync: bool) -> None:
+    # SPEC S6: PutKernel.tomb (the compiled tomb_locked a var queue's ack calls) leaves
+    # the same records, hint entries, index, tombstones and counts as write_locked's
+    # delete, whatever came before (puts, deletes of missing keys, syncs, rotations, a
+    # file too full for the tombstone)
+    base = tmp_path_factory.mktemp("tomb")
+    cfg: dict[str, object] = {"enable_fsync": fsync, "sync_interval": 0.0}
+    if small:
+        cfg["max_file_size"] = 4096
+    stores = []
+    for name in ("kernel", "general"):
+        gsn = Gsn()
+        stores.append((open_store(base / name, gsn, **cfg), gsn))
+    hint_at = [len(s._shards[0].hint.buf) for s, _ in stores]  # (the headers carry an identity)
+    try:
+        for op, k, n in ops:
+            key = k.to_bytes(8, "big")
+            got = []
+            for (s, gsn), kernel in zip(stores, (True, False), strict=True):
+                if op == "put":
+                    got.append(s.put(key, b"v" * n))
+                elif op == "sync":
+                    s.sync()
+                elif op == "rotate":
+                    s._rotate(s._shards[0])
+                else:
+                    gsn.n += 1
+                    with s.lock_for(key):
+                        got.append(s._putter.tomb(key, gsn.n) if kernel else s.write_locked(key, None, gsn.n))
+            assert got[:1] == got[1:]
+        assert _shard_state(stores[0][0], hint_at[0]) == _shard_state(stores[1][0], hint_at[1])
     finally:
         for s, _ in stores:
             s.close()

@@ -58,4 +58,11 @@ cdef class PutKernel:
     cdef Py_ssize_t marked_version, max_file_size, max_key, max_value
     cdef uint64_t seq_mask
     cdef bint fsync
+    # The fields tomb reads and writes by their slot's offset (see _slot_offset): the
+    # classes of the shard, its data file and its hint builder, and the offsets (_AT_*).
+    cdef type shard_t, file_t, hint_t
+    cdef Py_ssize_t at[24]
+    cdef int _hint(self, object hint, uint64_t word, Py_ssize_t off, uint32_t vlen, bytes key) except -1
+    cdef bint _put_locked(self, object sh, bytes key, bytes value, object seq) except -1
     cpdef object put(self, Py_ssize_t i, bytes key, bytes value)
+    cpdef object tomb(self, bytes key, object gsn)

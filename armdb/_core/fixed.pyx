@@ -19,7 +19,7 @@ value), table-driven "slice-by-8" as in Intel's and zlib's implementations.
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_Resize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
@@ -418,10 +418,69 @@ cdef uint64_t _SYNCED_BEFORE = 1ULL << 62
 cdef uint64_t _SEQ_MASK = (1ULL << 60) - 1
 
 
+# -- fields of the Bitcask's slotted dataclasses, by offset ---------------------------------
+#
+# A kernel that updates a shard's counters (PutKernel.tomb) reads and writes about twenty
+# fields of three slotted classes (armdb.bitcask's _Shard, _DataFile, _HintBuilder).  From
+# C each is a generic attribute lookup (the type's method cache, the member descriptor,
+# its getter: about 90 instructions); the field itself is a pointer at a fixed offset in
+# the object, which the member descriptor records.  The kernel takes those offsets once
+# and reads and writes the pointer as the descriptor does (T_OBJECT_EX: a field never set
+# raises AttributeError), for objects whose type is exactly the class it took them from.
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+from types import MemberDescriptorType
+
+cdef int _T_OBJECT_EX = 16  # structmember.h: an object field, AttributeError when unset
+
+cdef enum:
+    _AT_ACTIVE, _AT_CLOSED, _AT_SYNCED, _AT_INDEX, _AT_HIGHEST, _AT_HINT, _AT_DIRTY, _AT_LAST_SYNC, _AT_TOMBS,
+    _AT_COMPACT_DUE,
+    _AT_SIZE, _AT_VERSION, _AT_TOTAL, _AT_FD, _AT_FID, _AT_DEAD,
+    _AT_BROKEN, _AT_PARTS, _AT_BUF, _AT_CRC, _AT_COUNT
+
+
+cdef Py_ssize_t _slot_offset(type cls, str name) except -1:
+    """The offset of field ``name`` of slotted class ``cls`` (TypeError for anything but
+    a plain object slot)."""
+    d = cls.__dict__.get(name)
+    if type(d) is not MemberDescriptorType:
+        raise TypeError(f"{cls.__name__}.{name} is not a slot")
+    cdef PyMemberDef* m = (<PyMemberDescrObject*><PyObject*>d).d_member
+    if m.type != _T_OBJECT_EX or m.flags != 0:
+        raise TypeError(f"{cls.__name__}.{name} is not a plain object slot")
+    return m.offset
+
+
+cdef inline object _field(object o, Py_ssize_t at):
+    """Field ``at`` of ``o`` (whose type gave the offset), as its member descriptor reads it."""
+    cdef PyObject* v = (<PyObject**>((<char*><PyObject*>o) + at))[0]
+    if v == NULL:
+        raise AttributeError(f"{type(o).__name__} field at {at} is not set")
+    return <object>v
+
+
+cdef inline int _set_field(object o, Py_ssize_t at, object v) except -1:
+    """Set field ``at`` of ``o`` to ``v``, as its member descriptor does."""
+    cdef PyObject** p = <PyObject**>((<char*><PyObject*>o) + at)
+    cdef PyObject* old = p[0]
+    Py_INCREF(v)
+    p[0] = <PyObject*>v
+    Py_XDECREF(old)
+    return 0
+
+
 cdef class PutKernel:
     """``BitcaskStore.put`` of an unencrypted store, after its argument checks, in one
     compiled call (``put``): the shard's lock, the closed and fenced checks, the gsn
-    drawn from the store's source and checked, the record written (:func:`_bitcask_put`,
+    drawn from the store's source and checked, the record written (:meth:`_put_locked`,
     or ``store._write`` when the active file must rotate first), the lock released, then
     the compaction a rotation made due.  The store makes one at open
     (``BitcaskStore._putter``) and its ``put`` hands it every put; a var queue's push
@@ -460,6 +519,17 @@ cdef class PutKernel:
         self.seq_mask = seq_mask
         self.fsync = cfg.enable_fsync
         self.sync_interval = cfg.sync_interval
+        sh = shards[0]
+        self.shard_t = type(sh)
+        self.file_t = type(sh.active)
+        self.hint_t = type(sh.hint)
+        for i, name in enumerate(("active", "closed", "synced", "index", "highest", "hint", "dirty", "last_sync",
+                                     "tombs", "compact_due")):
+            self.at[_AT_ACTIVE + i] = _slot_offset(self.shard_t, name)
+        for i, name in enumerate(("size", "version", "total", "fd", "fid", "dead")):
+            self.at[_AT_SIZE + i] = _slot_offset(self.file_t, name)
+        for i, name in enumerate(("broken", "parts", "buf", "crc", "count")):
+            self.at[_AT_BROKEN + i] = _slot_offset(self.hint_t, name)
 
     cpdef object put(self, Py_ssize_t i, bytes key, bytes value):
         """Put ``value`` under ``key`` in shard ``i`` (the caller picked it as
@@ -478,81 +548,159 @@ cdef class PutKernel:
             seq = (<object>PyDict_GetItemWithError(sd, "_gsn"))()
             if type(seq) is not int or not sh.highest < seq <= self.seq_mask:
                 raise store._bad_gsn(sh, seq)
-            if not _bitcask_put(store, sh, key, value, seq, self.magic, self.marked_version, self.max_file_size,
-                                <object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL"),
-                                (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite,
-                                <object>PyDict_GetItemWithError(self.faild, "point"), self.fsync, self.sync_interval):
+            if not self._put_locked(sh, key, value, seq):
                 rotated = store._write(sh, key, value, seq)  # a new data file first (and the timed sync, when due)
         finally:
             give(<Lock>self.locks[i])
-        if rotated or sh.compact_due:
+        if rotated or (_field(sh, self.at[_AT_COMPACT_DUE]) if type(sh) is self.shard_t else sh.compact_due):
             self.auto_compact(store, sh)
         return seq
 
+    cpdef object tomb(self, bytes key, object gsn):
+        """``BitcaskStore.tomb_locked``: the delete ``(key, None, gsn)`` of a store of one
+        shard (a var queue's lone ack of its body; the caller holds the shard's lock), as
+        ``write_locked`` writes it, in one compiled call: the tombstone
+        (:func:`bitcask_tomb`'s record, flagged when everything before it was synced)
+        appended by the file system's ``pwrite``, the file's counters, the hint entry
+        (``_HintBuilder.add``), the failpoint ``bitcask.after_append``, the index change
+        (:func:`bitcask_tomb_drop`, or ``store._index_update``), the shard's highest gsn,
+        then the timed sync when due, in that order; the shard's, file's and hint's
+        fields by their slots (:func:`_field`).  Anything else (several shards, a closed
+        or fenced store, a gsn that is not a plain one, a missing key, a rotation due)
+        goes to ``store.write_locked``, which judges it.  Returns what ``write_locked``
+        returns: whether a record was written."""
+        store = self.store
+        cdef uint64_t g
+        if len(self.shards) != 1 or type(gsn) is not int or key is None:
+            return store.write_locked(key, None, gsn)
+        try:
+            g = gsn
+        except OverflowError:
+            return store.write_locked(key, None, gsn)
+        sh = self.shards[0]
+        if type(sh) is not self.shard_t:
+            return store.write_locked(key, None, gsn)
+        act = _field(sh, self.at[_AT_ACTIVE])
+        hint = _field(sh, self.at[_AT_HINT])
+        if type(act) is not self.file_t or _field(sh, self.at[_AT_CLOSED]) or \
+                <object>PyDict_GetItemWithError(self.sd, "_poisoned") is not None or g > _SEQ_MASK:
+            return store.write_locked(key, None, gsn)
+        cdef uint64_t word = g | _TOMBSTONE
+        off_ = _field(act, self.at[_AT_SIZE])
+        cdef Py_ssize_t off = off_
+        # Everything before this record was synced: say so (as _write does).
+        if _field(act, self.at[_AT_VERSION]) >= self.marked_version and off_ == _field(sh, self.at[_AT_SYNCED]):
+            word |= _SYNCED_BEFORE
+        total = _field(act, self.at[_AT_TOTAL])
+        index = _field(sh, self.at[_AT_INDEX])
+        rec = _tomb_record(key, index, word, _field(sh, self.at[_AT_HIGHEST]), self.magic, self.max_key, off,
+                           total, self.max_file_size)
+        if rec is None:
+            return store.write_locked(key, None, gsn)
+        try:
+            (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(_field(act, self.at[_AT_FD]), rec, off_)
+        except OSError as e:
+            raise store._append_failed(act, off, e) from e
+        cdef Py_ssize_t size = len(<bytes>rec)
+        _set_field(act, self.at[_AT_SIZE], off + size)
+        _set_field(act, self.at[_AT_TOTAL], total + size)
+        _set_field(sh, self.at[_AT_DIRTY], True)
+        self._hint(hint, word, off, 0, key)
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("bitcask.after_append")
+        fid = _field(act, self.at[_AT_FID])
+        cdef Py_ssize_t old = _tomb_drop(index, key, fid)
+        if old >= 0:
+            _set_field(act, self.at[_AT_DEAD], _field(act, self.at[_AT_DEAD]) + (old + size))  # the put and its tombstone, garbage at once
+        else:
+            store._index_update(sh, key, fid, off, size, word)
+        _set_field(sh, self.at[_AT_HIGHEST], gsn)
+        cdef double now
+        if self.fsync:  # _maybe_sync without its frame, as _write runs it (sh.dirty is set above)
+            now = monotonic_s()  # time.monotonic()
+            if not self.sync_interval or now - <double>_field(sh, self.at[_AT_LAST_SYNC]) >= self.sync_interval:
+                store._sync_due(sh, now)
+        return True
 
-cdef bint _bitcask_put(object store, object sh, bytes key, bytes value, uint64_t seq, uint16_t magic,
-                       Py_ssize_t marked_version, Py_ssize_t max_file_size, Py_ssize_t hint_spill, object pwrite,
-                       object point, bint fsync, object interval) except -1:
-    """``BitcaskStore._write`` of one put to an unencrypted store, under ``sh.lock``, in one
-    call: the same record (:func:`bitcask_record`) appended by ``pwrite`` (the file
-    system's, so a test's fault-injecting one sees it), the file's counters, the hint entry
-    (``_HintBuilder.add``), the failpoint ``point("bitcask.after_append")``, the index
-    entry (a new key's here; any other through ``store._index_update``), the shard's
-    highest gsn and the timed sync when due (``store._sync_due``), in that order.
-
-    Why compiled: these steps were about 300 interpreter steps in three Python frames of
-    every lone put (each var push's body).  Returns False, having done nothing, when the
-    record does not fit the active file: the caller's ``_write`` rotates first.  A failed
-    append is undone by ``store._append_failed`` and raised, as ``_write`` does.
-    """
-    cdef Py_ssize_t klen = len(key)
-    cdef Py_ssize_t vlen = len(value)
-    if klen > 0xFFFF or vlen > 0xFFFFFFFF:
-        raise OverflowError("Bitcask key field above 64 KiB or value field above 4 GiB")
-    cdef Py_ssize_t n = 20 + klen + vlen
-    cdef Py_ssize_t size = n + ((-n) & 7)
-    act = sh.active
-    cdef Py_ssize_t off = act.size
-    total = act.total
-    if total and off + size > max_file_size:
-        return False
-    cdef uint64_t word = seq
-    # Everything before this record was synced: say so (as _write).
-    if act.version >= marked_version and off == sh.synced:
-        word |= _SYNCED_BEFORE
-    rec = PyBytes_FromStringAndSize(NULL, size)
-    _put_record(<uint8_t*>PyBytes_AS_STRING(rec), word, PyBytes_AS_STRING(key), klen, PyBytes_AS_STRING(value),
-                vlen, magic)
-    try:
-        pwrite(act.fd, rec, off)
-    except OSError as e:
-        raise store._append_failed(act, off, e) from e
-    act.size = off + size
-    act.total = total + size
-    sh.dirty = True
-    hint = sh.hint
-    if not hint.broken:  # _HintBuilder.add
-        if hint.parts:  # a group write's entries, parked: they come first
+    cdef int _hint(self, object hint, uint64_t word, Py_ssize_t off, uint32_t vlen, bytes key) except -1:
+        """``_HintBuilder.add`` of one record's entry (``put`` and ``tomb``), its steps
+        without its frame, by the builder's slots; a builder of another class gets the
+        method called."""
+        if type(hint) is not self.hint_t:
+            hint.add(word, off, vlen, key)
+            return 0
+        if _field(hint, self.at[_AT_BROKEN]):
+            return 0
+        if _field(hint, self.at[_AT_PARTS]):  # a group write's entries, parked: they come first
             hint._unpark()
-        buf = hint.buf
-        hint.crc = _hint_put(buf, hint.crc, word, off, <uint32_t>vlen, key)
-        hint.count += 1
-        if len(buf) >= hint_spill:
+        buf = _field(hint, self.at[_AT_BUF])
+        _set_field(hint, self.at[_AT_CRC], _hint_put(buf, _field(hint, self.at[_AT_CRC]), word, off, vlen, key))
+        _set_field(hint, self.at[_AT_COUNT], _field(hint, self.at[_AT_COUNT]) + 1)
+        if len(buf) >= <Py_ssize_t>(<object>PyDict_GetItemWithError(self.filesd, "_HINT_SPILL")):
             hint._spill_or_give_up()
-    point("bitcask.after_append")
-    cdef dict index = sh.index
-    fid = act.fid
-    if key not in index and key not in sh.tombs:
-        index[key] = (fid, off, size, word, None)  # a new key: nothing older to mask
-    else:
-        store._index_update(sh, key, fid, off, size, word)
-    sh.highest = seq
-    cdef double now
-    if fsync:
-        now = monotonic_s()  # time.monotonic()
-        if not interval or now - sh.last_sync >= interval:
-            store._sync_due(sh, now)
-    return True
+        return 0
+
+    cdef bint _put_locked(self, object sh, bytes key, bytes value, object seq) except -1:
+        """``BitcaskStore._write`` of one put to an unencrypted store, under ``sh.lock``,
+        in one call: the same record (:func:`bitcask_record`) appended by the file
+        system's ``pwrite`` (so a test's fault-injecting one sees it), the file's
+        counters, the hint entry (``_HintBuilder.add``), the failpoint
+        ``bitcask.after_append``, the index entry (a new key's here; any other through
+        ``store._index_update``), the shard's highest gsn and the timed sync when due
+        (``store._sync_due``), in that order; the shard's and file's fields by their
+        slots (:func:`_field`).
+
+        Why compiled: these steps were about 300 interpreter steps in three Python frames
+        of every lone put (each var push's body).  Returns False, having done nothing,
+        when the record does not fit the active file (or the shard or its file is not of
+        the classes the kernel took its offsets from): the caller's ``_write`` then
+        writes it, rotating first.  A failed append is undone by
+        ``store._append_failed`` and raised, as ``_write`` does.
+        """
+        cdef Py_ssize_t klen = len(key)
+        cdef Py_ssize_t vlen = len(value)
+        if klen > 0xFFFF or vlen > 0xFFFFFFFF:
+            raise OverflowError("Bitcask key field above 64 KiB or value field above 4 GiB")
+        cdef Py_ssize_t n = 20 + klen + vlen
+        cdef Py_ssize_t size = n + ((-n) & 7)
+        if type(sh) is not self.shard_t:
+            return False
+        act = _field(sh, self.at[_AT_ACTIVE])
+        if type(act) is not self.file_t:
+            return False
+        off_ = _field(act, self.at[_AT_SIZE])
+        cdef Py_ssize_t off = off_
+        total = _field(act, self.at[_AT_TOTAL])
+        if total and off + size > self.max_file_size:
+            return False
+        cdef uint64_t word = seq
+        # Everything before this record was synced: say so (as _write).
+        if _field(act, self.at[_AT_VERSION]) >= self.marked_version and off_ == _field(sh, self.at[_AT_SYNCED]):
+            word |= _SYNCED_BEFORE
+        rec = PyBytes_FromStringAndSize(NULL, size)
+        _put_record(<uint8_t*>PyBytes_AS_STRING(rec), word, PyBytes_AS_STRING(key), klen, PyBytes_AS_STRING(value),
+                    vlen, self.magic)
+        try:
+            (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(_field(act, self.at[_AT_FD]), rec, off_)
+        except OSError as e:
+            raise self.store._append_failed(act, off, e) from e
+        _set_field(act, self.at[_AT_SIZE], off + size)
+        _set_field(act, self.at[_AT_TOTAL], total + size)
+        _set_field(sh, self.at[_AT_DIRTY], True)
+        self._hint(_field(sh, self.at[_AT_HINT]), word, off, <uint32_t>vlen, key)
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("bitcask.after_append")
+        cdef dict index = _field(sh, self.at[_AT_INDEX])
+        fid = _field(act, self.at[_AT_FID])
+        if key not in index and key not in _field(sh, self.at[_AT_TOMBS]):
+            index[key] = (fid, off_, size, word, None)  # a new key: nothing older to mask
+        else:
+            self.store._index_update(sh, key, fid, off, size, word)
+        _set_field(sh, self.at[_AT_HIGHEST], seq)
+        cdef double now
+        if self.fsync:
+            now = monotonic_s()  # time.monotonic()
+            if not self.sync_interval or now - <double>_field(sh, self.at[_AT_LAST_SYNC]) >= self.sync_interval:
+                self.store._sync_due(sh, now)
+        return True
 
 
 cdef bint _put_earlier(list items, const uint8_t* kp, Py_ssize_t i, object key):
@@ -1417,6 +1565,12 @@ def bitcask_tomb(key, dict index, uint64_t word, uint64_t highest, uint16_t magi
     judge: a key not ``bytes``, longer than ``max_key`` or not in ``index`` (deleting a
     missing key writes nothing), a gsn 0, above the gsn mask or not above ``highest``,
     or a record that would need a rotation first."""
+    return _tomb_record(key, index, word, highest, magic, max_key, size, total, max_size)
+
+
+cdef object _tomb_record(object key, dict index, uint64_t word, uint64_t highest, uint16_t magic,
+                         Py_ssize_t max_key, Py_ssize_t size, Py_ssize_t total, Py_ssize_t max_size):
+    """:func:`bitcask_tomb`, for :meth:`PutKernel.tomb`."""
     cdef uint64_t gsn = word & _SEQ_MASK
     if type(key) is not bytes or gsn == 0 or gsn <= highest:
         return None

@@ -1087,6 +1087,7 @@ cdef class VarFast(FixedFast):
 
     cdef object store_put, decode, read_payloads, fail, gone, settle
     cdef Lock cache_lock
+    cdef dict faild  # the armdb._fail module's dict: its ``point``, read at each call
     cdef PutKernel putter
     cdef dict cache
     # The lone ack's commit (set_ack): the body store and its instance dict, each header
@@ -1100,6 +1101,12 @@ cdef class VarFast(FixedFast):
     cdef dict pd
     cdef list ack_first, ack_second
     cdef bytes fhead, bhead
+    # The lone ack's log append and its end (_log_append, _log_done): the Db's TxLog and
+    # its instance dict (re-read when the Db's ``txlog`` is another object), armdb._fs's
+    # dict (a test's file system is read at each call), the record framer and constants.
+    cdef object tlog, frame_record
+    cdef dict td, fsd
+    cdef uint32_t rec_magic, synced_flag
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
                 read_payloads, fail, gone, settle):
@@ -1119,6 +1126,7 @@ cdef class VarFast(FixedFast):
         self.decode = decode
         self.read_payloads = read_payloads
         self.fail = fail
+        self.faild = vars(fail)
         self.gone = gone
         self.settle = settle
 
@@ -1130,13 +1138,16 @@ cdef class VarFast(FixedFast):
         self.plain_type = plain_type
         self.decodes_as_is = decodes_as_is
 
-    def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows):
+    def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows,
+                frame_record, dict fs_module not None, uint32_t rec_magic, uint32_t synced_flag):
         """The lone ack's commit in this call (:meth:`_commit_ack`), for a body store of
         one shard that is not encrypted: the store, each header shard's two locks in the
         global order (``Queue._ack_locks``, both ``armdb._core.locks.Lock``), the packed
         starts of the ack's two log rows (``Queue._ack_heads``), the shared failure
         handling after a log append (``armdb.tx._fence_after_log``) and the record body's
-        encoder (``armdb._core.fixed.ack_rows``)."""
+        encoder (``armdb._core.fixed.ack_rows``); for the log append (:meth:`_log_append`),
+        the record's framer (``armdb._core.fixed.log_record``), ``armdb._fs``'s dict and
+        the log's ``REC_MAGIC`` and ``FLAG_SYNCED_BEFORE`` (``armdb.logformat``)."""
         pd = payload.__dict__
         for name in ("_poisoned", "_closed", "_gsn", "_compact_deferred"):
             if name not in pd:
@@ -1153,6 +1164,12 @@ cdef class VarFast(FixedFast):
                 raise TypeError("VarFast needs ack locks that are armdb._core.locks.Lock")
             first.append(a)
             second.append(b)
+        self.fsd = fs_module
+        self.frame_record = frame_record
+        self.rec_magic = rec_magic
+        self.synced_flag = synced_flag
+        self.tlog = None
+        self.td = None
         self.payload = payload
         self.pd = pd
         self.fhead = fhead
@@ -1161,6 +1178,84 @@ cdef class VarFast(FixedFast):
         self.rows = rows
         self.ack_first = first
         self.ack_second = second
+
+    cdef dict _log_dict(self, object txlog):
+        """The instance dict of the Db's log, or None when its ``append_body`` or ``done``
+        is set on the instance (a test's): the ack then calls them."""
+        if txlog is not self.tlog:
+            td = vars(txlog)
+            for name in ("_lock", "_idle", "_idle_waiting", "_fd", "poisoned", "_group", "sealer", "_next_txid",
+                         "_end", "_inflight", "commits", "_checkpoint_bytes", "pending"):
+                if name not in td:
+                    raise TypeError(f"VarFast: the log has no instance attribute {name}")
+            if type(td["_lock"]) is not Lock:
+                raise TypeError("VarFast needs a log whose lock is an armdb._core.locks.Lock")
+            self.td = td
+            self.tlog = txlog
+        if PyDict_GetItemWithError(self.td, "append_body") != NULL or PyDict_GetItemWithError(self.td, "done") != NULL:
+            return None
+        return self.td
+
+    cdef object _log_append(self, object txlog, dict td, bytes body):
+        """``TxLog.append_body(body)`` of a record body packed whole, without its frame: in
+        the common case (an unsealed log that is open, not poisoned, with no checkpoint
+        waiting) the same record (``log_record``: the flag when everything before it was
+        synced) written by the file system's ``pwrite`` at the log's end, under the log's
+        lock, then its counters, the group sync told, and the failpoint
+        ``txlog.after_append`` once the lock is released.  A failed write goes through
+        ``TxLog._append_failed``, as the method's does.  Any other case, and a log whose
+        methods a test set on the instance (``td`` None: see :meth:`_log_dict`), calls
+        the method, which judges it."""
+        if td is None:
+            return txlog.append_body(body)
+        cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
+        cdef bint common = False
+        take(lock)
+        try:
+            group = <object>PyDict_GetItemWithError(td, "_group")
+            fd = <object>PyDict_GetItemWithError(td, "_fd")
+            if not <object>PyDict_GetItemWithError(td, "_idle_waiting") and fd >= 0 and \
+                    <object>PyDict_GetItemWithError(td, "poisoned") is None and \
+                    <object>PyDict_GetItemWithError(td, "sealer") is None and not group.err:
+                common = True
+                txid = <object>PyDict_GetItemWithError(td, "_next_txid")
+                end = <object>PyDict_GetItemWithError(td, "_end")
+                # The flag says that everything before this record was synced (append_body).
+                raw = self.frame_record(self.rec_magic, self.synced_flag if end == group.synced else 0, txid, body)
+                try:
+                    (<object>PyDict_GetItemWithError(self.fsd, "FS")).pwrite(fd, raw, end)
+                except OSError as e:
+                    raise txlog._append_failed(end, e) from e
+                PyDict_SetItem(td, "_next_txid", txid + 1)
+                end += len(<bytes>raw)
+                PyDict_SetItem(td, "_end", end)
+                group.wrote(end)
+                PyDict_SetItem(td, "_inflight", <object>PyDict_GetItemWithError(td, "_inflight") + 1)
+                PyDict_SetItem(td, "commits", <object>PyDict_GetItemWithError(td, "commits") + 1)
+        finally:
+            give(lock)
+        if not common:
+            return txlog.append_body(body)  # (nothing written: the method waits or raises)
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("txlog.after_append")
+        return end
+
+    cdef bint _log_done(self, object txlog, dict td) except -1:
+        """``TxLog.done()`` without its frame (see :meth:`_log_append`): one commit fewer
+        in flight, a waiting checkpoint woken when none is left; whether the log is due a
+        checkpoint."""
+        if td is None:
+            return txlog.done()
+        cdef Lock lock = <Lock>PyDict_GetItemWithError(td, "_lock")
+        take(lock)
+        try:
+            inflight = <object>PyDict_GetItemWithError(td, "_inflight") - 1
+            PyDict_SetItem(td, "_inflight", inflight)
+            if <object>PyDict_GetItemWithError(td, "_idle_waiting") and inflight == 0:
+                (<object>PyDict_GetItemWithError(td, "_idle")).notify_all()
+            return <object>PyDict_GetItemWithError(td, "_end") > <object>PyDict_GetItemWithError(td, "_checkpoint_bytes") \
+                and not <object>PyDict_GetItemWithError(td, "pending")
+        finally:
+            give(lock)
 
     cdef int _put_body(self, object seq, uint64_t id_, bytes body) except -1:
         """``Queue._put_body``: the body written first, then counted and cached under the
@@ -1183,7 +1278,7 @@ cdef class VarFast(FixedFast):
                 PyDict_SetItem(self.qd, "_cache_bytes", size)
         finally:
             give(self.cache_lock)
-        self.fail.point("queue.var_push.after_body")
+        (<object>PyDict_GetItemWithError(self.faild, "point"))("queue.var_push.after_body")
         return 0
 
     def push(self, payload, *, delay=None):
@@ -1344,6 +1439,7 @@ cdef class VarFast(FixedFast):
         cdef bint checkpoint_due = False
         payload = self.payload
         txlog = <object>PyDict_GetItemWithError(self.dbd, "txlog")
+        cdef dict td = self._log_dict(txlog)  # (None: the log's methods are called)
         take(first)
         try:
             take(second)
@@ -1362,26 +1458,29 @@ cdef class VarFast(FixedFast):
                 # commit_settle: only a failed log append can leave it unused, a gap).
                 gsn = (<object>PyDict_GetItemWithError(pd, "_gsn"))()
                 body, key = self.rows(self.fhead, fixed.index, slot, version, self.bhead, seq, gsn)
-                end = txlog.append_body(body)
+                end = self._log_append(txlog, td, body)
                 if (<object>PyDict_GetItemWithError(self.dbd, "tx_config")).durable:
                     try:
                         txlog.sync_to(end)  # write-ahead: on disk before anything is applied
                     except BaseException as e:
                         err = self.fence((self.queue,), [fixed], [payload], e, True)
-                        txlog.done()
+                        self._log_done(txlog, td)
                         raise err from e
                 try:
                     sh._free_row(due, seq, slot, version)  # QueueShard.ack_slot
                     sh.hook_ran = False
                     # (No cache entry to drop: a lease takes its row's body out of the cache.)
-                    payload.tomb_locked(key, gsn)
-                    self.fail.point("txlog.after_apply")
+                    if self.putter is not None and PyDict_GetItemWithError(pd, "tomb_locked") == NULL:
+                        self.putter.tomb(key, gsn)  # BitcaskStore.tomb_locked, without its frame
+                    else:  # (several shards; or a test's tomb_locked, set on the instance)
+                        payload.tomb_locked(key, gsn)
+                    (<object>PyDict_GetItemWithError(self.faild, "point"))("txlog.after_apply")
                     fixed.raise_sync_error()  # applied in full; its sync failed
                 except BaseException as e:
                     err = self.fence((self.queue,), [fixed], [payload], e)
-                    txlog.done()  # only once the stores are fenced: a checkpoint may follow
+                    self._log_done(txlog, td)  # only once the stores are fenced: a checkpoint may follow
                     raise err from e
-                checkpoint_due = txlog.done()
+                checkpoint_due = self._log_done(txlog, td)
             finally:
                 give(second)
         finally:

@@ -31,8 +31,6 @@ from .._core.fixed import (
     bitcask_index_put_new,
     bitcask_puts,
     bitcask_record,
-    bitcask_tomb,
-    bitcask_tomb_drop,
     bitcask_tomb_index,
     bitcask_tombs,
 )
@@ -1093,48 +1091,15 @@ class BitcaskStore:
     def tomb_locked(self, key: bytes, gsn: int) -> bool:
         """:meth:`write_locked` of the delete ``(key, None, gsn)`` (a var queue's lone ack
         of its body, ``armdb.tx.commit_settle``; the caller holds the key's shard lock):
-        the same record, hint entry and index change, the record built with the checks
-        of the common case in one compiled call (``bitcask_tomb``) and the index changed
-        in another, with no frame but this one.  Anything else (several shards,
-        encryption, a closed or fenced store, a missing key, a rotation due) goes through
-        :meth:`write_locked`, which judges it."""
-        shards = self._shards
-        sh = shards[0]
-        act = sh.active
-        if len(shards) != 1 or self._sealer is not None or sh.closed or self._poisoned is not None:
-            return self.write_locked(key, None, gsn)
-        word = gsn | TOMBSTONE
-        # Everything before this record was synced: say so (as _write does).
-        if act.version >= MARKED_DATA_VERSION and act.size == sh.synced:
-            word |= SYNCED_BEFORE
-        off = act.size
-        cfg = self.config
-        rec = bitcask_tomb(key, sh.index, word, sh.highest, RECORD_MAGIC, MAX_KEY_LEN, off, act.total,
-                           cfg.max_file_size)
-        if rec is None:
-            return self.write_locked(key, None, gsn)
-        try:
-            _fs.FS.pwrite(act.fd, rec, off)  # _pwrite, its frame saved on this path
-        except OSError as e:
-            raise self._append_failed(act, off, e) from e
-        size = len(rec)
-        act.size = off + size
-        act.total += size
-        sh.dirty = True
-        sh.hint.add(word, off, 0, key)
-        _fail.point("bitcask.after_append")
-        old = bitcask_tomb_drop(sh.index, key, act.fid)
-        if old >= 0:
-            act.dead += old + size  # the put and its tombstone, garbage at once
-        else:
-            self._index_update(sh, key, act.fid, off, size, word)
-        sh.highest = gsn
-        # _maybe_sync without its frame, as _write runs it (sh.dirty is set above).
-        if cfg.enable_fsync:
-            now = time.monotonic()
-            if not cfg.sync_interval or now - sh.last_sync >= cfg.sync_interval:
-                self._sync_due(sh, now)
-        return True
+        the same record, hint entry and index change.  An unencrypted store writes it by
+        its compiled kernel (``PutKernel.tomb``, which a var queue's compiled ack also
+        calls directly), which hands anything but the common case (several shards, a
+        closed or fenced store, a missing key, a rotation due) to :meth:`write_locked`;
+        an encrypted one goes there at once."""
+        putter = self._putter
+        if putter is not None:
+            return putter.tomb(key, gsn)
+        return self.write_locked(key, None, gsn)
 
     def _lone_plain_shard(self) -> _Shard | None:
         """The one shard of an unencrypted store with one shard, refused if it cannot be
