@@ -438,7 +438,8 @@ cdef extern from "Python.h":
 
 from types import MemberDescriptorType
 
-cdef int _T_OBJECT_EX = 16  # structmember.h: an object field, AttributeError when unset
+cdef extern from "structmember.h":
+    int T_OBJECT_EX  # an object field, AttributeError when unset
 
 cdef enum:
     _AT_ACTIVE, _AT_CLOSED, _AT_SYNCED, _AT_INDEX, _AT_HIGHEST, _AT_HINT, _AT_DIRTY, _AT_LAST_SYNC, _AT_TOMBS,
@@ -454,7 +455,7 @@ cdef Py_ssize_t _slot_offset(type cls, str name) except -1:
     if type(d) is not MemberDescriptorType:
         raise TypeError(f"{cls.__name__}.{name} is not a slot")
     cdef PyMemberDef* m = (<PyMemberDescrObject*><PyObject*>d).d_member
-    if m.type != _T_OBJECT_EX or m.flags != 0:
+    if m.type != T_OBJECT_EX or m.flags != 0:
         raise TypeError(f"{cls.__name__}.{name} is not a plain object slot")
     return m.offset
 
