@@ -336,7 +336,6 @@ class Tx:
         durable = self._durable
         held = 0
         tickets: list[int] | None = None
-        turned = False
         try:
             behind = take_for_plan(locks, blind, txlog)
             held = len(locks)
@@ -374,7 +373,6 @@ class Tx:
                     synced = True
                 if tickets is not None:
                     take_turns(locks, tickets)
-                    turned = True
                     held = len(locks)
                 for fn in plan.apply:
                     fn()
@@ -390,7 +388,7 @@ class Tx:
             if tickets is not None:
                 # Every turn drawn is handed on once, in its turn, whatever happened: the
                 # commits behind this one apply (or, fenced, fail) and direct calls wait.
-                serve_turns(locks, tickets, turned)
+                serve_turns(locks, tickets)
             while held:
                 held -= 1
                 locks[held].release()

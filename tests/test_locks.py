@@ -139,7 +139,7 @@ def _apply(lock: Any, t: int, during: Any = None) -> None:
         if during is not None:
             during()
     finally:
-        serve_turns([lock], [t], True)
+        serve_turns([lock], [t])
         lock.release()
 
 

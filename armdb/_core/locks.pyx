@@ -334,13 +334,12 @@ cdef int _wait_turns(list locks, list tickets) except -1:
     return 0
 
 
-def serve_turns(list locks not None, list tickets not None, bint turned):
-    """Hand on the commit's turn on every lock (waiting for it first unless ``turned``):
-    once, in its turn, whatever happened to the commit."""
+def serve_turns(list locks not None, list tickets not None):
+    """Hand on the commit's turn on every lock (waiting for it first, which costs
+    nothing once it has it): once, in its turn, whatever happened to the commit."""
     cdef Py_ssize_t n = len(locks), i
     cdef Lock lock
-    if not turned:
-        _wait_turns(locks, tickets)
+    _wait_turns(locks, tickets)
     for i in range(n):
         lock = <Lock>locks[i]
         pthread_mutex_lock(&lock.ts_mu)
