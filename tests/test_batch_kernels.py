@@ -405,7 +405,7 @@ class _Slots:
                                     st.lists(st.text(max_size=5), max_size=3))), max_size=24),
        st.lists(st.integers(0, 23), max_size=12), st.booleans())
 def test_q1_a_dict_s_table_read_in_place_packs_as_msgpack_packs(items, dels, readd):
-    # SPEC Q1: the packer reads a dict's items from its entry table (dictentries.h) where the
+    # SPEC Q1: the packer reads a dict's items from its entry table (pyfast.h) where the
     # table allows: the items msgpack packs, in dict order, after deletions (entries left
     # empty in the table), re-insertions (at the end), str keys only (the unicode table) or
     # others (the general table), and a split table (an instance's __dict__) by PyDict_Next

@@ -195,8 +195,9 @@ cdef extern from "Python.h":
     void _err_clear "PyErr_Clear"()
 
 
-cdef extern from "dictentries.h":
+cdef extern from "pyfast.h":
     PyObject** _dict_entries "armdb_dict_entries"(PyObject* d, Py_ssize_t* count, Py_ssize_t* stride)
+    bint _compact_int "armdb_compact_int"(PyObject* o, long long* v)
 
 
 cdef inline int _int(Buf* b, PyObject* o) except -1:
@@ -231,6 +232,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
     cdef PyObject* v
     cdef PyObject** ents
     cdef uint8_t* p
+    cdef long long d
     if t == &_STR:
         if _ascii(o):
             s = <const char*>_udata(o)
@@ -270,7 +272,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
         p = _room(b, 5)
         b.n += _w_len(p, n, 0x80, 16, 0, 0xde, 0xdf)
         # The items in the table's order, read in place where the table allows
-        # (dictentries.h), else by PyDict_Next: the same items in the same order.
+        # (pyfast.h), else by PyDict_Next: the same items in the same order.
         ents = _dict_entries(o, &count, &stride)
         while True:
             if ents != NULL:
@@ -294,7 +296,10 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
             if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 256:
                 _fixstr(b, <const char*>_udata(v), _ulen(v))
             elif _type_of(v) == &_INT:
-                if _int(b, v):
+                if _compact_int(v, &d):  # (pyfast.h: a one-digit int read in place, no call)
+                    p = _room(b, 9)
+                    b.n += _w_uint(p, <uint64_t>d) if d >= 0 else _w_neg(p, <int64_t>d)
+                elif _int(b, v):
                     return 1
             elif (_type_of(v) == &_LIST or _type_of(v) == &_TUPLE) and depth + 1 < _DEPTH:
                 if _seq(b, v, _type_of(v) == &_LIST, depth + 1):
