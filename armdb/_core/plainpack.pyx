@@ -178,7 +178,6 @@ cdef extern from "Python.h":
     PyObject* _TRUE "Py_True"
     bint _ascii "PyUnicode_IS_COMPACT_ASCII"(PyObject* o)
     Py_ssize_t _ulen "PyUnicode_GET_LENGTH"(PyObject* o)
-    void* _udata "PyUnicode_DATA"(PyObject* o)
     const char* _utf8 "PyUnicode_AsUTF8AndSize"(PyObject* o, Py_ssize_t* n)
     long long _as_ll "PyLong_AsLongLongAndOverflow"(PyObject* o, int* overflow)
     unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(PyObject* o)
@@ -198,6 +197,7 @@ cdef extern from "Python.h":
 cdef extern from "pyfast.h":
     PyObject** _dict_entries "armdb_dict_entries"(PyObject* d, Py_ssize_t* count, Py_ssize_t* stride)
     bint _compact_int "armdb_compact_int"(PyObject* o, long long* v)
+    const char* _ascii_data "armdb_ascii_data"(PyObject* o)
 
 
 cdef inline int _int(Buf* b, PyObject* o) except -1:
@@ -235,7 +235,7 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
     cdef long long d
     if t == &_STR:
         if _ascii(o):
-            s = <const char*>_udata(o)
+            s = _ascii_data(o)
             n = _ulen(o)
         else:
             s = _utf8(o, &n)
@@ -290,11 +290,11 @@ cdef int _pack(Buf* b, PyObject* o, int depth, bint key) except -1:
             # value's three branches repeat the list loop's: one inline helper for both
             # measured 127 instructions a job more on push_many(1000), round 9.)
             if _type_of(k) == &_STR and _ascii(k) and _ulen(k) < 256:
-                _fixstr(b, <const char*>_udata(k), _ulen(k))
+                _fixstr(b, _ascii_data(k), _ulen(k))
             elif _pack(b, k, depth + 1, True):
                 return 1
             if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 256:
-                _fixstr(b, <const char*>_udata(v), _ulen(v))
+                _fixstr(b, _ascii_data(v), _ulen(v))
             elif _type_of(v) == &_INT:
                 if _compact_int(v, &d):  # (pyfast.h: a one-digit int read in place, no call)
                     p = _room(b, 9)
@@ -327,7 +327,7 @@ cdef int _seq(Buf* b, PyObject* o, bint is_list, int depth) except -1:
     for i in range(n):
         v = _litem(o, i) if is_list else _titem(o, i)
         if _type_of(v) == &_STR and _ascii(v) and _ulen(v) < 256:
-            _fixstr(b, <const char*>_udata(v), _ulen(v))
+            _fixstr(b, _ascii_data(v), _ulen(v))
         elif _type_of(v) == &_INT:
             if _int(b, v):
                 return 1

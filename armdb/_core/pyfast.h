@@ -82,4 +82,10 @@ static inline int armdb_compact_int(PyObject* o, long long* v) {
 #endif
 }
 
+/* A compact ASCII str's characters (the caller has checked PyUnicode_IS_COMPACT_ASCII):
+ * they follow its PyASCIIObject, as CPython's own _PyUnicode_COMPACT_DATA finds them,
+ * without PyUnicode_DATA's compact and ASCII tests again (the public layout, every
+ * version). */
+#define armdb_ascii_data(o) ((const char*)(((PyASCIIObject*)(o)) + 1))
+
 #endif
