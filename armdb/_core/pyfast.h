@@ -43,6 +43,8 @@ static inline PyObject** armdb_dict_entries(PyObject* d, Py_ssize_t* count, Py_s
     if (mp->ma_values != NULL)
         return NULL;  /* a split table: values in their own array, in their own order */
     dk = (armdb_dictkeys*)mp->ma_keys;
+    if (dk->dk_kind > 1)
+        return NULL;  /* (a split kind: never with ma_values NULL, but not read as combined) */
     *count = dk->dk_nentries;
     *stride = dk->dk_kind == 0 ? 3 : 2;
     return (PyObject**)(dk->dk_indices + ((size_t)1 << dk->dk_log2_index_bytes)) + (dk->dk_kind == 0 ? 1 : 0);
