@@ -2154,7 +2154,8 @@ class Queue(Generic[T]):
 
             if ids is None:
                 ids = []
-            ids[:] = range(first, first + n)  # (a plan run again refills it)
+            ids.clear()  # (a plan run again refills it)
+            ids.extend(range(first, first + n))  # (no list of the range to copy, as ids[:] = range(...) makes)
 
             def apply_bodies() -> None:
                 payload.write_puts_locked(keys, payloads, g0)

@@ -389,3 +389,37 @@ def test_q1_the_cache_loops_keep_the_oldest_bodies_through_puts_drops_and_pops(s
             next_id += 1
         assert list(cache.items()) == list(model.items())
         assert helds[c] == sum(map(len, cache.values())) <= budget
+
+
+class _Slots:
+    """An instance whose ``__dict__`` is a split table (the packer reads it by PyDict_Next)."""
+
+    def __init__(self, a: object, b: object) -> None:
+        self.a = a
+        self.b = b
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.text(max_size=6), st.integers(-3, 3), st.binary(max_size=3)),
+                          st.one_of(st.text(max_size=40), st.integers(-(2**63), 2**64 - 1), st.none(),
+                                    st.lists(st.text(max_size=5), max_size=3))), max_size=24),
+       st.lists(st.integers(0, 23), max_size=12), st.booleans())
+def test_q1_a_dict_s_table_read_in_place_packs_as_msgpack_packs(items, dels, readd):
+    # SPEC Q1: the packer reads a dict's items from its entry table (pyfast.h) where the
+    # table allows: the items msgpack packs, in dict order, after deletions (entries left
+    # empty in the table), re-insertions (at the end), str keys only (the unicode table) or
+    # others (the general table), and a split table (an instance's __dict__) by PyDict_Next
+    d: dict[object, object] = {}
+    for k, v in items:
+        d[k] = v
+    keys_now = list(d)
+    for i in dels:
+        if i < len(keys_now) and keys_now[i] in d:
+            v = d.pop(keys_now[i])
+            if readd:
+                d[keys_now[i]] = v
+    only_str = {k: v for k, v in d.items() if isinstance(k, str)}
+    inst = _Slots(d, only_str)
+    vs = [d, only_str, {"in": d, "list": [only_str, d]}, inst.__dict__]
+    assert pack_plain(vs) == [_P.pack(v) for v in vs]
+    assert [_unpack(r) for r in pack_plain(vs)] == [_unpack(_P.pack(v)) for v in vs]
