@@ -237,7 +237,7 @@ def test_groupsync_unit_sticky_error_and_python_sync_fn(tmp_path: Path) -> None:
 
 # SPEC T3: the coordinator under contention: every waiter is woken once its record is
 # synced (no lost wake-up between the two generation conditions), with and without gathering.
-@pytest.mark.parametrize("gather", [0.0, 0.5])
+@pytest.mark.parametrize("gather", [0.0, 0.5, 1.5])
 def test_groupsync_stress_no_lost_wakeup(tmp_path: Path, gather: float) -> None:
     fd = os.open(tmp_path / "log", os.O_RDWR | os.O_CREAT)
     try:

@@ -32,9 +32,16 @@ With the leader starting a new sync the moment the previous one returns, the
 committers split into two alternating cohorts: the group a sync releases
 applies, returns and commits again while the next sync (of the other cohort)
 runs, so each sync covered about half of the committing threads.  So a new
-leader first waits, without the GIL and for at most ``gather_fraction`` (0.5)
+leader first waits, without the GIL and for at most ``gather_fraction`` (1.5)
 of the previous sync's duration, until as many records arrived as the group
-just released (``_mark``): one sync then covers both cohorts.  A lone
+just released (``_mark``): one sync then covers both cohorts.  The bound is
+longer than a sync because the released committers come back one at a time:
+each needs the GIL for its apply, its next commit's plan and its append, about
+40 us a commit with eight threads on a 2-core host (measured: 8 commits
+gathered in 310-340 us beside syncs of 200-250 us).  At half a sync (the earlier
+bound) the gather timed out with about 6 of 8 back, and the rest
+waited a whole cycle: 8 threads made 10.5-12.5k commits/s, at 1.5 syncs
+12.2-13.7k; 2, 4 and 16 threads were unchanged (docs/performance.md).  A lone
 committer does not wait (its own append reaches the mark; only the first
 commit after a burst of several may wait once), nor does the first sync (no
 previous duration), nor the Python path (``sync_fn``; not timed).  The cost:
@@ -124,7 +131,7 @@ cdef class GroupSync:
         self._target = 0
         self._appends = self._covered = self._group = self._mark = self._last_ns = 0
         self._gathers = self._gathered_ns = 0
-        self.gather_fraction = 0.5
+        self.gather_fraction = 1.5
         self.fd = fd
         self._written = end
         self._synced = end
