@@ -34,6 +34,12 @@ cdef extern from "Python.h":
 
 import numpy as np
 
+cimport numpy as cnp
+
+from armdb._core.npvec cimport array_data
+
+cnp.import_array()
+
 from armdb._core.locks cimport Lock, give, take
 from armdb._core._util cimport (
     copy_bytes,
@@ -1366,13 +1372,15 @@ def bitcask_index_put_new(dict index not None, dict tombs not None, list keys no
 
 # -- a var batch's body deletes (Queue.ack_many): keys, log rows, tombstones, index -------------
 
-def tomb_rows(bytes head not None, const uint64_t[::1] seqs, uint64_t g0, bytearray out not None):
+def tomb_rows(bytes head not None, object seqs, uint64_t g0, bytearray out not None):
     """The log rows of a var batch's body deletes appended to ``out``: the bytes
     ``msgpack.packb`` gives for ``[B, name, key, nil, gsn]`` (gsn ``g0 + i``, the rest as
     :func:`push_body_rows` packs them); returns the keys (row ``seqs[i]`` as 8 big-endian bytes,
     ``armdb.qrows.body_key``) for the store's :func:`bitcask_tombs`.  No item tuple and no
     gsn int per row."""
-    cdef Py_ssize_t n = seqs.shape[0], i, hlen = len(head), at = len(out)
+    cdef Py_ssize_t n, i, hlen = len(head), at = len(out)
+    cdef const uint64_t* seqs_
+    array_data(seqs, 8, False, <char**>&seqs_, &n)  # (a typed memoryview argument: 1,700 instructions)
     cdef uint8_t* p
     cdef uint8_t* start
     cdef list keys = PyList_New(n)  # (items NULL until set, which the list's free skips)
@@ -1382,7 +1390,7 @@ def tomb_rows(bytes head not None, const uint64_t[::1] seqs, uint64_t g0, bytear
     p = start + at
     for i in range(n):
         key = PyBytes_FromStringAndSize(NULL, 8)
-        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(seqs[i]))
+        store_u64(<uint8_t*>PyBytes_AS_STRING(key), _bswap64(seqs_[i]))
         Py_INCREF(key)
         PyList_SET_ITEM(keys, i, key)
         copy_bytes(p, PyBytes_AS_STRING(head), hlen)

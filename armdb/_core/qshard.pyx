@@ -48,29 +48,20 @@ cnp.import_array()
 import_datetime()
 
 
-cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
-    """The data and length of ``a``, a one-dimensional C-contiguous NumPy array of
-    native unsigned ints of ``itemsize`` bytes (``writable`` if asked): what a typed
-    memoryview argument checks, for about 30 instructions instead of 1,700 (the batch
-    kernels take several arrays per call)."""
-    if not cnp.PyArray_Check(a):
-        raise TypeError(f"expected a NumPy array of uint{8 * itemsize}, got {type(a).__name__}")
-    cdef cnp.ndarray arr = <cnp.ndarray>a
-    if (cnp.PyArray_NDIM(arr) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
-            or cnp.PyArray_ITEMSIZE(arr) != itemsize or not cnp.PyArray_ISUNSIGNED(arr)
-            or not cnp.PyArray_ISNOTSWAPPED(arr) or (writable and not cnp.PyArray_ISWRITEABLE(arr))):
-        raise ValueError(f"expected a one-dimensional contiguous{' writable' if writable else ''} array of "
-                         f"uint{8 * itemsize}, got {a.dtype} of shape {a.shape}")
-    data[0] = <char*>cnp.PyArray_DATA(arr)
-    n[0] = cnp.PyArray_DIM(arr, 0)
-    return 0
+cdef inline int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
+    """The data and length of a NumPy array argument (``armdb._core.npvec.array_data``)."""
+    return array_data(a, itemsize, writable, data, n)
 
 from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
 from armdb._core.locks cimport Lock, give, take
+from armdb._core.npvec cimport array_data
 from armdb._core.plainpack cimport pack_one, unpack_one
+
+from armdb._core.bodycache import cache_pop
+from armdb._core.plainpack import unpack_plain
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -794,6 +785,10 @@ cdef class QueueShard:
         seqs, attempts, epochs)``, ``shard_nos`` all 0 (a queue of one shard).  A var
         ``lease_batch`` made the five arrays by five NumPy calls, then cut them to the
         leases taken by five more when fewer were due."""
+        return self._claim_new(now, deadline, n, max_attempts)
+
+    cdef tuple _claim_new(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts):
+        """:meth:`claim_new` (also called by ``VarFast.lease_batch``, under the shard's lock)."""
         cdef _Sink sink
         cdef Py_ssize_t dead = 0, got = 0
         cdef cnp.npy_intp dim = n if n > 0 else 0
@@ -1107,6 +1102,10 @@ cdef class VarFast(FixedFast):
     cdef object tlog, frame_record
     cdef dict td, fsd
     cdef uint32_t rec_magic, synced_flag
+    # lease_batch (set_batch): the LeaseBatch class, the queue's name, the Python
+    # ``Queue.lease_batch`` and ``Queue._lease_batch_var`` and the codec's ``decode_many``.
+    # batch_cls None: every lease_batch goes to the Python method.
+    cdef object batch_cls, qname, lease_batch_py, lease_batch_var, decode_many
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
                 read_payloads, fail, gone, settle):
@@ -1137,6 +1136,72 @@ cdef class VarFast(FixedFast):
         (``armdb._core.plainpack``); anything it does not take goes to them."""
         self.plain_type = plain_type
         self.decodes_as_is = decodes_as_is
+
+    def set_batch(self, batch_cls, qname, lease_batch_py, lease_batch_var, decode_many):
+        """:meth:`lease_batch`'s parts: ``armdb.queue.LeaseBatch``, the queue's name, the
+        Python ``Queue.lease_batch`` (bound before this method shadows it) and
+        ``Queue._lease_batch_var``, and the codec's ``decode_many``."""
+        self.batch_cls = batch_cls
+        self.qname = qname
+        self.lease_batch_py = lease_batch_py
+        self.lease_batch_var = lease_batch_var
+        self.decode_many = decode_many
+
+    def lease_batch(self, n=1, *, lease_timeout=None, ack=None):
+        """``Queue.lease_batch`` (whose documentation says what it raises) in one compiled
+        call for the common batch: no ``ack``, the queue's lease timeout, one header shard,
+        a payload type whose plain body is the payload.  The claim under the shard's lock
+        (``QueueShard.claim_new``), then, when every claimed row's body is cached, the
+        bodies taken out of the cache under its lock (``bodycache.cache_pop``, the byte
+        count with them) and decoded together (``plainpack.unpack_plain``, else the codec's
+        ``decode_many``): the steps of ``Queue._lease_batch`` and ``Queue._batch_bodies``,
+        without their Python frames.  Any other batch (one row, none, a body not cached or
+        not decoded) goes to ``Queue._lease_batch_var`` with the claimed arrays, and any
+        other call to the Python method, which judge it."""
+        cdef int64_t now, deadline
+        cdef QueueShard sh
+        cdef tuple got
+        cdef object popped = None
+        if ack is not None or lease_timeout is not None or self.batch_cls is None or self.nsh != 1 \
+                or type(n) is not int or not 1 <= n <= self.max_lease or not self.decodes_as_is:
+            return self.lease_batch_py(n, lease_timeout=lease_timeout, ack=ack)
+        now = self._now()
+        if now < 0:
+            return self.lease_batch_py(n)  # closed: DbClosed
+        deadline = now + self.lease_ms
+        self._deadline_dt(deadline)
+        last = (deadline, self.dl)
+        sh = <QueueShard>self.shards[0]
+        take(<Lock>self.locks[0])
+        try:
+            got = sh._claim_new(now, deadline, n, self.max_attempts)
+        finally:
+            give(<Lock>self.locks[0])
+        dead, shard_nos, dues, seqs, attempts, epochs = got
+        if dead:
+            self.note_dead(now)
+        if len(seqs) > 1 and PyDict_GET_SIZE(self.cache):
+            # Queue._batch_bodies's common batch: the bodies leave the cache as they are
+            # taken (its ack_many has none to drop).
+            take(self.cache_lock)
+            try:
+                popped = cache_pop(self.cache, seqs)
+                if popped is not None:
+                    PyDict_SetItem(self.qd, "_cache_bytes",
+                                   <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - (<tuple>popped)[1])
+            finally:
+                give(self.cache_lock)
+            if popped is not None:
+                bodies = (<tuple>popped)[0]
+                payloads = unpack_plain(bodies)  # VarCodec.decode_many's first step
+                if payloads is None:
+                    payloads = self.decode_many(bodies)
+                if payloads is not None:
+                    batch = self.batch_cls(self.qname, self.handle, shard_nos, dues, seqs, attempts, epochs, last,
+                                           payloads)
+                    batch._cached = False
+                    return batch
+        return self.lease_batch_var(shard_nos, dues, seqs, attempts, epochs, self.lease_ms, last, None)
 
     def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows,
                 frame_record, dict fs_module not None, uint32_t rec_magic, uint32_t synced_flag):
