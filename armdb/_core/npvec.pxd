@@ -20,3 +20,18 @@ cdef inline int array_data(object a, int itemsize, bint writable, char** data, P
     data[0] = <char*>cnp.PyArray_DATA(arr)
     n[0] = cnp.PyArray_DIM(arr, 0)
     return 0
+
+
+cdef inline int rows_data(object a, char** data, Py_ssize_t* rows, Py_ssize_t* width) except -1:
+    """The data and shape of ``a``, a two-dimensional C-contiguous NumPy array of bytes
+    (``uint8``): a batch's row images."""
+    if not cnp.PyArray_Check(a):
+        raise TypeError(f"expected a NumPy array of uint8, got {type(a).__name__}")
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    if (cnp.PyArray_NDIM(arr) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(arr) or cnp.PyArray_ITEMSIZE(arr) != 1
+            or not cnp.PyArray_ISUNSIGNED(arr)):
+        raise ValueError(f"expected a two-dimensional contiguous array of uint8, got {a.dtype} of shape {a.shape}")
+    data[0] = <char*>cnp.PyArray_DATA(arr)
+    rows[0] = cnp.PyArray_DIM(arr, 0)
+    width[0] = cnp.PyArray_DIM(arr, 1)
+    return 0
