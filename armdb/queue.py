@@ -551,11 +551,14 @@ class Queue(Generic[T]):
                 # lease_batch: the Python method bound here, before the compiled one
                 # shadows it, for every call but the common batch.
                 var.set_batch(LeaseBatch, self.name, self.lease_batch, self._lease_batch_var, vcodec.decode_many)
+                var.set_ack_many(self.ack_many, self._commit_ack_many)  # (likewise)
                 self._fast = var
-                # As a fixed queue's: the compiled push, lease(1), lease_batch and ack
-                # shadow the methods below, and hand all but the common case to _push,
-                # _lease, lease_batch and _ack.  A var ack's commit is armdb.tx.commit_settle.
-                vars(self).update(push=var.push, lease=var.lease, ack=var.ack, lease_batch=var.lease_batch)
+                # As a fixed queue's: the compiled push, lease(1), lease_batch, ack and
+                # ack_many shadow the methods below, and hand all but the common case to
+                # _push, _lease, lease_batch, _ack and ack_many.  A var ack's commit is
+                # armdb.tx.commit_settle.
+                vars(self).update(push=var.push, lease=var.lease, ack=var.ack, lease_batch=var.lease_batch,
+                                  ack_many=var.ack_many)
         except BaseException:
             self._headers.close()
             if self._payload is not None:

@@ -1,7 +1,8 @@
-"""A var queue's compiled ``lease_batch`` (``VarFast.lease_batch``) against the Python
-method it stands for (``Queue.lease_batch``): the same leases (ids, attempts, deadlines,
-payloads, tokens), the same cache accounting and the same state after a reopen, whichever
-path ran; and the calls it hands to the Python method refuse as that method does."""
+"""A var queue's compiled ``lease_batch`` and ``ack_many`` (``VarFast.lease_batch``,
+``VarFast.ack_many``) against the Python methods they stand for (``Queue.lease_batch``,
+``Queue.ack_many``): the same leases (ids, attempts, deadlines, payloads, tokens), acks
+and refusals, the same cache accounting and the same state after a reopen, whichever path
+ran; and the calls they hand to the Python methods refuse as those methods do."""
 
 from __future__ import annotations
 
@@ -60,11 +61,16 @@ def _drive(path: Path, steps: list[tuple[str, Any]], compiled: bool, cache_bytes
             if len(b):
                 held.append(b)
         elif op in ("ack_many", "ack_one") and held:
-            b = held.pop(arg % len(held))
+            b = held[arg % len(held)]
+            if arg % 2:  # (an even one is acked again later: stale then)
+                held.remove(b)
             try:
-                out.append(q.ack_many(b) if op == "ack_many" else q.ack(b[0]))
-            except StaleToken:
-                out.append("stale")
+                if op == "ack_one":
+                    out.append(q.ack(b[0]))
+                else:
+                    out.append(q.ack_many(b) if compiled else Queue.ack_many(q, b))
+            except StaleToken as e:
+                out.append(str(e).replace(str(b._handle), "H"))
         elif op == "advance":
             clock.advance(arg / 1000)
     st_ = q.stats()
@@ -81,7 +87,7 @@ def _drive(path: Path, steps: list[tuple[str, Any]], compiled: bool, cache_bytes
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=ops, cache_bytes=st.sampled_from([0, 300, 1 << 20]))
-def test_q32_compiled_lease_batch_equals_the_python_method(tmp_path_factory: pytest.TempPathFactory,
+def test_q32_compiled_lease_batch_and_ack_many_equal_the_python_methods(tmp_path_factory: pytest.TempPathFactory,
                                                           steps: list[tuple[str, Any]], cache_bytes: int) -> None:
     # SPEC Q32, Q15: the same leases, cache and state after a reopen, whichever path ran
     # (a cache of 300 bytes holds some bodies of a batch, not all: the store's path)
@@ -97,12 +103,13 @@ def _refusal(fn: Any, *args: Any, **kw: Any) -> tuple[type, str]:
     raise AssertionError("no refusal")
 
 
-def test_q32_lease_batch_is_compiled_and_hands_the_rest_to_the_python_method(db: armdb.Db,
+def test_q32_lease_batch_and_ack_many_are_compiled_and_hand_the_rest_to_the_python_methods(db: armdb.Db,
                                                                               clock: FakeClock) -> None:
     from armdb._core.qshard import VarFast
 
     q = db.open_queue(Jobs)
     assert isinstance(q.lease_batch.__self__, VarFast)  # type: ignore[attr-defined]
+    assert isinstance(q.ack_many.__self__, VarFast)  # type: ignore[attr-defined]
     ids = q.push_many([{"a": i} for i in range(6)])
     b = q.lease_batch(3)
     assert b.ids.tolist() == ids[:3] and b.payloads == [{"a": 0}, {"a": 1}, {"a": 2}]
@@ -116,6 +123,10 @@ def test_q32_lease_batch_is_compiled_and_hands_the_rest_to_the_python_method(db:
     (lz,) = q.lease_batch(4)  # one row left: the Python end of the batch
     assert lz.id == ids[5] and lz.payload == {"a": 5}
     assert len(q.lease_batch(4)) == 0
+    assert _refusal(q.ack_many, c) == _refusal(Queue.ack_many, q, c)  # acked already: stale
+    assert _refusal(q.ack_many, c)[0] is StaleToken
+    assert _refusal(q.ack_many, lz) == _refusal(Queue.ack_many, q, lz)  # one Lease: NotALease
+    assert q.ack_many([lz]) == 1 and q.ack_many(q.lease_batch(3)) == 0
     for n in (0, -1, True, 1.0, "1", 1_000_001):
         assert _refusal(q.lease_batch, n) == _refusal(Queue.lease_batch, q, n)
         assert _refusal(q.lease_batch, n)[0] is ConfigError
@@ -123,4 +134,5 @@ def test_q32_lease_batch_is_compiled_and_hands_the_rest_to_the_python_method(db:
     db.close()
     assert _refusal(q.lease_batch, 2) == _refusal(Queue.lease_batch, q, 2)
     assert _refusal(q.lease_batch, 2)[0] is DbClosed
+    assert _refusal(q.ack_many, b) == _refusal(Queue.ack_many, q, b)
     assert np.dtype(np.uint64) == b.ids.dtype

@@ -1124,6 +1124,9 @@ cdef class VarFast(FixedFast):
     # ``Queue.lease_batch`` and ``Queue._lease_batch_var`` and the codec's ``decode_many``.
     # batch_cls None: every lease_batch goes to the Python method.
     cdef object batch_cls, qname, lease_batch_py, lease_batch_var, decode_many
+    # ack_many (set_ack_many): the Python ``Queue.ack_many`` and the commit it hands a
+    # batch to (armdb.tx.commit_ack_many); commit_ack_many None: every call goes there.
+    cdef object ack_many_py, commit_ack_many
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
                 read_payloads, fail, gone, settle):
@@ -1220,6 +1223,30 @@ cdef class VarFast(FixedFast):
                     batch._cached = False
                     return batch
         return self.lease_batch_var(shard_nos, dues, seqs, attempts, epochs, self.lease_ms, last, None)
+
+    def set_ack_many(self, ack_many_py, commit_ack_many):
+        """:meth:`ack_many`'s parts: the Python ``Queue.ack_many`` (bound before this
+        method shadows it) and ``armdb.tx.commit_ack_many``."""
+        self.ack_many_py = ack_many_py
+        self.commit_ack_many = commit_ack_many
+
+    def ack_many(self, leases):
+        """``Queue.ack_many`` (whose documentation says what it raises) without its Python
+        frame for the common call: a ``LeaseBatch`` of this handle of two leases or more,
+        none leased with its own timeout, handed to its commit (``commit_ack_many``, which
+        checks every lease under the locks) once the queue's checks passed (open; the
+        retention pass when due).  Anything else goes to the Python method, which judges it."""
+        if type(leases) is not self.batch_cls or self.commit_ack_many is None or self.lease_timeouts:
+            return self.ack_many_py(leases)
+        b = leases
+        if b._handle != self.handle:
+            return self.ack_many_py(leases)  # StaleToken: the method says why
+        seqs = b.ids
+        if len(seqs) < 2:
+            return self.ack_many_py(leases)  # none, or the lone ack
+        if self._now() < 0:
+            return self.ack_many_py(leases)  # closed: DbClosed
+        return self.commit_ack_many(self.db, self.queue, b._shards, b._dues, seqs, b._epochs, b._cached)
 
     def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows,
                 frame_record, dict fs_module not None, uint32_t rec_magic, uint32_t synced_flag):
