@@ -1557,7 +1557,9 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
         if old is None:
             bitcask_tombs_restore(index, keys, kinds, taken, i)
             return None
-        if type(old) is tuple and (<tuple>old)[4] is None and (<tuple>old)[0] == fid:
+        # (the entry's fid is the active file's own int object, as the put stored it: the
+        # identity test spares a comparison call)
+        if type(old) is tuple and (<tuple>old)[4] is None and ((<tuple>old)[0] is fid or (<tuple>old)[0] == fid):
             kp[i] = 1
         else:
             index[key] = old  # another case: the general update takes it out again
