@@ -53,7 +53,7 @@ from .maps import Map
 from .queue import Commits, Queue, QueueSpec, open_queue, start_queue_workers
 from .seqmap import SeqMap
 from .server import Server
-from .tx import Tx, _fence_after_log, commit_batch, commit_dead_rows, commit_settle
+from .tx import Tx, _fence_after_log, commit_ack_many, commit_batch, commit_dead_rows, commit_settle
 from .txlog import TxLog
 
 if TYPE_CHECKING:
@@ -531,7 +531,8 @@ class Db:
         """Open (or create) the queue declared by ``spec`` (Q2).  See :class:`armdb.Queue`."""
         # A var queue's ack and nack are logged commits (Q14): the queue gets them from
         # here, the one module that knows both the queue and the transaction.
-        return open_queue(self, spec, config, Commits(commit_settle, commit_dead_rows, commit_batch, _fence_after_log))
+        return open_queue(self, spec, config, Commits(commit_settle, commit_dead_rows, commit_batch, _fence_after_log,
+                                                     commit_ack_many))
 
     def serve(self, path: str | os.PathLike[str] | None = None) -> Server:
         """Serve this database to other processes of the same user (P1).

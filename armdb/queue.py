@@ -118,6 +118,10 @@ class Commits(NamedTuple):
     dead_rows: Callable[..., int]
     batch: Callable[..., Any]  # (db, queue, push, args): push_many and ack_many (armdb.tx.commit_batch)
     fence: Callable[..., BaseException]
+    # (db, queue, shard_nos, dues, seqs, epochs, cached): the ack_many that ``batch`` hands
+    # an ack batch to (armdb.tx.commit_ack_many), called by ack_many without that frame;
+    # None: through ``batch``.
+    ack_many: Callable[..., int] | None = None
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -222,8 +226,9 @@ class LeaseBatch(Generic[T]):
     def __init__(self, queue: str, handle: int, shards: np.ndarray, dues: np.ndarray, ids: np.ndarray,
                  attempts: np.ndarray, epochs: np.ndarray, deadline: tuple[int, datetime], payloads: Any) -> None:
         self._queue = queue
-        # False (set by Queue._lease_batch): the lease took its bodies out of the queue's
-        # cache (Queue._batch_bodies), so its ack_many has none to drop.
+        # False (set by Queue._lease_batch_made, VarFast.lease_batch): the lease took its
+        # bodies out of the queue's cache (Queue._batch_bodies), so its ack_many has none
+        # to drop.
         self._cached = True
         self._handle = handle
         self._shards = shards
@@ -381,9 +386,11 @@ class Queue(Generic[T]):
         self._retention_ms = transitions.retention_ms(config)
         # Key, header and inline payload: the row image a settle reads and rewrites.
         self._row_size = ROW_SIZE + (0 if spec.var else spec.dtype.itemsize)
+        self._all_lock_items: list[tuple[str, threading.Lock]] | None = None  # _tx_all_locks, once open
         self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
         self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
+        self._commit_ack_many = commits.ack_many
         self._fence_after_log = commits.fence  # VarFast.ack's commit fails as every commit does
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.push_body_rows, tomb_rows).
@@ -541,11 +548,17 @@ class Queue(Generic[T]):
                     # without its frame); other stores keep commit_settle.
                     var.set_ack(body_store, self._ack_locks, *self._ack_heads, self._fence_after_log, ack_rows,
                                 log_record, vars(_fs), REC_MAGIC, FLAG_SYNCED_BEFORE)
+                # lease_batch: the Python method bound here, before the compiled one
+                # shadows it, for every call but the common batch.
+                var.set_batch(LeaseBatch, self.name, self.lease_batch, self._lease_batch_var, vcodec.decode_many)
+                var.set_ack_many(self.ack_many, self._commit_ack_many)  # (likewise)
                 self._fast = var
-                # As a fixed queue's: the compiled push, lease(1) and ack shadow the
-                # methods below, and hand all but the common case to _push, _lease and
-                # _ack.  A var ack's commit is armdb.tx.commit_settle.
-                vars(self).update(push=var.push, lease=var.lease, ack=var.ack)
+                # As a fixed queue's: the compiled push, lease(1), lease_batch, ack and
+                # ack_many shadow the methods below, and hand all but the common case to
+                # _push, _lease, lease_batch, _ack and ack_many.  A var ack's commit is
+                # armdb.tx.commit_settle.
+                vars(self).update(push=var.push, lease=var.lease, ack=var.ack, lease_batch=var.lease_batch,
+                                  ack_many=var.ack_many)
         except BaseException:
             self._headers.close()
             if self._payload is not None:
@@ -1126,6 +1139,8 @@ class Queue(Generic[T]):
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
+        if self._commit_ack_many is not None:
+            return self._commit_ack_many(self._db, self, shard_nos, dues, seqs, epochs, cached)
         return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs, cached)))
 
     def _put_body(self, store: BitcaskStore, seq: int, body: bytes) -> None:
@@ -2002,12 +2017,15 @@ class Queue(Generic[T]):
         return {sh.fixed.directory: sh.lock, k: lock}
 
     def _tx_all_locks(self, locks: dict[str, threading.Lock]) -> None:
-        """Add every lock of the queue: a change stream's destination (T7)."""
-        for sh in self._shards:
-            locks[sh.fixed.directory] = sh.lock
-        if self._payload is not None:
-            for (k, _), lock in self._payload.all_locks():
-                locks[k] = lock
+        """Add every lock of the queue: a change stream's destination (T7), a batch.
+        The shards and their locks are fixed once the queue is open: listed once."""
+        items = self._all_lock_items
+        if items is None:
+            items = [(sh.fixed.directory, sh.lock) for sh in self._shards]
+            if self._payload is not None:
+                items += [(k, lock) for (k, _), lock in self._payload.all_locks()]
+            self._all_lock_items = items
+        locks.update(items)
 
     def _tx_push(self, plan: Plan, seq: int, body: bytes, now: int, delay_ms: int) -> None:
         """Plan a push of row ``seq`` (its shard's lock held): a slot and its version, the

@@ -17,6 +17,12 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint64_t
 
+cimport numpy as cnp
+
+from armdb._core.npvec cimport array_data
+
+cnp.import_array()
+
 
 def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize_t held):
     """Put ``bodies[i]`` (``bytes``) under ``ids[i]`` (the ints ``push_many`` returns, so
@@ -42,19 +48,21 @@ def cache_put_ids(dict cache, list ids, list bodies, Py_ssize_t budget, Py_ssize
     return held
 
 
-def cache_pop(dict cache, const uint64_t[::1] ids):
+def cache_pop(dict cache, object ids):
     """The cached bodies of ``ids`` in order, taken out of the cache (a batch lease's
     bodies, decoded once; its ack then has none to drop): ``(bodies, bytes)``, one dict
     operation a body; or None unless every one of ``ids`` is cached, with the cache
     holding what it held (the bodies taken before a missing one are put back)."""
-    cdef Py_ssize_t i, j, n = ids.shape[0], freed = 0
+    cdef Py_ssize_t i, j, n, freed = 0
+    cdef const uint64_t* ids_
+    array_data(ids, 8, False, <char**>&ids_, &n)  # (a typed memoryview argument: 1,700 instructions)
     cdef object body
     cdef list out = PyList_New(n)  # (items NULL until set, which the list's free skips)
     for i in range(n):
-        body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
+        body = cache.pop(ids_[i], None)  # (one lookup: CPython's _PyDict_Pop)
         if body is None:
             for j in range(i):
-                PyDict_SetItem(cache, ids[j], <object>PyList_GET_ITEM(out, j))
+                PyDict_SetItem(cache, ids_[j], <object>PyList_GET_ITEM(out, j))
             return None
         freed += PyBytes_GET_SIZE(<bytes?>body)
         Py_INCREF(body)
@@ -79,12 +87,14 @@ def longest(list bodies):
     return at
 
 
-def cache_drop(dict cache, const uint64_t[::1] ids):
+def cache_drop(dict cache, object ids):
     """Drop the bodies of ``ids`` (an id not cached is skipped); returns their bytes."""
-    cdef Py_ssize_t i, n = ids.shape[0], freed = 0
+    cdef Py_ssize_t i, n, freed = 0
+    cdef const uint64_t* ids_
+    array_data(ids, 8, False, <char**>&ids_, &n)
     cdef object body
     for i in range(n):
-        body = cache.pop(ids[i], None)  # (one lookup: CPython's _PyDict_Pop)
+        body = cache.pop(ids_[i], None)  # (one lookup: CPython's _PyDict_Pop)
         if body is not None:
             freed += PyBytes_GET_SIZE(<bytes?>body)
     return freed

@@ -43,6 +43,16 @@ def bitcask_tombs(
 def bitcask_tomb_index(
     index: dict[bytes, Any], keys: list[bytes], kept: bytes, fid: int, off: int, g0: int, flag: int, start: int,
 ) -> tuple[int, int, int, int]: ...
+def bitcask_tombs_take(
+    keys: list[bytes], index: dict[bytes, Any], fid: int, g0: int, highest: int, flag: int, magic: int, off: int,
+    max_key: int,
+) -> tuple[bytes, bytes, bytes, int, list[Any]] | None: ...
+def bitcask_tombs_restore(
+    index: dict[bytes, Any], keys: list[bytes], kinds: bytes, taken: list[Any], stop: int = -1,
+) -> None: ...
+def bitcask_tombs_settle(
+    keys: list[bytes], kinds: bytes, taken: list[Any], off: int, g0: int, flag: int, start: int,
+) -> tuple[int, int, int, int]: ...
 def ack_rows(
     fhead: bytes, shard: int, slot: int, version: int, bhead: bytes, seq: int, gsn: int
 ) -> tuple[bytes, bytes]: ...

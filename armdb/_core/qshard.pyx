@@ -48,29 +48,20 @@ cnp.import_array()
 import_datetime()
 
 
-cdef int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
-    """The data and length of ``a``, a one-dimensional C-contiguous NumPy array of
-    native unsigned ints of ``itemsize`` bytes (``writable`` if asked): what a typed
-    memoryview argument checks, for about 30 instructions instead of 1,700 (the batch
-    kernels take several arrays per call)."""
-    if not cnp.PyArray_Check(a):
-        raise TypeError(f"expected a NumPy array of uint{8 * itemsize}, got {type(a).__name__}")
-    cdef cnp.ndarray arr = <cnp.ndarray>a
-    if (cnp.PyArray_NDIM(arr) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(arr)
-            or cnp.PyArray_ITEMSIZE(arr) != itemsize or not cnp.PyArray_ISUNSIGNED(arr)
-            or not cnp.PyArray_ISNOTSWAPPED(arr) or (writable and not cnp.PyArray_ISWRITEABLE(arr))):
-        raise ValueError(f"expected a one-dimensional contiguous{' writable' if writable else ''} array of "
-                         f"uint{8 * itemsize}, got {a.dtype} of shape {a.shape}")
-    data[0] = <char*>cnp.PyArray_DATA(arr)
-    n[0] = cnp.PyArray_DIM(arr, 0)
-    return 0
+cdef inline int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
+    """The data and length of a NumPy array argument (``armdb._core.npvec.array_data``)."""
+    return array_data(a, itemsize, writable, data, n)
 
 from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
 from armdb._core.fixed cimport PutKernel, SlotFile, SlotStore, ring_step
 from armdb._core.locks cimport Lock, give, take
+from armdb._core.npvec cimport array_data, rows_data
 from armdb._core.plainpack cimport pack_one, unpack_one
+
+from armdb._core.bodycache import cache_pop
+from armdb._core.plainpack import unpack_plain
 from armdb._core.qindex cimport SCAN_WORDS, Entry, KeyIndex, raise_status
 from armdb._core.qrow cimport (
     AT_ATTEMPTS,
@@ -583,7 +574,7 @@ cdef class QueueShard:
     # record is logged, apply_* writes the slots and the index.
 
     def plan_push_block(self, bytes name_field not None, uint64_t first_seq, Py_ssize_t i0, Py_ssize_t step,
-                        Py_ssize_t n, const uint8_t[::1] payloads, uint64_t due, int64_t now, bint var,
+                        Py_ssize_t n, object payloads, uint64_t due, int64_t now, bint var,
                         bytearray log_out not None):
         """Plan the pushes of rows ``i0, i0 + step, ... < n`` of a batch whose row ``i``
         gets id ``first_seq + i`` and, for a fixed queue, the payload bytes
@@ -601,17 +592,25 @@ cdef class QueueShard:
         cdef uint64_t seq
         cdef uint8_t* img
         cdef uint8_t* out
-        if step < 1 or i0 < 0 or (not var and payloads.shape[0] < n * self.psize):
+        # A var batch has no inline payload (its payloads are b""): no buffer to take (a
+        # typed memoryview argument costs about 1,700 instructions a call).
+        cdef const uint8_t[::1] pv = None if var else payloads
+        if step < 1 or i0 < 0 or (not var and pv.shape[0] < n * self.psize):
             raise ValueError("plan_push_block: the rows do not match the payload buffer")
         if width >= 65536:
             raise ValueError("plan_push_block: row too long for a logged F row")
         self._check()
-        slots = np.empty(count, dtype=np.uint32)
-        versions = np.empty(count, dtype=np.uint32)
-        images = np.empty((count, width), dtype=np.uint8)
-        cdef uint32_t[::1] sl = slots
-        cdef uint32_t[::1] vs = versions
-        cdef uint8_t[:, ::1] im = images
+        # (PyArray_EMPTY: np.empty's call and keyword parsing cost about 1,400 instructions
+        # an array, a typed memoryview of it 1,700 more)
+        cdef cnp.npy_intp dims[2]
+        dims[0] = count
+        dims[1] = width
+        slots = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
+        versions = cnp.PyArray_EMPTY(1, dims, cnp.NPY_UINT32, 0)
+        images = cnp.PyArray_EMPTY(2, dims, cnp.NPY_UINT8, 0)
+        cdef uint32_t* sl = <uint32_t*>cnp.PyArray_DATA(slots)
+        cdef uint32_t* vs = <uint32_t*>cnp.PyArray_DATA(versions)
+        cdef uint8_t* im = <uint8_t*>cnp.PyArray_DATA(images)
         cdef SlotFile sf
         try:
             for j in range(count):
@@ -630,10 +629,10 @@ cdef class QueueShard:
         for j in range(count):
             i = i0 + j * step
             seq = first_seq + <uint64_t>i
-            img = &im[j, 0]
+            img = im + j * width
             push_row(img, due, seq, now, seq if var else 0)
             if not var and self.psize:
-                memcpy(img + ROW_HEAD, &payloads[i * self.psize], self.psize)
+                memcpy(img + ROW_HEAD, &pv[i * self.psize], self.psize)
             vs[j] = ring_step(sf.versions[sl[j]])
             out = _frow(out, name, name_len, <uint32_t>self.fixed.index, sl[j], vs[j], SLOT_OCCUPIED, img, width)
         return slots, versions, images
@@ -645,18 +644,25 @@ cdef class QueueShard:
         for j in range(slots.shape[0] - 1, -1, -1):
             self.sf._push_free(slots[j])
 
-    def apply_push_block(self, const uint32_t[::1] slots, const uint32_t[::1] versions,
-                         const uint8_t[:, ::1] images):
+    def apply_push_block(self, object slots_a, object versions_a, object images_a):
         """Write the planned rows of :meth:`plan_push_block` (logged) and index them.  A
         failed timed sync stays stashed for the caller (as for :meth:`ack_slot`)."""
-        cdef Py_ssize_t j, count = slots.shape[0], width = images.shape[1]
+        cdef Py_ssize_t j, count, nv, nrows, width
+        cdef const uint32_t* slots
+        cdef const uint32_t* versions
+        cdef const uint8_t* images
+        _vec(slots_a, 4, False, <char**>&slots, &count)
+        _vec(versions_a, 4, False, <char**>&versions, &nv)
+        rows_data(images_a, <char**>&images, &nrows, &width)
+        if nv != count or nrows != count:
+            raise ValueError("apply_push_block: arrays of different lengths")
         cdef const uint8_t* img
         cdef uint64_t due, seq
         self._check()
         self.batching = True
         try:
             for j in range(count):
-                img = &images[j, 0]
+                img = images + j * width
                 self._write(slots[j], SLOT_OCCUPIED, img, width, versions[j])
                 due = load_be64(img + AT_DUE)
                 seq = load_be64(img + AT_SEQ)
@@ -691,8 +697,11 @@ cdef class QueueShard:
         _vec(epochs_a, 4, False, <char**>&epochs, &ne)
         if nd != count or ne != count:
             raise ValueError("plan_ack_block: arrays of different lengths")
-        cdef cnp.ndarray slots = np.empty(count, dtype=np.uint32)
-        cdef cnp.ndarray versions = np.empty(count, dtype=np.uint32)
+        cdef cnp.npy_intp dim = count
+        # (PyArray_EMPTY: np.empty's call, its keyword parsing and module lookups cost
+        # about 1,400 instructions an array)
+        cdef cnp.ndarray slots = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT32, 0)
+        cdef cnp.ndarray versions = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_UINT32, 0)
         cdef uint32_t* sl = <uint32_t*>cnp.PyArray_DATA(slots)
         cdef uint32_t* vs = <uint32_t*>cnp.PyArray_DATA(versions)
         self.sf._alive()  # the rows are read from the mapped file
@@ -794,6 +803,10 @@ cdef class QueueShard:
         seqs, attempts, epochs)``, ``shard_nos`` all 0 (a queue of one shard).  A var
         ``lease_batch`` made the five arrays by five NumPy calls, then cut them to the
         leases taken by five more when fewer were due."""
+        return self._claim_new(now, deadline, n, max_attempts)
+
+    cdef tuple _claim_new(self, int64_t now, int64_t deadline, Py_ssize_t n, uint32_t max_attempts):
+        """:meth:`claim_new` (also called by ``VarFast.lease_batch``, under the shard's lock)."""
         cdef _Sink sink
         cdef Py_ssize_t dead = 0, got = 0
         cdef cnp.npy_intp dim = n if n > 0 else 0
@@ -1107,6 +1120,13 @@ cdef class VarFast(FixedFast):
     cdef object tlog, frame_record
     cdef dict td, fsd
     cdef uint32_t rec_magic, synced_flag
+    # lease_batch (set_batch): the LeaseBatch class, the queue's name, the Python
+    # ``Queue.lease_batch`` and ``Queue._lease_batch_var`` and the codec's ``decode_many``.
+    # batch_cls None: every lease_batch goes to the Python method.
+    cdef object batch_cls, qname, lease_batch_py, lease_batch_var, decode_many
+    # ack_many (set_ack_many): the Python ``Queue.ack_many`` and the commit it hands a
+    # batch to (armdb.tx.commit_ack_many); commit_ack_many None: every call goes there.
+    cdef object ack_many_py, commit_ack_many
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
                 read_payloads, fail, gone, settle):
@@ -1137,6 +1157,96 @@ cdef class VarFast(FixedFast):
         (``armdb._core.plainpack``); anything it does not take goes to them."""
         self.plain_type = plain_type
         self.decodes_as_is = decodes_as_is
+
+    def set_batch(self, batch_cls, qname, lease_batch_py, lease_batch_var, decode_many):
+        """:meth:`lease_batch`'s parts: ``armdb.queue.LeaseBatch``, the queue's name, the
+        Python ``Queue.lease_batch`` (bound before this method shadows it) and
+        ``Queue._lease_batch_var``, and the codec's ``decode_many``."""
+        self.batch_cls = batch_cls
+        self.qname = qname
+        self.lease_batch_py = lease_batch_py
+        self.lease_batch_var = lease_batch_var
+        self.decode_many = decode_many
+
+    def lease_batch(self, n=1, *, lease_timeout=None, ack=None):
+        """``Queue.lease_batch`` (whose documentation says what it raises) in one compiled
+        call for the common batch: no ``ack``, the queue's lease timeout, one header shard,
+        a payload type whose plain body is the payload.  The claim under the shard's lock
+        (``QueueShard.claim_new``), then, when every claimed row's body is cached, the
+        bodies taken out of the cache under its lock (``bodycache.cache_pop``, the byte
+        count with them) and decoded together (``plainpack.unpack_plain``, else the codec's
+        ``decode_many``): the steps of ``Queue._lease_batch`` and ``Queue._batch_bodies``,
+        without their Python frames.  Any other batch (one row, none, a body not cached or
+        not decoded) goes to ``Queue._lease_batch_var`` with the claimed arrays, and any
+        other call to the Python method, which judge it."""
+        cdef int64_t now, deadline
+        cdef QueueShard sh
+        cdef tuple got
+        cdef object popped = None
+        if ack is not None or lease_timeout is not None or self.batch_cls is None or self.nsh != 1 \
+                or type(n) is not int or not 1 <= n <= self.max_lease or not self.decodes_as_is:
+            return self.lease_batch_py(n, lease_timeout=lease_timeout, ack=ack)
+        now = self._now()
+        if now < 0:
+            return self.lease_batch_py(n)  # closed: DbClosed
+        deadline = now + self.lease_ms
+        self._deadline_dt(deadline)
+        last = (deadline, self.dl)
+        sh = <QueueShard>self.shards[0]
+        take(<Lock>self.locks[0])
+        try:
+            got = sh._claim_new(now, deadline, n, self.max_attempts)
+        finally:
+            give(<Lock>self.locks[0])
+        dead, shard_nos, dues, seqs, attempts, epochs = got
+        if dead:
+            self.note_dead(now)
+        if len(seqs) > 1 and PyDict_GET_SIZE(self.cache):
+            # Queue._batch_bodies's common batch: the bodies leave the cache as they are
+            # taken (its ack_many has none to drop).
+            take(self.cache_lock)
+            try:
+                popped = cache_pop(self.cache, seqs)
+                if popped is not None:
+                    PyDict_SetItem(self.qd, "_cache_bytes",
+                                   <object>PyDict_GetItemWithError(self.qd, "_cache_bytes") - (<tuple>popped)[1])
+            finally:
+                give(self.cache_lock)
+            if popped is not None:
+                bodies = (<tuple>popped)[0]
+                payloads = unpack_plain(bodies)  # VarCodec.decode_many's first step
+                if payloads is None:
+                    payloads = self.decode_many(bodies)
+                if payloads is not None:
+                    batch = self.batch_cls(self.qname, self.handle, shard_nos, dues, seqs, attempts, epochs, last,
+                                           payloads)
+                    batch._cached = False
+                    return batch
+        return self.lease_batch_var(shard_nos, dues, seqs, attempts, epochs, self.lease_ms, last, None)
+
+    def set_ack_many(self, ack_many_py, commit_ack_many):
+        """:meth:`ack_many`'s parts: the Python ``Queue.ack_many`` (bound before this
+        method shadows it) and ``armdb.tx.commit_ack_many``."""
+        self.ack_many_py = ack_many_py
+        self.commit_ack_many = commit_ack_many
+
+    def ack_many(self, leases):
+        """``Queue.ack_many`` (whose documentation says what it raises) without its Python
+        frame for the common call: a ``LeaseBatch`` of this handle of two leases or more,
+        none leased with its own timeout, handed to its commit (``commit_ack_many``, which
+        checks every lease under the locks) once the queue's checks passed (open; the
+        retention pass when due).  Anything else goes to the Python method, which judges it."""
+        if type(leases) is not self.batch_cls or self.commit_ack_many is None or self.lease_timeouts:
+            return self.ack_many_py(leases)
+        b = leases
+        if b._handle != self.handle:
+            return self.ack_many_py(leases)  # StaleToken: the method says why
+        seqs = b.ids
+        if len(seqs) < 2:
+            return self.ack_many_py(leases)  # none, or the lone ack
+        if self._now() < 0:
+            return self.ack_many_py(leases)  # closed: DbClosed
+        return self.commit_ack_many(self.db, self.queue, b._shards, b._dues, seqs, b._epochs, b._cached)
 
     def set_ack(self, payload, list pairs not None, bytes fhead not None, bytes bhead not None, fence, rows,
                 frame_record, dict fs_module not None, uint32_t rec_magic, uint32_t synced_flag):

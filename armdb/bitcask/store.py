@@ -31,8 +31,9 @@ from .._core.fixed import (
     bitcask_index_put_new,
     bitcask_puts,
     bitcask_record,
-    bitcask_tomb_index,
-    bitcask_tombs,
+    bitcask_tombs_restore,
+    bitcask_tombs_settle,
+    bitcask_tombs_take,
 )
 from .._crypto import Sealer
 from ..config import Config
@@ -1199,21 +1200,33 @@ class BitcaskStore:
         hint entries and index changes, built by compiled loops with no item tuple or index
         entry per key.  Anything but the common case (several shards, encryption, a
         rotation, a key not plain) goes through :meth:`write_many_locked`."""
-        sh = self._lone_plain_shard() if keys else None
-        if sh is not None:
+        shards = self._shards
+        if keys and len(shards) == 1 and self._sealer is None:
+            # (_lone_plain_shard and _group_flag, without their frames: a worker's every batch)
+            sh = shards[0]
+            if sh.closed or self._poisoned is not None:
+                self.check_writable()
             act = sh.active
-            flag = self._group_flag(sh)
-            got = bitcask_tombs(keys, sh.index, g0, sh.highest, flag, RECORD_MAGIC, act.size, MAX_KEY_LEN)
+            flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
+            index, fid = sh.index, act.fid
+            # Each key's entry leaves the index as its tombstone is built (one lookup a
+            # key), and goes back if the tombstones are not appended: the index changes
+            # only with the append, as the records say.
+            got = bitcask_tombs_take(keys, index, fid, g0, sh.highest, flag, RECORD_MAGIC, act.size, MAX_KEY_LEN)
             if got is not None:
-                data, hints, kept, count = got
-                if not count:
-                    return
-                if not (act.total and act.size + len(data) > self.config.max_file_size):
-                    off = self._append_group(sh, act, data)
+                data, hints, kinds, count, taken = got
+                if act.total and act.size + len(data) > self.config.max_file_size:
+                    bitcask_tombs_restore(index, keys, kinds, taken)  # a rotation first: the general path
+                else:
+                    try:
+                        off = self._append_group(sh, act, data)
+                    except BaseException:
+                        bitcask_tombs_restore(index, keys, kinds, taken)
+                        raise
                     sh.hint.add_raw(hints, count)
-                    index, fid, n, i = sh.index, act.fid, len(keys), 0
+                    n, i = len(keys), 0
                     while i < n:
-                        dead, i, off, word = bitcask_tomb_index(index, keys, kept, fid, off, g0, flag, i)
+                        dead, i, off, word = bitcask_tombs_settle(keys, kinds, taken, off, g0, flag, i)
                         act.dead += dead
                         if i < n:  # a delete of another case: the general update, in order
                             size = 20 + len(keys[i])

@@ -1,0 +1,140 @@
+"""A var ``ack_many``'s body deletes by one index lookup a key (``bitcask_tombs_take``,
+``bitcask_tombs_settle``, ``bitcask_tombs_restore``) against the two-lookup kernels they
+replace (``bitcask_tombs``, ``bitcask_tomb_index``), and the store's batch delete leaving
+the index as it was when its append fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from armdb import _fail, _fs
+from armdb._core.fixed import (
+    bitcask_tomb_index,
+    bitcask_tombs,
+    bitcask_tombs_restore,
+    bitcask_tombs_settle,
+    bitcask_tombs_take,
+)
+from armdb.bitcask import RECORD_MAGIC
+from armdb.errors import StorageError
+
+from .test_bitcask import Gsn, open_store
+
+FID = 7
+# An index entry: (fid, offset, size, gsn word, holders); the common delete's is a put in
+# the active file FID with no older holder.
+entries = st.one_of(
+    st.tuples(st.just(FID), st.integers(0, 2**40), st.integers(24, 4000), st.integers(1, 2**60), st.none()),
+    st.tuples(st.sampled_from([3, FID]), st.integers(0, 2**40), st.integers(24, 4000), st.integers(1, 2**60),
+              st.just(frozenset({2}))),
+    st.tuples(st.just(3), st.integers(0, 2**40), st.integers(24, 4000), st.integers(1, 2**60), st.none()),
+)
+
+
+def _reference(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int, flag: int, off: int) -> Any:
+    """The two-lookup path: encode, then drop the index entries in order, stopping at
+    each key of another case (given the general update: here, left as it is)."""
+    got = bitcask_tombs(keys, index, g0, highest, flag, RECORD_MAGIC, off, 100)
+    if got is None:
+        return None
+    data, hints, kept, count = got
+    steps, i, at = [], 0, off
+    while i < len(keys):
+        dead, i, at, word = bitcask_tomb_index(index, keys, kept, FID, at, g0, flag, i)
+        steps.append((dead, i, at, word))
+        if i < len(keys):
+            index.pop(keys[i])  # (what the general update does first: its key leaves the index)
+            size = 20 + len(keys[i])
+            at += size + (-size & 7)
+            i += 1
+    return data, hints, count, steps
+
+
+def _taken(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int, flag: int, off: int) -> Any:
+    got = bitcask_tombs_take(keys, index, FID, g0, highest, flag, RECORD_MAGIC, off, 100)
+    if got is None:
+        return None
+    data, hints, kinds, count, taken = got
+    steps, i, at = [], 0, off
+    while i < len(keys):
+        dead, i, at, word = bitcask_tombs_settle(keys, kinds, taken, at, g0, flag, i)
+        steps.append((dead, i, at, word))
+        if i < len(keys):
+            index.pop(keys[i])  # (what the general update does first: its key leaves the index)
+            size = 20 + len(keys[i])
+            at += size + (-size & 7)
+            i += 1
+    return data, hints, count, steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(present=st.dictionaries(st.binary(min_size=1, max_size=12), entries, max_size=20),
+       extra=st.lists(st.binary(max_size=12), max_size=3), data=st.data(),
+       g0=st.integers(1, 60), highest=st.integers(0, 40), flag=st.sampled_from([0, 1 << 62]),
+       off=st.integers(0, 2**40))
+def test_s6_one_lookup_tombstones_equal_the_two_lookup_kernels(present: dict[bytes, Any], extra: list[bytes],
+                                                               data: st.DataObject, g0: int, highest: int, flag: int,
+                                                               off: int) -> None:
+    # SPEC S6: the same records, hint entries, dead bytes and stops, and the same index
+    # after; refused (None, the index unchanged) where a key is missing, named twice or
+    # not plain, for the general path
+    keys = data.draw(st.permutations(list(present) + extra)) if present or extra else []
+    ref_index, new_index = dict(present), dict(present)
+    want = _reference(keys, ref_index, g0, highest, flag, off)
+    got = _taken(keys, new_index, g0, highest, flag, off)
+    if got is None:
+        assert new_index == present
+        plain = all(len(k) <= 100 for k in keys) and len(set(keys)) == len(keys) and g0 > highest
+        assert not (plain and keys and all(k in present for k in keys))
+        return
+    assert want is not None
+    assert got == want
+    assert new_index == ref_index
+
+
+@given(present=st.dictionaries(st.binary(min_size=1, max_size=12), entries, min_size=1, max_size=20),
+       data=st.data())
+def test_s6_taken_entries_go_back(present: dict[bytes, Any], data: st.DataObject) -> None:
+    # SPEC S6: a batch whose tombstones are not appended leaves the index as it was
+    keys = data.draw(st.permutations(list(present)))
+    index = dict(present)
+    got = bitcask_tombs_take(keys, index, FID, 1, 0, 0, RECORD_MAGIC, 0, 100)
+    assert got is not None
+    bitcask_tombs_restore(index, keys, got[2], got[4])
+    assert index == present
+
+
+@pytest.mark.parametrize("fault", ["pwrite", "after_append"])
+def test_s6_a_failed_batch_delete_leaves_the_index_as_it_was(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                            fault: str) -> None:
+    # SPEC S6, D8: the append of a batch's tombstones fails (the write, or right after
+    # it): the index and the tombstone map are those before the batch, every body readable
+    gsn = Gsn()
+    s = open_store(tmp_path / "b", gsn)
+    try:
+        keys = [i.to_bytes(8, "big") for i in range(10)]
+        for k in keys:
+            s.put(k, b"v" * 50)
+        sh = s._shards[0]
+        index, tombs, dead = dict(sh.index), dict(sh.tombs), sh.active.dead
+
+        def boom(*args: Any) -> None:
+            raise OSError(5, "injected")
+
+        if fault == "pwrite":
+            monkeypatch.setattr(_fs.FS, "pwrite", boom)
+        else:
+            monkeypatch.setattr(_fail, "point", lambda name: boom() if name == "bitcask.after_append" else None)
+        g0 = gsn.n + 1
+        gsn.n += 6
+        with s.lock_for(b""), pytest.raises((OSError, StorageError)):
+            s.delete_many_locked(keys[2:8], g0)
+        monkeypatch.undo()
+        assert sh.index == index and sh.tombs == tombs and sh.active.dead == dead
+        assert [s.get(k) for k in keys] == [b"v" * 50] * 10
+    finally:
+        s.close()
