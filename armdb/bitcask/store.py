@@ -1200,14 +1200,10 @@ class BitcaskStore:
         hint entries and index changes, built by compiled loops with no item tuple or index
         entry per key.  Anything but the common case (several shards, encryption, a
         rotation, a key not plain) goes through :meth:`write_many_locked`."""
-        shards = self._shards
-        if keys and len(shards) == 1 and self._sealer is None:
-            # (_lone_plain_shard and _group_flag, without their frames: a worker's every batch)
-            sh = shards[0]
-            if sh.closed or self._poisoned is not None:
-                self.check_writable()
+        sh = self._lone_plain_shard() if keys else None
+        if sh is not None:
             act = sh.active
-            flag = SYNCED_BEFORE if act.version >= MARKED_DATA_VERSION and act.size == sh.synced else 0
+            flag = self._group_flag(sh)
             index, fid = sh.index, act.fid
             # Each key's entry leaves the index as its tombstone is built (one lookup a
             # key), and goes back if the tombstones are not appended: the index changes
