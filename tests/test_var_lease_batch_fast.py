@@ -22,6 +22,7 @@ from armdb.errors import ConfigError, DbClosed, StaleToken
 from armdb.queue import LeaseBatch, Queue
 
 from .conftest import FakeClock
+from .test_var_fast import _refusal
 
 Jobs = queue("jobs", payload=dict, var=True)
 
@@ -93,14 +94,6 @@ def test_q32_compiled_lease_batch_and_ack_many_equal_the_python_methods(tmp_path
     # (a cache of 300 bytes holds some bodies of a batch, not all: the store's path)
     base = tmp_path_factory.mktemp("vlb")
     assert _drive(base / "c", steps, True, cache_bytes) == _drive(base / "p", steps, False, cache_bytes)
-
-
-def _refusal(fn: Any, *args: Any, **kw: Any) -> tuple[type, str]:
-    try:
-        fn(*args, **kw)
-    except Exception as e:  # noqa: BLE001 - the class and message are compared
-        return type(e), str(e)
-    raise AssertionError("no refusal")
 
 
 def test_q32_lease_batch_and_ack_many_are_compiled_and_hand_the_rest_to_the_python_methods(db: armdb.Db,
