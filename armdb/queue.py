@@ -110,18 +110,17 @@ class Commits(NamedTuple):
     this module): ``settle(db, queue, token, ack, delay_ms=None, dead=False, poisoned=False)``,
     a var queue's ack or nack (``armdb.tx.commit_settle``), and ``dead_rows(db, queue, ids,
     redrive, delay_ms) -> int``, a redrive or purge of dead rows (``armdb.tx.commit_dead_rows``), and
-    ``batch(db, queue, push, args)``, a ``push_many`` or ``ack_many`` (``armdb.tx.commit_batch``),
-    and ``fence``, the failure handling after a log append that every commit shares
-    (``armdb.tx._fence_after_log``), for the lone var ack that ``VarFast.ack`` commits."""
+    ``batch(db, queue, args)``, a ``push_many`` (``armdb.tx.commit_batch``), ``fence``, the
+    failure handling after a log append that every commit shares
+    (``armdb.tx._fence_after_log``), for the lone var ack that ``VarFast.ack`` commits, and
+    ``ack_many(db, queue, shard_nos, dues, seqs, epochs, cached) -> int``, an ``ack_many``
+    (``armdb.tx.commit_ack_many``)."""
 
     settle: Callable[..., None]
     dead_rows: Callable[..., int]
-    batch: Callable[..., Any]  # (db, queue, push, args): push_many and ack_many (armdb.tx.commit_batch)
+    batch: Callable[..., Any]
     fence: Callable[..., BaseException]
-    # (db, queue, shard_nos, dues, seqs, epochs, cached): the ack_many that ``batch`` hands
-    # an ack batch to (armdb.tx.commit_ack_many), called by ack_many without that frame;
-    # None: through ``batch``.
-    ack_many: Callable[..., int] | None = None
+    ack_many: Callable[..., int]
 
 # Handle identities are unique across processes, not just within one: a random
 # per-process prefix, so a token carried over from a killed process (pickled, or
@@ -389,8 +388,8 @@ class Queue(Generic[T]):
         self._all_lock_items: list[tuple[str, threading.Lock]] | None = None  # _tx_all_locks, once open
         self._commit_settle = commits.settle  # a var queue's ack and nack (Q14): armdb.tx.commit_settle
         self._commit_dead_rows = commits.dead_rows  # redrive and purge_dead (Q34)
-        self._commit_batch = commits.batch  # push_many and ack_many (Q31, Q32)
-        self._commit_ack_many = commits.ack_many
+        self._commit_batch = commits.batch  # push_many (Q31)
+        self._commit_ack_many = commits.ack_many  # ack_many (Q32)
         self._fence_after_log = commits.fence  # VarFast.ack's commit fails as every commit does
         self._name_field = packb(spec.name)  # the name as the log's compiled F rows carry it
         # The packed start of a body's log row, ["B", payload name, ... (armdb._core.fixed.push_body_rows, tomb_rows).
@@ -777,7 +776,7 @@ class Queue(Generic[T]):
             n = len(arr)
             if n == 0:
                 return np.empty(0, dtype=np.uint64)
-            first = self._commit_batch(self._db, self, True, (arr.view(np.uint8).reshape(-1), n, delay_ms))
+            first = self._commit_batch(self._db, self, (arr.view(np.uint8).reshape(-1), n, delay_ms))
             return np.arange(first, first + n, dtype=np.uint64)
         if type(payloads) is not list and (isinstance(payloads, (str, bytes, bytearray, memoryview, dict))
                                            or not isinstance(payloads, Iterable)):
@@ -837,10 +836,10 @@ class Queue(Generic[T]):
             # The plan leaves the ids in ``ids``, the same int objects it keys the cached
             # bodies with (no second int a row: about 90 instructions a row).
             ids: list[int] = []
-            self._commit_batch(self._db, self, True, (bodies, n, delay_ms, ids))
+            self._commit_batch(self._db, self, (bodies, n, delay_ms, ids))
             return ids
         else:
-            first = self._commit_batch(self._db, self, True, (b"".join(bodies), n, delay_ms))
+            first = self._commit_batch(self._db, self, (b"".join(bodies), n, delay_ms))
         return list(range(first, first + n))
 
     def _batch_array(self, arr: np.ndarray) -> np.ndarray:
@@ -1139,9 +1138,7 @@ class Queue(Generic[T]):
         if self._lease_timeouts:
             for q, e in zip(seqs.tolist(), epochs.tolist(), strict=True):
                 self._lease_timeouts.pop((q, e), None)
-        if self._commit_ack_many is not None:
-            return self._commit_ack_many(self._db, self, shard_nos, dues, seqs, epochs, cached)
-        return int(self._commit_batch(self._db, self, False, (shard_nos, dues, seqs, epochs, cached)))
+        return self._commit_ack_many(self._db, self, shard_nos, dues, seqs, epochs, cached)
 
     def _put_body(self, store: BitcaskStore, seq: int, body: bytes) -> None:
         """A lone push's body: written first (Q15), counted, and cached (:meth:`_cache_put`),

@@ -675,13 +675,10 @@ def commit_dead_rows(db: Db, q: Queue[Any], ids: frozenset[int] | None, redrive:
     return step.moved
 
 
-def commit_batch(db: Db, q: Queue[Any], push: bool, args: tuple[Any, ...]) -> Any:
-    """``Queue.push_many`` (``push``) and ``Queue.ack_many`` (Q31, Q32): the whole batch in
-    one logged commit, under all of the queue's locks; a push batch by the same
-    :meth:`Tx._commit_locked` (returns what the queue's plan of it returned), an ack
-    batch by :func:`commit_ack_many` (returns how many were acked)."""
-    if not push:
-        return commit_ack_many(db, q, *args)
+def commit_batch(db: Db, q: Queue[Any], args: tuple[Any, ...]) -> Any:
+    """``Queue.push_many`` (Q31): the whole batch in one logged commit, under all of the
+    queue's locks, by the same :meth:`Tx._commit_locked`; returns what the queue's plan of
+    it returned.  (``Queue.ack_many`` commits by :func:`commit_ack_many`.)"""
     locks: dict[str, threading.Lock] = {}
     q._tx_all_locks(locks)
     step = _Batch(q, args)

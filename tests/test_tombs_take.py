@@ -42,16 +42,8 @@ def _reference(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int
     if got is None:
         return None
     data, hints, kept, count = got
-    steps, i, at = [], 0, off
-    while i < len(keys):
-        dead, i, at, word = bitcask_tomb_index(index, keys, kept, FID, at, g0, flag, i)
-        steps.append((dead, i, at, word))
-        if i < len(keys):
-            index.pop(keys[i])  # (what the general update does first: its key leaves the index)
-            size = 20 + len(keys[i])
-            at += size + (-size & 7)
-            i += 1
-    return data, hints, count, steps
+    return data, hints, count, _walk(keys, index, off, lambda at, i: bitcask_tomb_index(index, keys, kept, FID, at,
+                                                                                          g0, flag, i))
 
 
 def _taken(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int, flag: int, off: int) -> Any:
@@ -59,16 +51,23 @@ def _taken(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int, fl
     if got is None:
         return None
     data, hints, kinds, count, taken = got
+    return data, hints, count, _walk(keys, index, off, lambda at, i: bitcask_tombs_settle(keys, kinds, taken, at,
+                                                                                            g0, flag, i))
+
+
+def _walk(keys: list[bytes], index: dict[bytes, Any], off: int, settle: Any) -> list[Any]:
+    """The store's loop over a batch's index side: ``settle(at, i)`` from key ``i`` on,
+    and the general update's first step for the key of another case it stops at."""
     steps, i, at = [], 0, off
     while i < len(keys):
-        dead, i, at, word = bitcask_tombs_settle(keys, kinds, taken, at, g0, flag, i)
+        dead, i, at, word = settle(at, i)
         steps.append((dead, i, at, word))
         if i < len(keys):
             index.pop(keys[i])  # (what the general update does first: its key leaves the index)
             size = 20 + len(keys[i])
             at += size + (-size & 7)
             i += 1
-    return data, hints, count, steps
+    return steps
 
 
 @settings(max_examples=300, deadline=None)

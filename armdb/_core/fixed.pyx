@@ -1434,7 +1434,6 @@ def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t
     ``max_key``, or a gsn is 0, above the gsn mask or not above ``highest``: the caller's
     general path checks the batch and raises the right error."""
     cdef Py_ssize_t n = len(keys), i, klen, total = 0, htotal = 0, rsize, count = 0, first = -1
-    cdef uint64_t word
     cdef object key
     if n == 0:
         return (b"", b"", b"", 0)
@@ -1463,6 +1462,19 @@ def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t
         count += 1
     if not count:
         return (b"", b"", kept, 0)
+    data, hints = _tomb_records(keys, kp, first, total, htotal, g0, flag, magic, off)
+    return (data, hints, kept, count)
+
+
+cdef tuple _tomb_records(list keys, const uint8_t* kp, Py_ssize_t first, Py_ssize_t total, Py_ssize_t htotal,
+                         uint64_t g0, uint64_t flag, uint16_t magic, Py_ssize_t off):
+    """The tombstones of ``keys[i]`` at gsn ``g0 + i`` for each ``i`` from ``first`` on
+    with ``kp[i]`` set (the record of ``keys[first]`` carries ``flag``), end to end from
+    file offset ``off``, and their hint entries: ``(data, hints)`` of ``total`` and
+    ``htotal`` bytes (:func:`bitcask_tombs`, :func:`bitcask_tombs_take`)."""
+    cdef Py_ssize_t i, klen, rsize, n = len(keys)
+    cdef uint64_t word
+    cdef object key
     data = PyBytes_FromStringAndSize(NULL, total)
     hints = PyBytes_FromStringAndSize(NULL, htotal)
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
@@ -1480,7 +1492,7 @@ def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t
         h = _hint_entry(h, word, <uint64_t>at, 0, PyBytes_AS_STRING(key), klen)
         p += rsize
         at += rsize
-    return (data, hints, kept, count)
+    return data, hints
 
 
 def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, Py_ssize_t off, uint64_t g0,
@@ -1540,8 +1552,7 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
     the others).  None, with the index as it was, when :func:`bitcask_tombs` gives None,
     or for a key ``index`` does not hold (deleting a missing key writes nothing, and a key
     named twice is missing the second time: the general path judges both)."""
-    cdef Py_ssize_t n = len(keys), i, j, klen, total = 0, htotal = 0, rsize, count = 0
-    cdef uint64_t word
+    cdef Py_ssize_t n = len(keys), i, klen, total = 0, htotal = 0, rsize
     cdef object key, old
     if n == 0 or g0 == 0 or g0 > _SEQ_MASK or <uint64_t>(n - 1) > _SEQ_MASK - g0 or g0 <= highest:
         return None
@@ -1571,23 +1582,8 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
         rsize = 20 + klen
         total += rsize + ((-rsize) & 7)
         htotal += 22 + klen
-    count = n
-    data = PyBytes_FromStringAndSize(NULL, total)
-    hints = PyBytes_FromStringAndSize(NULL, htotal)
-    cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
-    cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
-    cdef Py_ssize_t at = off
-    for i in range(n):
-        key = <object>PyList_GET_ITEM(keys, i)
-        klen = len(<bytes>key)
-        word = (g0 + <uint64_t>i) | _TOMBSTONE
-        if i == 0:
-            word |= flag
-        rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, NULL, 0, magic)
-        h = _hint_entry(h, word, <uint64_t>at, 0, PyBytes_AS_STRING(key), klen)
-        p += rsize
-        at += rsize
-    return (data, hints, kinds, count, taken)
+    data, hints = _tomb_records(keys, kp, 0, total, htotal, g0, flag, magic, off)  # (every key: kinds 1 or 2)
+    return (data, hints, kinds, n, taken)
 
 
 def bitcask_tombs_restore(dict index, list keys, bytes kinds not None, list taken not None, Py_ssize_t stop=-1):

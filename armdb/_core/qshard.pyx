@@ -48,10 +48,6 @@ cnp.import_array()
 import_datetime()
 
 
-cdef inline int _vec(object a, int itemsize, bint writable, char** data, Py_ssize_t* n) except -1:
-    """The data and length of a NumPy array argument (``armdb._core.npvec.array_data``)."""
-    return array_data(a, itemsize, writable, data, n)
-
 from armdb._core._util cimport load_be64, load_le, monotonic_s, msgpack_u32, store_be64
 from armdb._core._util cimport wall_ms as _wall_ms
 from armdb._core.checked cimport malloc_array
@@ -651,8 +647,8 @@ cdef class QueueShard:
         cdef const uint32_t* slots
         cdef const uint32_t* versions
         cdef const uint8_t* images
-        _vec(slots_a, 4, False, <char**>&slots, &count)
-        _vec(versions_a, 4, False, <char**>&versions, &nv)
+        array_data(slots_a, 4, False, <char**>&slots, &count)
+        array_data(versions_a, 4, False, <char**>&versions, &nv)
         rows_data(images_a, <char**>&images, &nrows, &width)
         if nv != count or nrows != count:
             raise ValueError("apply_push_block: arrays of different lengths")
@@ -692,9 +688,9 @@ cdef class QueueShard:
         cdef const uint64_t* seqs
         cdef const uint32_t* epochs
         cdef Py_ssize_t nd, ne
-        _vec(dues_a, 8, False, <char**>&dues, &nd)
-        _vec(seqs_a, 8, False, <char**>&seqs, &count)
-        _vec(epochs_a, 4, False, <char**>&epochs, &ne)
+        array_data(dues_a, 8, False, <char**>&dues, &nd)
+        array_data(seqs_a, 8, False, <char**>&seqs, &count)
+        array_data(epochs_a, 4, False, <char**>&epochs, &ne)
         if nd != count or ne != count:
             raise ValueError("plan_ack_block: arrays of different lengths")
         cdef cnp.npy_intp dim = count
@@ -748,10 +744,10 @@ cdef class QueueShard:
         cdef const uint64_t* seqs
         cdef const uint32_t* slots
         cdef const uint32_t* versions
-        _vec(dues_a, 8, False, <char**>&dues, &nd)
-        _vec(seqs_a, 8, False, <char**>&seqs, &nq)
-        _vec(slots_a, 4, False, <char**>&slots, &count)
-        _vec(versions_a, 4, False, <char**>&versions, &nv)
+        array_data(dues_a, 8, False, <char**>&dues, &nd)
+        array_data(seqs_a, 8, False, <char**>&seqs, &nq)
+        array_data(slots_a, 4, False, <char**>&slots, &count)
+        array_data(versions_a, 4, False, <char**>&versions, &nv)
         if nd != count or nq != count or nv != count:
             raise ValueError("apply_ack_block: arrays of different lengths")
         if count == 0:
@@ -782,11 +778,11 @@ cdef class QueueShard:
         Returns ``(leased, dead_lettered)``; no Python object is made per row."""
         cdef _Sink sink
         cdef Py_ssize_t dead = 0, got, nd, nq, na, ne, npl
-        _vec(dues_a, 8, True, <char**>&sink.dues, &nd)
-        _vec(seqs_a, 8, True, <char**>&sink.seqs, &nq)
-        _vec(attempts_a, 2, True, <char**>&sink.attempts, &na)
-        _vec(epochs_a, 4, True, <char**>&sink.epochs, &ne)
-        _vec(payloads_a, 1, True, <char**>&sink.payloads, &npl)
+        array_data(dues_a, 8, True, <char**>&sink.dues, &nd)
+        array_data(seqs_a, 8, True, <char**>&sink.seqs, &nq)
+        array_data(attempts_a, 2, True, <char**>&sink.attempts, &na)
+        array_data(epochs_a, 4, True, <char**>&sink.epochs, &ne)
+        array_data(payloads_a, 1, True, <char**>&sink.payloads, &npl)
         if n <= 0 or now < 0:
             return 0, 0
         if at < 0 or at + n > nq or nd < at + n or na < at + n or ne < at + n or npl < (at + n) * self.psize:
@@ -1125,7 +1121,7 @@ cdef class VarFast(FixedFast):
     # batch_cls None: every lease_batch goes to the Python method.
     cdef object batch_cls, qname, lease_batch_py, lease_batch_var, decode_many
     # ack_many (set_ack_many): the Python ``Queue.ack_many`` and the commit it hands a
-    # batch to (armdb.tx.commit_ack_many); commit_ack_many None: every call goes there.
+    # batch to (armdb.tx.commit_ack_many).
     cdef object ack_many_py, commit_ack_many
 
     def set_var(self, store_put, PutKernel putter, dict cache, Lock cache_lock not None, decode,
@@ -1236,7 +1232,7 @@ cdef class VarFast(FixedFast):
         none leased with its own timeout, handed to its commit (``commit_ack_many``, which
         checks every lease under the locks) once the queue's checks passed (open; the
         retention pass when due).  Anything else goes to the Python method, which judges it."""
-        if type(leases) is not self.batch_cls or self.commit_ack_many is None or self.lease_timeouts:
+        if type(leases) is not self.batch_cls or self.lease_timeouts:
             return self.ack_many_py(leases)
         b = leases
         if b._handle != self.handle:
