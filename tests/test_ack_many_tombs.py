@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import armdb
 from armdb import Db
-from armdb._core.fixed import bitcask_group, bitcask_tomb_index, bitcask_tombs, tomb_rows
+from armdb._core.fixed import bitcask_tombs_settle, bitcask_tombs_take, tomb_rows
 from armdb.bitcask import RECORD_MAGIC, TOMBSTONE
 
 from .conftest import child_env, kill_and_read, run_child, spawn_child
@@ -41,46 +41,35 @@ def test_q14_tomb_rows_are_the_body_rows_of_deletes(seqs, g0, prefix):
     assert keys == want
 
 
-@settings(max_examples=200, deadline=None)
-@given(keys=st.lists(st.binary(max_size=12), max_size=30), present=st.sets(st.binary(max_size=12), max_size=20),
-       g0=st.integers(0, 2**60 + 2), highest=st.integers(0, 40), flag=st.sampled_from([0, 1 << 62]),
-       off=st.integers(0, 2**40))
-def test_s6_tombstone_encoder_writes_what_the_group_encoder_writes(keys, present, g0, highest, flag, off):
-    # SPEC S6: a batch of deletes is the records, hint entries and skips of bitcask_group
-    # for the items (key, None, g0 + i), and refused (None) exactly when it refuses them
-    index = {k: None for k in present}
-    got = bitcask_tombs(keys, index, g0, highest, flag, RECORD_MAGIC, off, 0xFFFF - 28)
-    want = bitcask_group([(k, None, g0 + i) for i, k in enumerate(keys)], index, highest, flag, RECORD_MAGIC, 7,
-                         off, 0xFFFF - 28, 2**32)
-    if want is None:
-        assert got is None
-        return
-    assert got is not None
-    data, hints, kept, count = got
-    wdata, whints, wkeys, wentries, wdeletes = want
-    assert (data, hints, count) == (wdata, whints, len(wkeys))
-    assert [k for k, f in zip(keys, kept, strict=False) if f] == wkeys
-
-
 def test_s6_tombstone_encoder_leaves_a_key_not_plain_to_the_checked_path():
-    # SPEC S6: the compiled pass never writes what the per-record path would refuse
-    assert bitcask_tombs(["k"], {"k": None}, 1, 0, 0, RECORD_MAGIC, 0, 100) is None  # type: ignore[list-item]
-    assert bitcask_tombs([b"k" * 200], {b"k" * 200: None}, 1, 0, 0, RECORD_MAGIC, 0, 100) is None
+    # SPEC S6: the compiled pass never writes what the per-record path would refuse, and
+    # leaves the index as it was
+    index = {"k": None}
+    assert bitcask_tombs_take(["k"], index, 3, 1, 0, 0, RECORD_MAGIC, 0, 100) is None  # type: ignore[list-item]
+    assert index == {"k": None}
+    index2 = {b"k" * 200: (3, 0, 240, 1, None)}
+    assert bitcask_tombs_take([b"k" * 200], index2, 3, 1, 0, 0, RECORD_MAGIC, 0, 100) is None
+    assert index2 == {b"k" * 200: (3, 0, 240, 1, None)}
 
 
 def test_s6_tombstone_index_stops_at_a_key_of_another_case():
     # SPEC S6: a put in an older file (or with older holders) goes to the general update
     index = {b"a": (3, 0, 40, 1, None), b"b": (2, 0, 40, 2, None), b"c": (3, 40, 40, 3, None)}
-    keys = [b"a", b"x", b"b", b"c"]
-    kept = b"\x01\x00\x01\x01"
-    dead, stop, off, word = bitcask_tomb_index(index, keys, kept, 3, 100, 10, 1 << 62, 0)
-    assert (dead, stop, off, word) == (40 + 24, 2, 124, (12 | TOMBSTONE))  # (a 1-byte key: 24-byte record)
+    keys = [b"a", b"b", b"c"]
+    got = bitcask_tombs_take(keys, index, 3, 10, 0, 1 << 62, RECORD_MAGIC, 100, 100)
+    assert got is not None
+    _data, _hints, kinds, count, taken = got
+    assert (kinds, count) == (b"\x01\x02\x01", 3)
+    dead, stop, off, word = bitcask_tombs_settle(keys, kinds, taken, 100, 10, 1 << 62, 0)
+    assert (dead, stop, off, word) == (40 + 24, 1, 124, 11 | TOMBSTONE)  # (a 1-byte key: 24-byte record)
     assert b"a" not in index and index[b"b"] == (2, 0, 40, 2, None)  # b is left for the caller
-    dead, stop, off, word = bitcask_tomb_index(index, keys, kept, 3, 148, 10, 1 << 62, 3)
-    assert (dead, stop, off) == (40 + 24, 4, 172) and b"c" not in index
+    dead, stop, off, word = bitcask_tombs_settle(keys, kinds, taken, 148, 10, 1 << 62, 2)
+    assert (dead, stop, off) == (40 + 24, 3, 172) and b"c" not in index
     # the first record written carries the flag
     index = {b"a": (2, 0, 40, 1, None)}
-    assert bitcask_tomb_index(index, [b"a"], b"\x01", 3, 0, 10, 1 << 62, 0) == (0, 0, 0, 10 | TOMBSTONE | 1 << 62)
+    got = bitcask_tombs_take([b"a"], index, 3, 10, 0, 1 << 62, RECORD_MAGIC, 0, 100)
+    assert got is not None
+    assert bitcask_tombs_settle([b"a"], got[2], got[4], 0, 10, 1 << 62, 0) == (0, 0, 0, 10 | TOMBSTONE | 1 << 62)
 
 
 @settings(max_examples=25, deadline=None)

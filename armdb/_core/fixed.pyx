@@ -1391,7 +1391,7 @@ def tomb_rows(bytes head not None, object seqs, uint64_t g0, bytearray out not N
     """The log rows of a var batch's body deletes appended to ``out``: the bytes
     ``msgpack.packb`` gives for ``[B, name, key, nil, gsn]`` (gsn ``g0 + i``, the rest as
     :func:`push_body_rows` packs them); returns the keys (row ``seqs[i]`` as 8 big-endian bytes,
-    ``armdb.qrows.body_key``) for the store's :func:`bitcask_tombs`.  No item tuple and no
+    ``armdb.qrows.body_key``) for the store's :func:`bitcask_tombs_take`.  No item tuple and no
     gsn int per row."""
     cdef Py_ssize_t n, i, hlen = len(head), at = len(out)
     cdef const uint64_t* seqs_
@@ -1420,58 +1420,11 @@ def tomb_rows(bytes head not None, object seqs, uint64_t g0, bytearray out not N
     return keys
 
 
-def bitcask_tombs(list keys, dict index, uint64_t g0, uint64_t highest, uint64_t flag, uint16_t magic,
-                  Py_ssize_t off, Py_ssize_t max_key):
-    """The tombstones of a batch of deletes (key ``keys[i]`` at gsn ``g0 + i``) for one
-    unencrypted Bitcask shard, to append in one write: what :func:`bitcask_group` gives
-    for the items ``(keys[i], None, g0 + i)``, without the item tuples and index entries.
-    A key ``index`` does not hold writes nothing; the first record written carries
-    ``flag`` and must be above ``highest``.
-
-    Returns ``(data, hints, kept, count)``: the records end to end (the first at file
-    offset ``off``), their hint entries end to end, ``n`` bytes (1 for a key written) and
-    how many were written; or None when a key is not ``bytes`` or longer than
-    ``max_key``, or a gsn is 0, above the gsn mask or not above ``highest``: the caller's
-    general path checks the batch and raises the right error."""
-    cdef Py_ssize_t n = len(keys), i, klen, total = 0, htotal = 0, rsize, count = 0, first = -1
-    cdef object key
-    if n == 0:
-        return (b"", b"", b"", 0)
-    if g0 == 0 or g0 > _SEQ_MASK or <uint64_t>(n - 1) > _SEQ_MASK - g0:
-        return None
-    kept = PyBytes_FromStringAndSize(NULL, n)
-    cdef uint8_t* kp = <uint8_t*>PyBytes_AS_STRING(kept)
-    for i in range(n):
-        key = <object>PyList_GET_ITEM(keys, i)
-        if type(key) is not bytes:
-            return None
-        klen = len(<bytes>key)
-        if klen > max_key:
-            return None
-        if key not in index:
-            kp[i] = 0  # deleting a missing key writes nothing
-            continue
-        kp[i] = 1
-        if first < 0:
-            first = i
-            if g0 + <uint64_t>i <= highest:
-                return None
-        rsize = 20 + klen
-        total += rsize + ((-rsize) & 7)
-        htotal += 22 + klen
-        count += 1
-    if not count:
-        return (b"", b"", kept, 0)
-    data, hints = _tomb_records(keys, kp, first, total, htotal, g0, flag, magic, off)
-    return (data, hints, kept, count)
-
-
-cdef tuple _tomb_records(list keys, const uint8_t* kp, Py_ssize_t first, Py_ssize_t total, Py_ssize_t htotal,
-                         uint64_t g0, uint64_t flag, uint16_t magic, Py_ssize_t off):
-    """The tombstones of ``keys[i]`` at gsn ``g0 + i`` for each ``i`` from ``first`` on
-    with ``kp[i]`` set (the record of ``keys[first]`` carries ``flag``), end to end from
-    file offset ``off``, and their hint entries: ``(data, hints)`` of ``total`` and
-    ``htotal`` bytes (:func:`bitcask_tombs`, :func:`bitcask_tombs_take`)."""
+cdef tuple _tomb_records(list keys, Py_ssize_t total, Py_ssize_t htotal, uint64_t g0, uint64_t flag, uint16_t magic,
+                         Py_ssize_t off):
+    """The tombstones of ``keys[i]`` at gsn ``g0 + i``, end to end from file offset ``off``
+    (the first carries ``flag``), and their hint entries: ``(data, hints)`` of ``total``
+    and ``htotal`` bytes (:func:`bitcask_tombs_take`)."""
     cdef Py_ssize_t i, klen, rsize, n = len(keys)
     cdef uint64_t word
     cdef object key
@@ -1480,13 +1433,11 @@ cdef tuple _tomb_records(list keys, const uint8_t* kp, Py_ssize_t first, Py_ssiz
     cdef uint8_t* p = <uint8_t*>PyBytes_AS_STRING(data)
     cdef uint8_t* h = <uint8_t*>PyBytes_AS_STRING(hints)
     cdef Py_ssize_t at = off
-    for i in range(first, n):
-        if not kp[i]:
-            continue
+    for i in range(n):
         key = <object>PyList_GET_ITEM(keys, i)
         klen = len(<bytes>key)
         word = (g0 + <uint64_t>i) | _TOMBSTONE
-        if i == first:
+        if i == 0:
             word |= flag
         rsize = _put_record(p, word, PyBytes_AS_STRING(key), klen, NULL, 0, magic)
         h = _hint_entry(h, word, <uint64_t>at, 0, PyBytes_AS_STRING(key), klen)
@@ -1495,63 +1446,27 @@ cdef tuple _tomb_records(list keys, const uint8_t* kp, Py_ssize_t first, Py_ssiz
     return data, hints
 
 
-def bitcask_tomb_index(dict index, list keys, bytes kept not None, object fid, Py_ssize_t off, uint64_t g0,
-                       uint64_t flag, Py_ssize_t start):
-    """The index changes of :func:`bitcask_tombs`'s records once appended at file offset
-    ``off`` of file ``fid`` (the record of ``keys[start]`` or, if not written, of the next
-    key written is at ``off``), from ``keys[start]`` on, for the common delete with no
-    Python loop: a key whose put lies in the same file with no older holder (entry[4]
-    None) leaves the index, both records garbage at once (what ``bitcask_index_apply``
-    does for such a delete).  Stops at the first written key of another case.
-
-    Returns ``(dead, stop, off, word)``: the bytes found dead, the key it stopped at
-    (``len(keys)`` when done), and that key's record offset and gsn word, for the
-    caller's general update of it."""
-    cdef Py_ssize_t n = len(keys), i, klen, rsize, dead = 0, first = -1, old_size
-    cdef const uint8_t* kp = <const uint8_t*>PyBytes_AS_STRING(kept)
-    cdef object key
-    cdef uint64_t word
-    if len(kept) != n:
-        raise ValueError("bitcask_tomb_index: one flag per key")
-    for i in range(n):
-        if kp[i]:
-            first = i
-            break
-    for i in range(start, n):
-        if not kp[i]:
-            continue
-        key = <object>PyList_GET_ITEM(keys, i)
-        klen = len(<bytes>key)
-        rsize = 20 + klen
-        rsize += (-rsize) & 7
-        old_size = _tomb_drop(index, key, fid)
-        if old_size < 0:
-            word = (g0 + <uint64_t>i) | _TOMBSTONE
-            if i == first:
-                word |= flag
-            return dead, i, off, word
-        dead += old_size + rsize
-        off += rsize
-    return dead, n, off, 0
-
-
 def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t highest, uint64_t flag,
                        uint16_t magic, Py_ssize_t off, Py_ssize_t max_key):
-    """:func:`bitcask_tombs` and the index side of :func:`bitcask_tomb_index` with one
-    index lookup a key where those take two (about 200 instructions a key): each key's
-    entry is taken out of ``index`` while its tombstone is built; the caller appends the
-    records and then settles the counts (:func:`bitcask_tombs_settle`), or, if the append
-    fails, puts the entries back (:func:`bitcask_tombs_restore`) and the index is as it was.
+    """The tombstones of a batch of deletes (key ``keys[i]`` at gsn ``g0 + i``) for one
+    unencrypted Bitcask shard, to append in one write (the records and hint entries that
+    :func:`bitcask_group` gives for the items ``(keys[i], None, g0 + i)``; the first
+    carries ``flag``), and the index side with one lookup a key: each key's entry is taken
+    out of ``index`` while its tombstone is built.  The caller appends the records and
+    then settles the counts (:func:`bitcask_tombs_settle`), or, if the append fails, puts
+    the entries back (:func:`bitcask_tombs_restore`) and the index is as it was.
 
     A key whose put lies in file ``fid`` with no older holder (entry[4] None: the common
     delete, both records garbage at once) stays out of the index; one of another case is
     put back at once (its tombstone is still written: the caller's general update judges
-    it, in order).  Returns ``(data, hints, kinds, count, taken)``: the records and hint
-    entries as :func:`bitcask_tombs` gives them, ``kinds`` ``n`` bytes (1 for a key taken,
-    2 for a key of another case), how many tombstones, and the entries taken (None for
-    the others).  None, with the index as it was, when :func:`bitcask_tombs` gives None,
-    or for a key ``index`` does not hold (deleting a missing key writes nothing, and a key
-    named twice is missing the second time: the general path judges both)."""
+    it, in order).  Returns ``(data, hints, kinds, count, taken)``: the records end to
+    end (the first at file offset ``off``), their hint entries end to end, ``kinds`` ``n``
+    bytes (1 for a key taken, 2 for a key of another case), how many tombstones, and the
+    entries taken (None for the others).  None, with the index as it was, for a key that
+    is not ``bytes`` or longer than ``max_key``, a gsn that is 0, above the gsn mask or
+    not above ``highest``, or a key ``index`` does not hold (deleting a missing key writes
+    nothing, and a key named twice is missing the second time): the caller's general
+    path checks the batch and raises the right error."""
     cdef Py_ssize_t n = len(keys), i, klen, total = 0, htotal = 0, rsize
     cdef object key, old
     if n == 0 or g0 == 0 or g0 > _SEQ_MASK or <uint64_t>(n - 1) > _SEQ_MASK - g0 or g0 <= highest:
@@ -1582,7 +1497,7 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
         rsize = 20 + klen
         total += rsize + ((-rsize) & 7)
         htotal += 22 + klen
-    data, hints = _tomb_records(keys, kp, 0, total, htotal, g0, flag, magic, off)  # (every key: kinds 1 or 2)
+    data, hints = _tomb_records(keys, total, htotal, g0, flag, magic, off)
     return (data, hints, kinds, n, taken)
 
 
@@ -1602,9 +1517,9 @@ def bitcask_tombs_settle(list keys, bytes kinds not None, list taken not None, P
     offset ``off`` (the record of ``keys[start]``), from ``keys[start]`` on: a taken key's
     put and tombstone are both garbage.  Stops at the first key of another case.
 
-    Returns ``(dead, stop, off, word)`` as :func:`bitcask_tomb_index` does: the bytes
-    found dead, the key it stopped at (``len(keys)`` when done), and that key's record
-    offset and gsn word, for the caller's general update of it."""
+    Returns ``(dead, stop, off, word)``: the bytes found dead, the key it stopped at
+    (``len(keys)`` when done), and that key's record offset and gsn word, for the
+    caller's general update of it."""
     cdef Py_ssize_t n = len(keys), i, rsize, dead = 0
     cdef const uint8_t* kp = <const uint8_t*>PyBytes_AS_STRING(kinds)
     cdef uint64_t word
@@ -1712,6 +1627,6 @@ cdef object _tomb_record(object key, dict index, uint64_t word, uint64_t highest
 
 def bitcask_tomb_drop(dict index, object key, object fid):
     """The index change of a lone tombstone of ``key`` written to file ``fid`` for the
-    common delete (see :func:`bitcask_tomb_index`): the dropped put's record size, or -1
-    (nothing changed) for the caller's general update."""
+    common delete (as :func:`bitcask_tombs_take` takes a key of a batch): the dropped
+    put's record size, or -1 (nothing changed) for the caller's general update."""
     return _tomb_drop(index, key, fid)
