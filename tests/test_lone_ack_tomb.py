@@ -27,7 +27,7 @@ from armdb.queue import Lease, LeaseToken
 
 from .conftest import child_env, run_child
 from .test_bitcask import Gsn, open_store
-from .test_tombs_take import settle_reference
+from .test_tombs_take import settle_reference, take_reference
 
 SEQ_MASK = (1 << 60) - 1
 field = st.one_of(st.integers(-3, 2**64), st.booleans(), st.floats(allow_nan=False), st.none())
@@ -112,7 +112,9 @@ def test_s6_lone_tombstone_index_change_is_the_batch_one(entry, fid):
     if entry is None:  # a missing key: nothing to drop, for the general path
         assert dropped == -1 and a == b == {}
         return
-    dead, stop, _off, _word = settle_reference([b"k"], b, fid, 0, 5, 0, 0)
+    took = take_reference([b"k"], b, fid)
+    assert took is not None
+    dead, stop, _off, _word = settle_reference([b"k"], *took, 0, 5, 0, 0)
     assert a == b
     if stop == 1:
         assert dropped == dead - 24  # (a 3-byte key: a 24-byte tombstone)
