@@ -91,17 +91,16 @@ def _reference(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int
     kinds, taken = took
     data, hints, written, _entries, deletes = got
     assert written == keys and deletes == len(keys)
-    return data, hints, len(keys), _walk(keys, index, off,
-                                         lambda at, i: settle_reference(keys, kinds, taken, at, g0, flag, i))
+    return data, hints, _walk(keys, index, off, lambda at, i: settle_reference(keys, kinds, taken, at, g0, flag, i))
 
 
 def _taken(keys: list[bytes], index: dict[bytes, Any], g0: int, highest: int, flag: int, off: int) -> Any:
     got = bitcask_tombs_take(keys, index, FID, g0, highest, flag, RECORD_MAGIC, off, 100)
     if got is None:
         return None
-    data, hints, kinds, count, taken = got
-    return data, hints, count, _walk(keys, index, off, lambda at, i: bitcask_tombs_settle(keys, kinds, taken, at,
-                                                                                            g0, flag, i))
+    data, hints, kinds, taken = got
+    return data, hints, _walk(keys, index, off,
+                              lambda at, i: bitcask_tombs_settle(keys, kinds, taken, at, g0, flag, i))
 
 
 def _walk(keys: list[bytes], index: dict[bytes, Any], off: int, settle: Any) -> list[Any]:
@@ -115,8 +114,7 @@ def _walk(keys: list[bytes], index: dict[bytes, Any], off: int, settle: Any) -> 
             # (what the general update does first: its key leaves the index; a key named
             # twice may have left at its first naming)
             index.pop(keys[i], None)
-            size = 20 + len(keys[i])
-            at += size + (-size & 7)
+            at += record_size(keys[i])
             i += 1
     return steps
 
@@ -167,7 +165,7 @@ def test_s6_taken_entries_go_back(present: dict[bytes, Any], data: st.DataObject
     index = dict(present)
     got = bitcask_tombs_take(keys, index, FID, 1, 0, 0, RECORD_MAGIC, 0, 100)
     assert got is not None
-    bitcask_tombs_restore(index, keys, got[2], got[4])
+    bitcask_tombs_restore(index, keys, got[2], got[3])
     assert index == present
 
 

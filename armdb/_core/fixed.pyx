@@ -1459,9 +1459,9 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
     A key whose put lies in file ``fid`` with no older holder (entry[4] None: the common
     delete, both records garbage at once) stays out of the index; one of another case is
     put back at once (its tombstone is still written: the caller's general update judges
-    it, in order).  Returns ``(data, hints, kinds, count, taken)``: the records end to
-    end (the first at file offset ``off``), their hint entries end to end, ``kinds`` ``n``
-    bytes (1 for a key taken, 2 for a key of another case), how many tombstones, and the
+    it, in order).  Returns ``(data, hints, kinds, taken)``: the records end to end
+    (the first at file offset ``off``), their hint entries end to end (one a key),
+    ``kinds`` ``n`` bytes (1 for a key taken, 2 for a key of another case), and the
     entries taken (None for the others).  None, with the index as it was, for a key that
     is not ``bytes`` or longer than ``max_key``, a gsn that is 0, above the gsn mask or
     not above ``highest``, or a key ``index`` does not hold (deleting a missing key writes
@@ -1483,9 +1483,7 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
         if old is None:
             bitcask_tombs_restore(index, keys, kinds, taken, i)
             return None
-        # (the entry's fid is the active file's own int object, as the put stored it: the
-        # identity test spares a comparison call)
-        if type(old) is tuple and (<tuple>old)[4] is None and ((<tuple>old)[0] is fid or (<tuple>old)[0] == fid):
+        if _common_delete(old, fid):
             kp[i] = 1
         else:
             index[key] = old  # another case: the general update takes it out again
@@ -1498,7 +1496,7 @@ def bitcask_tombs_take(list keys, dict index, object fid, uint64_t g0, uint64_t 
         total += rsize + ((-rsize) & 7)
         htotal += 22 + klen
     data, hints = _tomb_records(keys, total, htotal, g0, flag, magic, off)
-    return (data, hints, kinds, n, taken)
+    return (data, hints, kinds, taken)
 
 
 def bitcask_tombs_restore(dict index, list keys, bytes kinds not None, list taken not None, Py_ssize_t stop=-1):
@@ -1545,13 +1543,22 @@ cdef Py_ssize_t _tomb_drop(dict index, object key, object fid) except -2:
     such a delete); returns that put's record size.  -1 for any other case, the index
     left as it was, for the caller's general update."""
     old = index.pop(key, None)  # (one lookup: CPython's _PyDict_Pop)
-    if old is None or type(old) is not tuple or (<tuple>old)[4] is not None or not ((<tuple>old)[0] == fid):
+    if old is None or not _common_delete(old, fid):
         if old is not None:
             # Back for the caller's general update, which takes it out again (a
             # tombstone never leaves its key in the index), so its place is moot.
             index[key] = old
         return -1
     return <Py_ssize_t>(<tuple>old)[2]
+
+
+cdef inline bint _common_delete(object old, object fid) except -1:
+    """Whether a tombstone written to file ``fid`` is the common delete of the put whose
+    index entry is ``old``: the put lies in that same file with no older holder
+    (entry[4] None), so the key leaves the index and both records are garbage at once.
+    (The entry's fid is the active file's own int object, as the put stored it: the
+    identity test spares a comparison call.)"""
+    return type(old) is tuple and (<tuple>old)[4] is None and ((<tuple>old)[0] is fid or (<tuple>old)[0] == fid)
 
 
 # -- a var queue's lone ack (armdb.tx.commit_settle) -------------------------------------------

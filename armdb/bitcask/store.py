@@ -1210,7 +1210,7 @@ class BitcaskStore:
             # only with the append, as the records say.
             got = bitcask_tombs_take(keys, index, fid, g0, sh.highest, flag, RECORD_MAGIC, act.size, MAX_KEY_LEN)
             if got is not None:
-                data, hints, kinds, count, taken = got
+                data, hints, kinds, taken = got
                 if act.total and act.size + len(data) > self.config.max_file_size:
                     bitcask_tombs_restore(index, keys, kinds, taken)  # a rotation first: the general path
                 else:
@@ -1219,8 +1219,8 @@ class BitcaskStore:
                     except BaseException:
                         bitcask_tombs_restore(index, keys, kinds, taken)
                         raise
-                    sh.hint.add_raw(hints, count)
                     n, i = len(keys), 0
+                    sh.hint.add_raw(hints, n)
                     while i < n:
                         dead, i, off, word = bitcask_tombs_settle(keys, kinds, taken, off, g0, flag, i)
                         act.dead += dead
