@@ -40,3 +40,13 @@ def test_s7_crc32_refuses_what_is_not_a_buffer_of_bytes() -> None:
         K.crc32("text")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         K.crc32(np.zeros(4, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("n", [(1 << 20) - 1, 1 << 20, (1 << 20) + 7, 3 << 20])
+def test_s7_crc32_of_a_long_buffer_equals_zlib(kernel: object, n: int) -> None:
+    # SPEC S7: from 1 MiB on the CRC gives the GIL up while it runs; shorter ones keep it
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    want = zlib.crc32(data, 0x5EED)
+    assert K.crc32(data, 0x5EED) == want
+    assert K.crc32(bytearray(data), 0x5EED) == want
+    assert K.crc32(memoryview(data)[1:], 0x5EED) == zlib.crc32(data[1:], 0x5EED)

@@ -264,6 +264,13 @@ cdef inline int _ring_compare(uint32_t a, uint32_t b) noexcept nogil:
     return 2
 
 
+# Below this many bytes the CRC keeps the GIL (tens of microseconds at most).  Handing
+# the GIL over and taking it back wakes every thread waiting for it and restarts its
+# wait; a committer doing that once a batch kept the Db's flusher from running for
+# 13-20 ms at a time (docs/performance.md, "The flusher starved").
+cdef Py_ssize_t _CRC_NOGIL = 1 << 20
+
+
 def crc32(data, uint32_t crc=0):
     """IEEE CRC-32, equal to ``zlib.crc32(data, crc)``, of ``bytes`` or any contiguous
     buffer of bytes."""
@@ -282,6 +289,8 @@ def crc32(data, uint32_t crc=0):
         view = data
         n = view.shape[0]
         p = &view[0] if n else NULL
+    if n < _CRC_NOGIL:
+        return _crc_update(crc ^ _ONES, p, n) ^ _ONES
     with nogil:
         r = _crc_update(crc ^ _ONES, p, n) ^ _ONES
     return r
