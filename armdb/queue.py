@@ -1122,6 +1122,11 @@ class Queue(Generic[T]):
             cached = True
             toks = self._token_list(leases, "ack_many", "; ack one lease with ack()")
             k = len(toks)
+            if k == 1:
+                # One lease (a Worker's batch on a thin queue): the lone ack, as below,
+                # without the arrays of one (6 of the 10 us this call took).
+                self.ack(toks[0])
+                return 1
             shard_nos = np.fromiter((t.shard for t in toks), np.uint32, k)
             dues = np.fromiter((t.due for t in toks), np.uint64, k)
             seqs = np.fromiter((t.seq for t in toks), np.uint64, k)

@@ -313,6 +313,39 @@ def test_q32_a_batch_from_another_queue_is_stale(db, flavour):
     assert len(other) == 3
 
 
+@pytest.mark.parametrize("shape", ["lease", "token", "batch"])
+def test_q32_ack_many_of_one_lease_acks_as_ack_does(db, clock, flavour, shape):
+    # SPEC Q32: one lease takes the lone ack's path, with the same effects and refusals
+    q = open_q(db, flavour, lease_timeout=1)
+    q.push_many(payloads(flavour, range(3)))
+
+    def one() -> object:
+        if shape == "batch":
+            return q.lease_batch(1)
+        (lz,) = q.lease(1)
+        return [lz if shape == "lease" else lz.token]
+
+    first = one()
+    assert q.ack_many(first) == 1
+    assert len(q) == 2
+    if flavour == "var":
+        assert len(q._payload) == 2  # its body went with it
+    with pytest.raises(StaleToken):
+        q.ack_many(first)  # acked already: nothing changes
+    second = one()
+    clock.advance(2_000)
+    assert len(q.lease(1)) == 1  # the same row, leased again
+    with pytest.raises(StaleToken):
+        q.ack_many(second)
+    assert len(q) == 2
+    other = db.open_queue(armdb.queue("other", payload=REC))
+    other.push_many(array(range(1)))
+    (theirs,) = other.lease(1)
+    with pytest.raises(StaleToken):
+        q.ack_many([theirs])
+    assert len(other) == 1 and len(q) == 2
+
+
 @pytest.mark.parametrize("bad", [5, "abc", [1, 2], [None], b"xx"])
 def test_q32_ack_many_of_something_else_is_not_a_lease(db, bad):
     # SPEC Q30, Q32: a TypeError, never StaleToken
