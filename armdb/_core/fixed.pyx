@@ -264,10 +264,11 @@ cdef inline int _ring_compare(uint32_t a, uint32_t b) noexcept nogil:
     return 2
 
 
-# Below this many bytes the CRC keeps the GIL (tens of microseconds at most).  Handing
-# the GIL over and taking it back wakes every thread waiting for it and restarts its
-# wait; a committer doing that once a batch kept the Db's flusher from running for
-# 13-20 ms at a time (docs/performance.md, "The flusher starved").
+# Below this many bytes the CRC keeps the GIL (a MiB takes about 40 us, 440 us without
+# the carry-less multiply).  Handing the GIL over and taking it back wakes every thread
+# waiting for it and restarts its wait; a committer doing that once a batch kept the
+# Db's flusher from running for 13-20 ms at a time (docs/performance.md, round 14,
+# "the CRC keeps the GIL below 1 MiB").
 cdef Py_ssize_t _CRC_NOGIL = 1 << 20
 
 
