@@ -486,7 +486,7 @@ class RemoteQueue(Generic[T]):
         stores the bodies as they are; a payload class that rebuilds itself is encoded
         here as ``encode`` does, with every check."""
         codec = self._codec
-        if not codec.rebuild_at_push and "encode" not in codec.__dict__:
+        if not codec.rebuild_at_push and not codec.relayout:
             objs = self._plain_fast(payloads)
             if objs is not None:
                 raws = pack_plain(objs)  # plain values (the common payload): one compiled loop

@@ -333,6 +333,11 @@ class VarCodec:
         # (no layout tag), which decodes to a payload whenever its shape is right:
         # accept_encoded and Queue._lease_batch_encoded pass such bodies through as bytes.
         self.stored_plain = not self.rebuild_at_push
+        # Set by use_layouts, which replaces encode and decode on the instance: the batch
+        # paths then encode and decode one by one through them.  (A flag, not a look in
+        # the instance dict, which would make the dict and slow every attribute read of
+        # this codec: armdb._objdict.)
+        self.relayout = False
         # encode's and decode's common case, tested first: a payload of exactly this
         # (non-dataclass, not Any) type, packed by the compiled plain codec; and a body
         # that decodes to the payload as it is (no class to rebuild, no tuple).
@@ -380,7 +385,7 @@ class VarCodec:
         them all; None if any is refused (then :meth:`encode` of each says which and why).
         A class whose values push rebuilds to check them, or whose layout changed, is
         encoded one by one."""
-        if self.rebuild_at_push or "encode" in self.__dict__:  # (use_layouts replaced encode)
+        if self.rebuild_at_push or self.relayout:
             try:
                 return [self.encode(v) for v in values]
             except PayloadTypeError:
@@ -511,6 +516,7 @@ class VarCodec:
         if not self.is_dataclass or len(layouts) <= 1:
             return
         self.stored_plain = False  # bodies of older layouts are translated by decode
+        self.relayout = True
         self._names = [[name for name, _type in layout] for layout in layouts]
         self._current = current
         self._prefix = b"" if current == 0 else LAYOUT_TAG + current.to_bytes(2, "big")
@@ -551,7 +557,7 @@ class VarCodec:
         """:meth:`decode` of each of ``raws`` (bodies the write path stored: each one
         msgpack value) by one decode of them all; None if that fails (then :meth:`decode`
         of each finds which).  A class whose layout changed is decoded one by one."""
-        if "decode" in self.__dict__:  # use_layouts replaced it
+        if self.relayout:
             return None
         try:
             objs = unpack_plain(raws)  # bodies of plain values: one compiled loop, no join

@@ -58,6 +58,7 @@ from ._core.fixed import ack_rows, log_record, push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
+from ._objdict import own_dict
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -529,7 +530,7 @@ class Queue(Generic[T]):
                 # below): one call, no Python frame between the user and FixedFast.
                 # They take the same arguments and hand all but the common case to
                 # _push, _lease and _ack, which raise what the methods document.
-                vars(self).update(push=self._fast.push, lease=self._fast.lease, ack=self._fast.ack)
+                own_dict(self).update(push=self._fast.push, lease=self._fast.lease, ack=self._fast.ack)
             else:
                 var = VarFast(
                     self, db, self._shards, db.clock is system_clock, db.clock, ms_to_datetime, db.seqmap,
@@ -556,7 +557,7 @@ class Queue(Generic[T]):
                 # ack_many shadow the methods below, and hand all but the common case to
                 # _push, _lease, lease_batch, _ack and ack_many.  A var ack's commit is
                 # armdb.tx.commit_settle.
-                vars(self).update(push=var.push, lease=var.lease, ack=var.ack, lease_batch=var.lease_batch,
+                own_dict(self).update(push=var.push, lease=var.lease, ack=var.ack, lease_batch=var.lease_batch,
                                   ack_many=var.ack_many)
         except BaseException:
             self._headers.close()

@@ -44,6 +44,8 @@ from libc.string cimport memcpy
 
 import numpy as np
 
+from armdb._objdict import own_dict
+
 cnp.import_array()
 import_datetime()
 
@@ -864,8 +866,8 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         # The attributes read and written on every call (Queue._closed, _next_retention,
         # _gen, _nwaiters; Db._closed, _waker) are plain instance attributes: read from
         # the instance dicts, without the attribute protocol's type walk.
-        self.qd = queue.__dict__
-        self.dbd = db.__dict__
+        self.qd = own_dict(queue)
+        self.dbd = own_dict(db)
         for name in ("_closed", "_next_retention", "_gen", "_nwaiters"):
             if name not in self.qd:
                 raise TypeError(f"FixedFast: the queue has no instance attribute {name}")
@@ -1254,7 +1256,7 @@ cdef class VarFast(FixedFast):
         encoder (``armdb._core.fixed.ack_rows``); for the log append (:meth:`_log_append`),
         the record's framer (``armdb._core.fixed.log_record``), ``armdb._fs``'s dict and
         the log's ``REC_MAGIC`` and ``FLAG_SYNCED_BEFORE`` (``armdb.logformat``)."""
-        pd = payload.__dict__
+        pd = own_dict(payload)
         for name in ("_poisoned", "_closed", "_gsn", "_compact_deferred"):
             if name not in pd:
                 raise TypeError(f"VarFast: the body store has no instance attribute {name}")
@@ -1289,7 +1291,7 @@ cdef class VarFast(FixedFast):
         """The instance dict of the Db's log, or None when its ``append_body`` or ``done``
         is set on the instance (a test's): the ack then calls them."""
         if txlog is not self.tlog:
-            td = vars(txlog)
+            td = own_dict(txlog)
             for name in ("_lock", "_idle", "_idle_waiting", "_fd", "poisoned", "_group", "sealer", "_next_txid",
                          "_end", "_inflight", "commits", "_checkpoint_bytes", "pending"):
                 if name not in td:

@@ -36,6 +36,7 @@ from .._core.fixed import (
     bitcask_tombs_take,
 )
 from .._crypto import Sealer
+from .._objdict import own_dict
 from ..config import Config
 from ..errors import (
     ArmdbError,
@@ -203,7 +204,7 @@ class BitcaskStore:
                 raise _storage_error(exc, f"cannot open collection {directory!r}") from exc
             raise
         if self._sealer is None:
-            self._putter = PutKernel(self, self._shards, vars(self), vars(_fs), vars(_fail), vars(_files),
+            self._putter = PutKernel(self, self._shards, own_dict(self), vars(_fs), vars(_fail), vars(_files),
                                      _auto_compact, RECORD_MAGIC, MARKED_DATA_VERSION, MAX_KEY_LEN, MAX_VALUE_LEN,
                                      SEQ_MASK)
         return self

@@ -1,0 +1,51 @@
+"""``armdb._objdict.own_dict``: the instance dict a compiled kernel reads and writes is the
+object's live, combined ``__dict__``, installed once (docs/performance.md, round 14)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import armdb
+from armdb._objdict import own_dict
+
+
+class _Thing:
+    def __init__(self) -> None:
+        self.a = 1
+        self.b = "two"
+
+
+def test_own_dict_installs_one_dict_and_keeps_it() -> None:
+    t = _Thing()
+    d = own_dict(t)
+    assert d is vars(t) and own_dict(t) is d  # installed once, then handed out again
+    assert (t.a, t.b) == (1, "two")
+    t.c = 3  # a later attribute lands in the same dict
+    d["a"] = 10  # and a write through the dict is the attribute
+    assert d["c"] == 3 and t.a == 10
+
+
+def test_the_compiled_var_queue_reads_the_live_dicts(tmp_path: Path) -> None:
+    # The compiled var queue took the dicts of the Db, the queue, its body store and the
+    # log at open and at its first ack; an instance attribute set afterwards must reach
+    # it, so no one replaced a dict it holds.
+    with armdb.Db.open(tmp_path / "db") as db:
+        q = db.open_queue(armdb.queue("jobs", payload=dict, var=True))
+        for i in range(2):
+            q.push({"n": i})
+        (first,) = q.lease(1)
+        q.ack(first.token)  # the compiled ack: it takes the log's dict here
+        for obj in (db, q, q._payload, db.txlog):
+            assert vars(obj) is own_dict(obj)
+        seen: list[bytes] = []
+        append = db.txlog.append_body
+
+        def recording(body: bytes, parts: Any = None, behind: bool = False) -> int:
+            seen.append(bytes(body))
+            return append(body, parts, behind)
+
+        db.txlog.append_body = recording  # type: ignore[method-assign]
+        (second,) = q.lease(1)
+        q.ack(second.token)
+        assert len(seen) == 1 and len(q) == 0
