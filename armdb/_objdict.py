@@ -11,25 +11,34 @@ generic path: a 2-row durable commit cost 7.5% more instructions (126,772 agains
 117,919) once the log's dict had been asked for, and a method reading ten attributes
 of such an object took 216-225 ns against 84-90 ns (docs/performance.md, round 14).
 
-:func:`own_dict` gives the object a *combined* copy of its dict instead, once, and
-returns it: the interpreter specializes on it (about 100 ns for the same method), and
-the compiled code reads and writes the same dict.  Every place that hands an
-object's dict to compiled code asks here, so that none keeps a dict the object has
-since replaced.
+So each such class gives its instances a *combined* dict as the last step of its
+``__init__`` (:func:`install_own_dict`), before any other thread can see the object:
+the interpreter specializes on it (about 100 ns for the same method), and the compiled
+code takes that same dict by :func:`own_dict`.  (Installed later, the copy would race
+other threads' attribute writes, which would land in the dict it replaced.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_MARK = "_own_dict"  # set in a dict own_dict installed: the object keeps it from then on
+_MARK = "_own_dict"  # set in the dict install_own_dict installed
+
+
+def install_own_dict(obj: object) -> None:
+    """Give ``obj`` a combined copy of its instance dict.  Only from its class's
+    ``__init__``: no other thread may hold the object yet."""
+    d = dict(vars(obj))
+    d[_MARK] = True
+    obj.__dict__ = d
 
 
 def own_dict(obj: object) -> dict[str, Any]:
-    """The instance dict of ``obj`` as a combined table, installed on first use."""
+    """The instance dict ``install_own_dict`` gave ``obj``, for compiled code to read and
+    write in place; ``TypeError`` for an object whose class does not install one."""
     d: dict[str, Any] = vars(obj)
     if _MARK not in d:
-        d = dict(d)
-        d[_MARK] = True
-        obj.__dict__ = d
+        raise TypeError(
+            f"{type(obj).__name__} does not install its own instance dict (armdb._objdict.install_own_dict)"
+        )
     return d

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import _fs, replication
 from ._clock import Clock, checked_clock, system_clock
+from ._objdict import install_own_dict
 from .bitcask import BitcaskStore
 from .config import Config, TxConfig
 from .errors import ConfigError, DbClosed, ProcessBound, ReplicationError, as_storage_error
@@ -155,6 +156,7 @@ class Db:
         self._closed_why = ""  # why an operation finds the Db closed, when not close()
         self._primary: replication.Primary | None = None  # db.replicate(): the stream's server
         self._servers: list[Server] = []  # db.serve(): stopped first by close()
+        install_own_dict(self)  # compiled queues read and write its attributes in place
 
     # -- lifecycle ------------------------------------------------------------------
     @classmethod

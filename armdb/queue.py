@@ -58,7 +58,7 @@ from ._core.fixed import ack_rows, log_record, push_body_rows, ring_next
 from ._core.locks import Lock
 from ._core.qindex import KeyIndex
 from ._core.qshard import ABSENT, ACKED, DUPLICATE, FixedFast, QueueShard, VarFast
-from ._objdict import own_dict
+from ._objdict import install_own_dict, own_dict
 from ._pack import packb
 from .bitcask.format import MAX_VALUE_LEN
 from .config import QueueConfig
@@ -442,6 +442,7 @@ class Queue(Generic[T]):
         self._retry_overflow = False
         self._retention_paused = False
         self._next_retention = 0
+        install_own_dict(self)  # its compiled calls read and write its attributes in place
 
     # -- open and recovery ---------------------------------------------------------------
     def _open(self) -> None:

@@ -59,6 +59,7 @@ from ._core.groupsync import GroupSync
 from ._core.locks import Lock
 from ._core.plainpack import pack_plain
 from ._crypto import Sealer
+from ._objdict import install_own_dict
 from ._pack import packb
 from .errors import (
     SALVAGE_HINT,
@@ -160,6 +161,7 @@ class TxLog:
         # The synced mark of the current file (armdb._syncmark), under _mark_lock.
         self._marks: _syncmark.MarkWriter | None = None
         self._mark_lock = threading.Lock()
+        install_own_dict(self)  # the compiled lone var ack reads and writes its attributes in place
 
     # -- open / replay ---------------------------------------------------------------
     @classmethod

@@ -6,24 +6,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import armdb
-from armdb._objdict import own_dict
+from armdb._objdict import install_own_dict, own_dict
 
 
 class _Thing:
-    def __init__(self) -> None:
+    def __init__(self, own: bool) -> None:
         self.a = 1
         self.b = "two"
+        if own:
+            install_own_dict(self)
 
 
-def test_own_dict_installs_one_dict_and_keeps_it() -> None:
-    t = _Thing()
+def test_own_dict_is_the_dict_the_class_installed() -> None:
+    t = _Thing(own=True)
     d = own_dict(t)
-    assert d is vars(t) and own_dict(t) is d  # installed once, then handed out again
+    assert d is vars(t) and own_dict(t) is d  # installed once, at construction
     assert (t.a, t.b) == (1, "two")
     t.c = 3  # a later attribute lands in the same dict
     d["a"] = 10  # and a write through the dict is the attribute
     assert d["c"] == 3 and t.a == 10
+
+
+def test_own_dict_refuses_an_object_that_installed_none() -> None:
+    # A dict copied after construction could lose another thread's attribute write.
+    with pytest.raises(TypeError, match="install_own_dict"):
+        own_dict(_Thing(own=False))
 
 
 def test_the_compiled_var_queue_reads_the_live_dicts(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from .._core.fixed import (
     bitcask_tombs_take,
 )
 from .._crypto import Sealer
-from .._objdict import own_dict
+from .._objdict import install_own_dict, own_dict
 from ..config import Config
 from ..errors import (
     ArmdbError,
@@ -117,6 +117,7 @@ class BitcaskStore:
         self._compactions = 0
         # Set by the Db: wakes its flusher to run a due timed sync (False: no flusher).
         self.kick: Callable[[], bool] | None = None
+        install_own_dict(self)  # the compiled put (PutKernel) reads and writes its attributes in place
 
     def set_kick(self, kick: Callable[[], bool]) -> None:
         """Let timed syncs wake the Db's flusher (see :meth:`_maybe_sync`)."""
