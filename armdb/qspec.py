@@ -335,8 +335,8 @@ class VarCodec:
         self.stored_plain = not self.rebuild_at_push
         # Set by use_layouts, which replaces encode and decode on the instance: the batch
         # paths then encode and decode one by one through them.  (A flag, not a look in
-        # the instance dict, which would make the dict and slow every attribute read of
-        # this codec: armdb._objdict.)
+        # the instance dict: asking for that dict makes it a split table, which slows
+        # every attribute read of this codec; see armdb._objdict.)
         self.relayout = False
         # encode's and decode's common case, tested first: a payload of exactly this
         # (non-dataclass, not Any) type, packed by the compiled plain codec; and a body
