@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("errors", ["armdb.errors"]),
     ("kernels", ["armdb._core.*"]),
     ("base", ["armdb._version", "armdb._fail", "armdb._fs", "armdb._clock", "armdb.config", "armdb._pack", "armdb._crypto",
-              "armdb._crcshift", "armdb._syncmark"]),
+              "armdb._crcshift", "armdb._syncmark", "armdb._objdict"]),
     ("formats", ["armdb.layout", "armdb.qrows", "armdb.qspec", "armdb.mapcodec", "armdb.logformat",
                  "armdb.bitcask.format", "armdb.wire"]),
     ("stores", ["armdb.fixed", "armdb.seqmap", "armdb.bitcask", "armdb.bitcask.*", "armdb.replay", "armdb.txlog",

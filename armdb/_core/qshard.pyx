@@ -44,8 +44,6 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from armdb._objdict import own_dict
-
 cnp.import_array()
 import_datetime()
 
@@ -865,9 +863,11 @@ cdef class FixedFast:  # (not final: VarFast extends it)
         self.db = db
         # The attributes read and written on every call (Queue._closed, _next_retention,
         # _gen, _nwaiters; Db._closed, _waker) are plain instance attributes: read from
-        # the instance dicts, without the attribute protocol's type walk.
-        self.qd = own_dict(queue)
-        self.dbd = own_dict(db)
+        # the instance dicts, without the attribute protocol's type walk.  Both classes
+        # install those dicts in their __init__ (armdb._objdict: asked for here first,
+        # a dict would be made as a split table, which slows their Python).
+        self.qd = queue.__dict__
+        self.dbd = db.__dict__
         for name in ("_closed", "_next_retention", "_gen", "_nwaiters"):
             if name not in self.qd:
                 raise TypeError(f"FixedFast: the queue has no instance attribute {name}")
@@ -1256,7 +1256,7 @@ cdef class VarFast(FixedFast):
         encoder (``armdb._core.fixed.ack_rows``); for the log append (:meth:`_log_append`),
         the record's framer (``armdb._core.fixed.log_record``), ``armdb._fs``'s dict and
         the log's ``REC_MAGIC`` and ``FLAG_SYNCED_BEFORE`` (``armdb.logformat``)."""
-        pd = own_dict(payload)
+        pd = payload.__dict__  # (installed by BitcaskStore.__init__, as the Db's above)
         for name in ("_poisoned", "_closed", "_gsn", "_compact_deferred"):
             if name not in pd:
                 raise TypeError(f"VarFast: the body store has no instance attribute {name}")
@@ -1291,7 +1291,7 @@ cdef class VarFast(FixedFast):
         """The instance dict of the Db's log, or None when its ``append_body`` or ``done``
         is set on the instance (a test's): the ack then calls them."""
         if txlog is not self.tlog:
-            td = own_dict(txlog)
+            td = vars(txlog)  # (installed by TxLog.__init__, as the Db's: see FixedFast)
             for name in ("_lock", "_idle", "_idle_waiting", "_fd", "poisoned", "_group", "sealer", "_next_txid",
                          "_end", "_inflight", "commits", "_checkpoint_bytes", "pending"):
                 if name not in td:
