@@ -14,8 +14,9 @@ of such an object took 216-225 ns against 84-90 ns (docs/performance.md, round 1
 So each such class gives its instances a *combined* dict as the last step of its
 ``__init__`` (:func:`install_own_dict`), before any other thread can see the object:
 the interpreter specializes on it (about 100 ns for the same method), and the compiled
-code takes that same dict by :func:`own_dict`.  (Installed later, the copy would race
-other threads' attribute writes, which would land in the dict it replaced.)
+code reads that same dict, handed to it by :func:`own_dict` (the compiled queue, which
+imports no Python module of armdb, reads it as ``__dict__``).  Installed later, the copy
+would race other threads' attribute writes, which would land in the dict it replaced.
 """
 
 from __future__ import annotations
