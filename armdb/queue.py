@@ -194,6 +194,13 @@ def as_token(lease: object) -> LeaseToken:
             f"this LeaseToken was altered: its {name} is {v!r}, not an int; pass the token that "
             f"Queue.lease() returned, unchanged"
         )
+    if (d | q | e) < 0 or d >> 64 or q >> 64 or e >> 32:  # the widths stored (the shard: _token_shard)
+        name, v = next((n, v) for n, v, bits in zip(LeaseToken._fields[2:], token[2:], (64, 64, 32), strict=True)
+                       if not 0 <= v < 1 << bits)
+        raise NotALease(
+            f"this LeaseToken was altered: its {name} is {v}, out of range; pass the token that "
+            f"Queue.lease() returned, unchanged"
+        )
     return token
 
 
@@ -1093,8 +1100,10 @@ class Queue(Generic[T]):
                 f"{call} takes a LeaseBatch or a list of Lease objects (or tokens), got {type(leases).__name__}{hint}"
             )
         toks = [as_token(x) for x in leases]
+        handle, nsh = self._handle, len(self._shards)
         for t in toks:
-            self._token_shard(t)  # StaleToken for a token of another handle
+            if t[0] != handle or not 0 <= t[1] < nsh:  # (handle, shard: by index, a NamedTuple's field costs a call)
+                self._token_shard(t)  # its StaleToken for a token of another handle
         return toks
 
     def ack_many(self, leases: LeaseBatch[T] | Iterable[Lease[T] | LeaseToken]) -> int:
@@ -1123,16 +1132,21 @@ class Queue(Generic[T]):
         else:
             cached = True
             toks = self._token_list(leases, "ack_many", "; ack one lease with ack()")
-            k = len(toks)
-            if k == 1:
+            if len(toks) < 2:
+                if not toks:
+                    self._check()
+                    return 0
                 # One lease (a Worker's batch on a thin queue): the lone ack, as below,
                 # without the arrays of one (6 of the 10 us this call took).
                 self.ack(toks[0])
                 return 1
-            shard_nos = np.fromiter((t.shard for t in toks), np.uint32, k)
-            dues = np.fromiter((t.due for t in toks), np.uint64, k)
-            seqs = np.fromiter((t.seq for t in toks), np.uint64, k)
-            epochs = np.fromiter((t.epoch for t in toks), np.uint32, k)
+            # The tokens' fields as columns (each token is a 5-tuple): one transpose, then
+            # an array of each column, which refuses a value out of its type's range.
+            _handles, shard_col, due_col, seq_col, epoch_col = zip(*toks)
+            shard_nos = np.array(shard_col, np.uint32)
+            dues = np.array(due_col, np.uint64)
+            seqs = np.array(seq_col, np.uint64)
+            epochs = np.array(epoch_col, np.uint32)
         self._check()
         n = len(seqs)
         if n == 0:

@@ -646,3 +646,18 @@ def test_q31_a_one_job_batch_of_an_encrypted_queue_still_needs_the_log_key(tmp_p
                 q.push_many(payloads("var", range(n)))
         assert len(q) == 0
         assert q.push(Job(5)) == 1
+
+
+@pytest.mark.parametrize("field, value", [("due", -1), ("seq", 2**70), ("epoch", 2**40), ("epoch", -3)])
+def test_q30_a_token_altered_out_of_range_is_not_a_lease(db, flavour, field, value):
+    # SPEC Q30: an altered token is NotALease, named by its field, for ack and ack_many alike
+    # (a value too wide for its stored field once escaped as a bare OverflowError)
+    q = open_q(db, flavour)
+    q.push_many(payloads(flavour, range(2)))
+    a, b = q.lease(2)
+    forged = a.token._replace(**{field: value})
+    with pytest.raises(NotALease, match=f"its {field} is {value}, out of range"):
+        q.ack(forged)
+    with pytest.raises(NotALease, match=f"its {field} is {value}, out of range"):
+        q.ack_many([forged, b.token])
+    assert len(q) == 2 and q.ack_many([a, b]) == 2

@@ -181,6 +181,20 @@ def lone_token(token, token_cls, handle, Py_ssize_t nshards):
     return _lone_token(token, token_cls, handle, nshards)
 
 
+cdef bint _fits(tuple t):
+    """Whether a token's due, seq and epoch fit the widths they are stored in (else it
+    was altered, and the Python body refuses it with ``NotALease``)."""
+    cdef uint64_t due, seq
+    cdef uint32_t epoch
+    try:
+        due = <object>PyTuple_GET_ITEM(t, 2)
+        seq = <object>PyTuple_GET_ITEM(t, 3)
+        epoch = <object>PyTuple_GET_ITEM(t, 4)
+    except OverflowError:
+        return False
+    return True
+
+
 cdef bint _lone_token(token, token_cls, handle, Py_ssize_t nshards) except -1:
     """:func:`lone_token` (and ``VarFast.ack``'s test)."""
     if type(token) is not token_cls or PyTuple_GET_SIZE(token) != 5:
@@ -1510,8 +1524,12 @@ cdef class VarFast(FixedFast):
             (<dict>self.lease_timeouts).pop((<object>PyTuple_GET_ITEM(t, 3), <object>PyTuple_GET_ITEM(t, 4)), None)
         if self._now() < 0:
             return self.ack_py(token)  # closed: DbClosed
-        if self.ack_first is None or not self._commit_ack(token):
+        if self.ack_first is None:
+            if not _fits(<tuple>token):
+                return self.ack_py(token)  # NotALease: an altered token
             self.settle(self.db, self.queue, token, True)
+        elif not self._commit_ack(token):
+            return self.ack_py(token)  # (its fields do not fit: NotALease)
         return None
 
     cdef bint _commit_ack(self, object token) except -1:
@@ -1525,7 +1543,7 @@ cdef class VarFast(FixedFast):
         commit is durable; then the header row freed and the tombstone written
         (``BitcaskStore.tomb_locked``), in that order (header before body), and a failure
         after the log append handed to the shared ``_fence_after_log``.  False, having
-        done nothing, for a token whose fields do not fit (``commit_settle`` judges it)."""
+        done nothing, for a token whose fields do not fit (``Queue._ack`` refuses it)."""
         cdef tuple t = <tuple>token
         cdef Py_ssize_t k = <object>PyTuple_GET_ITEM(t, 1)
         cdef uint64_t due, seq
