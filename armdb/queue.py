@@ -1140,8 +1140,8 @@ class Queue(Generic[T]):
                 # without the arrays of one (6 of the 10 us this call took).
                 self.ack(toks[0])
                 return 1
-            # The tokens' fields as columns (each token is a 5-tuple): one transpose, then
-            # an array of each column, which refuses a value out of its type's range.
+            # The tokens' fields as columns (each token is a 5-tuple, each value checked
+            # against its width by as_token): one transpose, then an array of each column.
             _handles, shard_col, due_col, seq_col, epoch_col = zip(*toks)
             shard_nos = np.array(shard_col, np.uint32)
             dues = np.array(due_col, np.uint64)
