@@ -85,6 +85,10 @@ def to_ms(value: object, name: str) -> int:
     return int(round(to_seconds(value, name) * 1000))
 
 
+# The last millisecond ms_to_datetime can give: 9999-12-31 23:59:59.999 UTC.
+MAX_DATETIME_MS = 253_402_300_799_999
+
+
 def ms_to_datetime(ms: int) -> datetime:
     """Persisted milliseconds as a timezone-aware UTC datetime."""
     return datetime.fromtimestamp(ms / 1000, tz=UTC)

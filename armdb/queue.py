@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 import numpy as np
 
 from . import _fail, _fs, transitions
-from ._clock import ms_to_datetime, system_clock, to_ms, to_seconds
+from ._clock import MAX_DATETIME_MS, ms_to_datetime, system_clock, to_ms, to_seconds
 from ._core.bodycache import cache_drop, cache_pop, cache_put_ids, longest
 from ._core.fixed import ack_rows, log_record, push_body_rows, ring_next
 from ._core.locks import Lock
@@ -173,6 +173,15 @@ class Job(NamedTuple, Generic[T]):
     attempts: int
     due: datetime
     payload: T
+
+
+def lease_deadline(now: int, ms: int, given: object, name: str) -> int:
+    """The deadline ``ms`` after ``now`` (a lease's, an extension's), or ``ConfigError``
+    past the last one a ``Lease`` can carry: its ``deadline`` is a ``datetime``."""
+    deadline = now + ms
+    if deadline > MAX_DATETIME_MS:
+        raise ConfigError(f"{name} reaches past the latest deadline armdb gives (the end of the year 9999), got {given!r}")
+    return deadline
 
 
 def as_token(lease: object) -> LeaseToken:
@@ -911,7 +920,7 @@ class Queue(Generic[T]):
         """:meth:`lease_batch`; a var queue's bodies are given by ``decode`` (None: the codec's)."""
         lease_ms = self._lease_arg(n, lease_timeout, "lease_batch")
         now = self._check()
-        deadline = now + lease_ms
+        deadline = lease_deadline(now, lease_ms, lease_timeout, "lease_timeout")
         last = self._last_deadline
         if last[0] != deadline:
             last = self._last_deadline = (deadline, ms_to_datetime(deadline))
@@ -1274,7 +1283,7 @@ class Queue(Generic[T]):
     def _lease(self, n: int, lease_timeout: timedelta | float | None) -> list[Lease[T]]:
         lease_ms = self._lease_arg(n, lease_timeout, "lease")
         now = self._check()
-        deadline = now + lease_ms
+        deadline = lease_deadline(now, lease_ms, lease_timeout, "lease_timeout")
         # One datetime per millisecond of deadlines: a datetime costs more than a lease.
         last = self._last_deadline
         if last[0] != deadline:
@@ -1380,9 +1389,7 @@ class Queue(Generic[T]):
             by_ms = to_ms(by, "by")
             if by_ms <= 0:
                 raise ConfigError(f"by must be positive, at least 1 ms, got {by!r}")
-        deadline = now + by_ms
-        if deadline >= MAX_DUE_MS:
-            raise ConfigError(f"by reaches past the largest deadline armdb stores; got {by!r}")
+        deadline = lease_deadline(now, by_ms, by, "by")
         sh = self._token_shard(token)
         with sh.lock:
             slot, _hdr = self._validate_locked(sh, token)

@@ -10,6 +10,7 @@ The kernel probes run in a child process, so a crash is an exit code.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,20 @@ def test_kernels_size_buffers_by_what_they_hold_and_check_their_arithmetic(tmp_p
         f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     )
     assert res.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("timeout", [2**62, 2**70, timedelta(days=3_000_000)])
+def test_q11_a_lease_timeout_past_the_year_9999_is_a_config_error(tmp_path, timeout):
+    # SPEC Q11: a Lease's deadline is a datetime; a timeout that would put it past the last
+    # one is refused before anything is leased (it escaped as OverflowError or OSError)
+    with armdb.Db.open(tmp_path / "db") as db:
+        for spec in (armdb.queue("v", payload=dict, var=True), armdb.queue("f", payload=np.dtype([("k", "<u8")]))):
+            q = db.open_queue(spec)
+            q.push({"n": 1} if spec.var else (1,))
+            for call in (lambda: q.lease(1, lease_timeout=timeout), lambda: q.lease_batch(1, lease_timeout=timeout)):
+                with pytest.raises(armdb.ConfigError, match="year 9999"):
+                    call()
+            (lz,) = q.lease(1)
+            with pytest.raises(armdb.ConfigError, match="year 9999"):
+                q.extend(lz, by=timeout)
+            q.ack(lz)

@@ -385,3 +385,15 @@ def test_a_registering_listener_waits_for_commits_in_flight(db: Any, pg_dsn: str
         listener.execute("SELECT pg_advisory_unlock(%s, %s)", q._gate_key)
         q.push(Doc(3, "nobody holds the listen key"))
         assert sum(1 for _ in listener.notifies(timeout=0.3)) == 0
+
+
+def test_a_lease_timeout_past_the_year_9999_is_a_config_error(db: Any) -> None:
+    # SPEC G2, Q11: as on the embedded queue, the deadline a Lease carries is a datetime
+    q = db.open_queue(Docs)
+    q.push(Doc(1, "a"))
+    with pytest.raises(ConfigError, match="year 9999"):
+        q.lease(1, lease_timeout=2**62)
+    (lz,) = q.lease(1)
+    with pytest.raises(ConfigError, match="year 9999"):
+        q.extend(lz, by=2**62)
+    q.ack(lz)

@@ -27,13 +27,23 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from .. import transitions
-from .._clock import ms_to_datetime, to_ms, to_seconds
+from .._clock import ms_to_datetime, system_clock, to_ms, to_seconds
 from .._crypto import Sealer
 from ..config import QueueConfig
 from ..errors import ConfigError, DbClosed, NotALease, PayloadTypeError, ProcessBound, QueueFull, StaleToken
-from ..qrows import DEAD_BIT, MAX_DUE_MS, SNAPSHOT_DTYPE, State, header_of, key_of, pack_row
+from ..qrows import DEAD_BIT, SNAPSHOT_DTYPE, State, header_of, key_of, pack_row
 from ..qspec import FixedCodec, QueueSpec, VarCodec
-from ..queue import MAX_LEASE, Job, Lease, LeaseBatch, LeaseToken, QueueStats, as_token, nack_args
+from ..queue import (
+    MAX_LEASE,
+    Job,
+    Lease,
+    LeaseBatch,
+    LeaseToken,
+    QueueStats,
+    as_token,
+    lease_deadline,
+    nack_args,
+)
 from . import schema
 from .schema import one
 
@@ -324,6 +334,7 @@ class PgQueue(Generic[T]):
             if timeout < 0.001:
                 raise ConfigError(f"lease_timeout must be positive, at least 1 ms, got {lease_timeout!r}")
             lease_ms = int(round(timeout * 1000))
+            lease_deadline(system_clock(), lease_ms, lease_timeout, "lease_timeout")  # (the server's clock decides)
         self._check()
         taken: list[tuple[int, int, int, int, int, bytes]] = []  # id, due, attempt, epoch, deadline, raw
         if acks is not None and not acks[0]:
@@ -532,9 +543,7 @@ class PgQueue(Generic[T]):
             row = c.execute(self._sql.settle_pick, (token.seq, token.epoch)).fetchone()
             if row is None:
                 raise self._stale(token)
-            deadline = row[9] + by_ms
-            if deadline >= MAX_DUE_MS:
-                raise ConfigError(f"by reaches past the largest deadline armdb stores; got {by!r}")
+            deadline = lease_deadline(row[9], by_ms, by, "by")
             image = transitions.extend(_image(row), deadline)
             state, flags, attempts, epoch, new_deadline = header_of(image)[:5]
             due = key_of(image)[0]
