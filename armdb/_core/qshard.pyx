@@ -181,16 +181,14 @@ def lone_token(token, token_cls, handle, Py_ssize_t nshards):
     return _lone_token(token, token_cls, handle, nshards)
 
 
-cdef bint _fits(tuple t):
-    """Whether a token's due, seq and epoch fit the widths they are stored in (else it
-    was altered, and the Python body refuses it with ``NotALease``)."""
-    cdef uint64_t due, seq
-    cdef uint32_t epoch
+cdef inline bint _token_fields(tuple t, uint64_t* due, uint64_t* seq, uint32_t* epoch) except -1:
+    """A token's due, seq and epoch in the widths they are stored in; False when one does
+    not fit (an altered token: the Python body refuses it with ``NotALease``)."""
     try:
-        due = <object>PyTuple_GET_ITEM(t, 2)
-        seq = <object>PyTuple_GET_ITEM(t, 3)
-        epoch = <object>PyTuple_GET_ITEM(t, 4)
-    except OverflowError:
+        due[0] = <object>PyTuple_GET_ITEM(t, 2)
+        seq[0] = <object>PyTuple_GET_ITEM(t, 3)
+        epoch[0] = <object>PyTuple_GET_ITEM(t, 4)
+    except (OverflowError, TypeError):
         return False
     return True
 
@@ -1517,6 +1515,8 @@ cdef class VarFast(FixedFast):
         ``Lease``, an altered or foreign token, a closed queue) goes to the Python body
         ``Queue._ack``, which judges it."""
         cdef object t
+        cdef uint64_t due, seq
+        cdef uint32_t epoch
         if not _lone_token(token, self.token_cls, self.handle, self.nsh):
             return self.ack_py(token)
         if self.lease_timeouts:
@@ -1525,7 +1525,7 @@ cdef class VarFast(FixedFast):
         if self._now() < 0:
             return self.ack_py(token)  # closed: DbClosed
         if self.ack_first is None:
-            if not _fits(<tuple>token):
+            if not _token_fields(<tuple>token, &due, &seq, &epoch):
                 return self.ack_py(token)  # NotALease: an altered token
             self.settle(self.db, self.queue, token, True)
         elif not self._commit_ack(token):
@@ -1548,11 +1548,7 @@ cdef class VarFast(FixedFast):
         cdef Py_ssize_t k = <object>PyTuple_GET_ITEM(t, 1)
         cdef uint64_t due, seq
         cdef uint32_t epoch
-        try:
-            due = <object>PyTuple_GET_ITEM(t, 2)
-            seq = <object>PyTuple_GET_ITEM(t, 3)
-            epoch = <object>PyTuple_GET_ITEM(t, 4)
-        except (OverflowError, TypeError):
+        if not _token_fields(t, &due, &seq, &epoch):
             return False
         cdef QueueShard sh = <QueueShard>self.shards[k]
         cdef SlotStore fixed = sh.fixed
