@@ -284,8 +284,6 @@ def crc32(data, uint32_t crc=0):
         # CRC, several a commit, is much shorter than that)
         p = <const uint8_t*>PyBytes_AS_STRING(data)
         n = len(<bytes>data)
-        if n < 4096:
-            return _crc_update(crc ^ _ONES, p, n) ^ _ONES
     else:
         view = data
         n = view.shape[0]
