@@ -9,10 +9,10 @@ holds its synced mark (armdb._syncmark); records follow from offset 64
     u32 magic 0x314E5854 ("TXN1") | u32 flags (bit 0: body sealed) | u64 txid
     | u32 body_len | u32 crc32 (over the 20 bytes before it and the body) | body | pad
 
-then zeros to the file's end: a new file's blocks are allocated ahead, up to
-``checkpoint_bytes`` and 1 MiB more (at most 65 MiB), because a sync of an append that
-grows the file must also journal its new size and new blocks (measured on ext4: 155-175
-against 215-275 us a sync).  A clean close cuts the zeros off.
+then zeros to the file's end: at a file's first durable commit its blocks are allocated
+ahead, up to ``checkpoint_bytes`` and 1 MiB more (at most 65 MiB), because a sync of an
+append that grows the file must also journal its new size and new blocks (measured on
+ext4: 155-175 against 215-275 us a sync).  A clean close cuts the zeros off.
 
 This module is the log's runtime (:class:`TxLog`: append, group sync, replay at open,
 checkpoint); the codecs of the format, and the offline check, are ``armdb.logformat``.
@@ -53,7 +53,6 @@ checkpoints; it is taken before ``_lock``, never by a thread that holds a store 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -123,7 +122,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("armdb")
 
-# A new log file's blocks are allocated up to checkpoint_bytes (at most _PREALLOC_CAP)
+# A log file's blocks are allocated up to checkpoint_bytes (at most _PREALLOC_CAP)
 # and _PREALLOC_SLACK more, for the commits appended between the one that crosses
 # checkpoint_bytes and the checkpoint's rotation; a log that grows past it grows as any
 # file does.  The cap bounds what open reads of zeros, and the disk a log holds.
@@ -158,6 +157,7 @@ class TxLog:
         self._checkpoint_warned = False  # a commit's checkpoint failed (warned once)
         self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
+        self._ahead = False  # the current file's blocks are allocated ahead (_allocate_ahead)
         self._path = ""
         self._number = 0
         self._end = 0
@@ -333,22 +333,13 @@ class TxLog:
         path = os.path.join(self.dir, f"{number:08d}.log")
         head = _file_header(number)
         fd = fs.create_file(path, head + bytes(_syncmark.AREA_SIZE))  # durably, header and empty mark area
-        try:
-            # Not synced here: the file's first sync carries the allocation, and a power
-            # cut before it leaves the file short or zero-extended, both read as empty.
-            fs.fallocate(fd, 0, self._prealloc)
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
-                fs.close(fd)
-                raise
-            # A nearly full disk: appends grow the file as they go, and fail when it is full.
-            log.info("%s: no room to allocate the log file ahead (%s); it grows as it is written", path, e)
         # Under _mark_lock: a sync that just finished may be writing its mark into the
         # old file (_note_synced), which must not find its descriptor closed or reused.
         with self._mark_lock:
             if self._fd >= 0:
                 fs.close(self._fd)
             self._fd, self._path, self._number = fd, path, number
+            self._ahead = False
             self._end = RECORDS_START
             self._group.reset(fd, RECORDS_START)
             if self._marks is None:
@@ -524,6 +515,8 @@ class TxLog:
         no commit whose record the failed sync should have covered is applied.
         """
         group = self._group
+        if not self._ahead:
+            self._allocate_ahead()
         # (The local sync in this frame, not a helper's: a durable commit's own Python.)
         if group.synced < end:  # else a sync that started after our append already finished
             fs = _fs.FS
@@ -547,6 +540,22 @@ class TxLog:
             # Replicated ahead too (R4): the followers hold the record before any row of
             # it is applied, so a promoted follower replays it.  Waits as long as it takes.
             primary.wait_replicated(self.db.tx_config.replicas)
+
+    def _allocate_ahead(self) -> None:
+        """Allocate the current file's blocks up to ``_prealloc`` (module docstring), at its
+        first durable commit: a log that is never synced (no durable commit) gains
+        nothing from it.  The allocation changes no byte, so appends go on beside it; the
+        sync that follows makes it durable.  It only speeds syncs up, so a failure (a full
+        disk) is logged, not raised: the file then grows as it is written."""
+        with self._mark_lock:  # the descriptor stays this file's (_start_file, _close_fd)
+            if self._ahead or self._fd < 0:
+                return
+            self._ahead = True
+            try:
+                _fs.FS.fallocate(self._fd, 0, self._prealloc)
+            except OSError as e:
+                log.warning("%s: could not allocate the log file ahead (%s); durable commits sync a growing "
+                            "file", self._path, e)
 
     def done(self) -> bool:
         """A commit finished applying (or gave up).  Returns whether the log is due a
