@@ -488,12 +488,10 @@ def _check_log_dir(path: str, keys: Keys | None = None, unverified: list[str] | 
             findings.append(str(e))
             continue
         mark = logformat.synced_mark(raw, version, path)
-        if mark > len(raw):  # open refuses the log: synced records are gone
-            findings.append(
-                f"{p}: the log file ends at offset {len(raw)}, below offset {mark}, which its synced mark "
-                f"says a completed sync covered: synced records are missing, and open refuses the log"
-            )
-        recs, _, bad = logformat._records_at(raw, logformat.records_start(version))
+        recs, end, bad = logformat._records_at(raw, logformat.records_start(version))
+        gone = logformat.records_below_mark(p, len(raw) if bad is not None else end, mark)
+        if gone is not None:
+            findings.append(f"{gone}, and open refuses the log")
         if bad is not None:
             findings.append(logformat._tail_finding(raw, p, bad, version, mark))
         for offset, txid, flags, body in recs:

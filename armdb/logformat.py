@@ -9,6 +9,10 @@ each 8-byte aligned::
     | u64 txid | u32 body_len | u32 crc32 (over the 20 bytes before it and the body)
     | body | pad
 
+The records may be followed by zeros to the file's end: the runtime allocates a file's
+blocks when it creates it, and where no valid record starts and only zeros follow, the
+records end.
+
 The body is msgpack: a list of absolute rows (``docs/transactions.md``); a sealed body's
 AES-256-GCM associated data is :func:`record_aad`.  ``docs/format.md`` describes every
 byte.
@@ -130,7 +134,9 @@ def parse_records(raw: bytes, start: int) -> tuple[list[tuple[int, int, bytes]],
 
     Returns ``(records, end_of_valid, bad_offset)`` where each record is
     ``(txid, flags, body)``; ``bad_offset`` is where the first bad record starts,
-    or None when the file ends cleanly.
+    or None when the file ends cleanly: at its end, or where only zeros follow (a file
+    allocated ahead, ``armdb.txlog``; whether a sync covered records that are gone there
+    is the synced mark's to say, :func:`records_below_mark`).
     """
     recs, end, bad = _records_at(raw, start)
     return [(txid, flags, body) for _offset, txid, flags, body in recs], end, bad
@@ -144,6 +150,8 @@ def _records_at(raw: bytes, start: int) -> tuple[list[tuple[int, int, int, bytes
     while pos < n:
         rec = _parse_one(raw, pos)
         if rec is None:
+            if not np.frombuffer(raw, dtype=np.uint8, offset=pos).any():
+                return out, pos, None  # the zeros allocated after the records: their end
             return out, pos, pos
         txid, flags, body, end = rec
         out.append((pos, txid, flags, body))
@@ -215,6 +223,16 @@ def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
     if zlib.crc32(body, zlib.crc32(raw[pos : pos + _REC_HEAD.size])) != crc:
         return None
     return txid, flags, body, end + (-(end - pos) % 8)
+
+
+def records_below_mark(path: str, end: int, mark: int) -> str | None:
+    """The problem when a file's records end (at its end, or where its allocated zeros
+    start) at ``end``, below ``mark``, which a completed sync covered: synced records are
+    gone (a truncated or zeroed file).  None when they reach the mark."""
+    if end >= mark:
+        return None
+    return (f"{path}: the log file's records end at offset {end}, below offset {mark}, which a completed "
+            f"sync covered (the file's synced mark): synced records are missing")
 
 
 def _judge_bad(raw: bytes, path: str, bad: int, version: int, mark: int) -> int:

@@ -78,6 +78,7 @@ from .logformat import (
     _records_at,
     _valid_record_after,
     parse_records,
+    records_below_mark,
     records_start,
     synced_mark,
 )
@@ -260,9 +261,13 @@ def _log_cuts(directory: str, keys: Keys | None = None) -> list[Cut]:
                 why = "its sealed body fails its authentication tag under the log key"
                 cuts.append(Cut(_rel(directory, p), tag_cut, after, len(raw) - tag_cut, kept, None, why))
                 continue
-        if bad is None:
-            continue
         mark = synced_mark(raw, version, d)
+        if bad is None:
+            end = _records_at(raw, records_start(version))[1]
+            if records_below_mark(p, end, mark) is not None:  # open refuses: synced records are gone
+                why = "the records end below the synced mark: synced records are gone"
+                cuts.append(Cut(_rel(directory, p), end, None, len(raw) - end, 0, None, why))
+            continue
         try:
             _judge_log_bad(raw, p, bad, version, mark)
             continue  # a torn or unsynced tail: open cuts it itself

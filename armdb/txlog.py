@@ -9,6 +9,11 @@ holds its synced mark (armdb._syncmark); records follow from offset 64
     u32 magic 0x314E5854 ("TXN1") | u32 flags (bit 0: body sealed) | u64 txid
     | u32 body_len | u32 crc32 (over the 20 bytes before it and the body) | body | pad
 
+then zeros to the file's end: at a file's first durable commit its blocks are allocated
+ahead, up to ``checkpoint_bytes`` and 1 MiB more (at most 65 MiB), because a sync of an
+append that grows the file must also journal its new size and new blocks (measured on
+ext4: 155-175 against 215-275 us a sync).  A clean close cuts the zeros off.
+
 This module is the log's runtime (:class:`TxLog`: append, group sync, replay at open,
 checkpoint); the codecs of the format, and the offline check, are ``armdb.logformat``.
 
@@ -96,6 +101,7 @@ from .logformat import (
     _torn_header,
     _valid_record_after,
     record_aad,
+    records_below_mark,
     records_start,
     synced_mark,
 )
@@ -115,6 +121,13 @@ if TYPE_CHECKING:
     from .db import Db
 
 log = logging.getLogger("armdb")
+
+# A log file's blocks are allocated up to checkpoint_bytes (at most _PREALLOC_CAP)
+# and _PREALLOC_SLACK more, for the commits appended between the one that crosses
+# checkpoint_bytes and the checkpoint's rotation; a log that grows past it grows as any
+# file does.  The cap bounds what open reads of zeros, and the disk a log holds.
+_PREALLOC_CAP = 64 << 20
+_PREALLOC_SLACK = 1 << 20
 
 
 def _list_header(n: int) -> bytes:
@@ -140,9 +153,11 @@ class TxLog:
         self._idle = threading.Condition(self._lock)
         self._ckpt_lock = threading.Lock()  # one checkpoint at a time; taken before _lock
         self._checkpoint_bytes = db.tx_config.checkpoint_bytes
+        self._prealloc = min(self._checkpoint_bytes, _PREALLOC_CAP) + _PREALLOC_SLACK
         self._checkpoint_warned = False  # a commit's checkpoint failed (warned once)
         self._group = GroupSync(-1, 0)  # group commit of the log's fdatasync calls
         self._fd = -1
+        self._ahead = False  # the current file's blocks are allocated ahead (_allocate_ahead)
         self._path = ""
         self._number = 0
         self._end = 0
@@ -196,14 +211,11 @@ class TxLog:
                     log.warning("%s: log file with an unwritten header and no record; ignored", path)
                     continue
                 raise
-            recs, _end, bad = _records_at(raw, records_start(version))
+            recs, end, bad = _records_at(raw, records_start(version))
             mark = synced_mark(raw, version, self.dir)
-            if mark > len(raw):
-                raise CorruptionError(
-                    f"{path}: the log file ends at offset {len(raw)}, below offset {mark}, which a completed "
-                    f"sync covered: synced records are missing. Restore the database from a backup. "
-                    f"{SALVAGE_HINT}"
-                )
+            gone = records_below_mark(path, len(raw) if bad is not None else end, mark)
+            if gone is not None:
+                raise CorruptionError(f"{gone}. Restore the database from a backup. {SALVAGE_HINT}")
             if bad is not None:
                 # A bad tail is torn in any file: in an older file it is the unsynced tail
                 # of a log that a checkpoint superseded (its records were applied and synced).
@@ -327,6 +339,7 @@ class TxLog:
             if self._fd >= 0:
                 fs.close(self._fd)
             self._fd, self._path, self._number = fd, path, number
+            self._ahead = False
             self._end = RECORDS_START
             self._group.reset(fd, RECORDS_START)
             if self._marks is None:
@@ -502,6 +515,8 @@ class TxLog:
         no commit whose record the failed sync should have covered is applied.
         """
         group = self._group
+        if not self._ahead:
+            self._allocate_ahead()
         # (The local sync in this frame, not a helper's: a durable commit's own Python.)
         if group.synced < end:  # else a sync that started after our append already finished
             fs = _fs.FS
@@ -525,6 +540,22 @@ class TxLog:
             # Replicated ahead too (R4): the followers hold the record before any row of
             # it is applied, so a promoted follower replays it.  Waits as long as it takes.
             primary.wait_replicated(self.db.tx_config.replicas)
+
+    def _allocate_ahead(self) -> None:
+        """Allocate the current file's blocks up to ``_prealloc`` (module docstring), at its
+        first durable commit: a log that is never synced (no durable commit) gains
+        nothing from it.  The allocation changes no byte, so appends go on beside it; the
+        sync that follows makes it durable.  It only speeds syncs up, so a failure (a full
+        disk) is logged, not raised: the file then grows as it is written."""
+        with self._mark_lock:  # the descriptor stays this file's (_start_file, _close_fd)
+            if self._ahead or self._fd < 0:
+                return
+            self._ahead = True
+            try:
+                _fs.FS.fallocate(self._fd, 0, self._prealloc)
+            except OSError as e:
+                log.warning("%s: could not allocate the log file ahead (%s); durable commits sync a growing "
+                            "file", self._path, e)
 
     def done(self) -> bool:
         """A commit finished applying (or gave up).  Returns whether the log is due a
@@ -621,6 +652,8 @@ class TxLog:
             if marks is None or self._fd < 0:
                 return
             try:
+                if fs.size(self._fd) > self._end:
+                    fs.ftruncate(self._fd, self._end)  # the allocated zeros (the seal's syncs carry it)
                 fs.fdatasync(self._fd)
                 marks.seal(self._end)
             except OSError as e:

@@ -528,7 +528,7 @@ def log_records(path: Path) -> list[tuple[str, int, int]]:
         raw = f.read_bytes()
         # records start after the 32-byte header, and from format 4 on after the mark area
         start = pos = 64 if struct.unpack_from("<I", raw, 8)[0] >= 4 else 32
-        while pos < len(raw):
+        while pos < len(raw) and any(raw[pos:]):  # the records end where only zeros follow
             magic, flags, txid, n, crc = struct.unpack_from("<IIQII", raw, pos)
             assert magic == 0x314E5854
             assert crc == zlib.crc32(raw[pos + 24 : pos + 24 + n], zlib.crc32(raw[pos : pos + 20]))

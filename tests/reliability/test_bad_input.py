@@ -277,9 +277,10 @@ def open_world(path: Path) -> World:
 
 def file_hashes(root: Path) -> dict[str, str]:
     # Without the synced marks (a file's mark area): sync bookkeeping that the background
-    # flusher moves forward on its own.
+    # flusher moves forward on its own; without a log file's allocated zeros, which a
+    # clean close cuts.
     return {
-        str(p.relative_to(root)): hashlib.sha256(marks.without_area(p.name, p.read_bytes())).hexdigest()
+        str(p.relative_to(root)): hashlib.sha256(marks.comparable(p.name, p.read_bytes())).hexdigest()
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != "LOCK"
     }

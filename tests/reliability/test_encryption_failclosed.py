@@ -86,10 +86,11 @@ def logcfg(key: bytes | None = LOG_KEY) -> TxConfig | None:
 
 def files(root: Path) -> dict[str, bytes]:
     """Every file under ``root`` by relative path, except the LOCK file's pid, with the synced
-    marks (each log and data file's mark area) zeroed: sync bookkeeping that a background
-    sync or the Db's own close moves forward, whatever a refused call did."""
+    marks (each log and data file's mark area) zeroed and each log file's allocated zeros
+    cut: sync bookkeeping that a background sync or the Db's own close moves forward,
+    whatever a refused call did."""
     return {
-        str(p.relative_to(root)): marks.without_area(p.name, p.read_bytes())
+        str(p.relative_to(root)): marks.comparable(p.name, p.read_bytes())
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != "LOCK"
     }
