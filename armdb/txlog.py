@@ -544,10 +544,12 @@ class TxLog:
     def _allocate_ahead(self) -> None:
         """Allocate the current file's blocks up to ``_prealloc`` (module docstring), at its
         first durable commit: a log that is never synced (no durable commit) gains
-        nothing from it.  The allocation changes no byte, so appends go on beside it; the
-        sync that follows makes it durable.  It only speeds syncs up, so a failure (a full
-        disk) is logged, not raised: the file then grows as it is written."""
-        with self._mark_lock:  # the descriptor stays this file's (_start_file, _close_fd)
+        nothing from it.  The sync that follows makes it durable.  It only speeds syncs
+        up, so a failure (a full disk) is logged, not raised: the file then grows as it
+        is written.  Under the append lock: where the file system cannot allocate, the
+        blocks are allocated by writing zeros over the pages that read as zeros
+        (``RealFS.fallocate``), which would overwrite an append made meanwhile."""
+        with self._lock, self._mark_lock:  # and the descriptor stays this file's (_start_file, _close_fd)
             if self._ahead or self._fd < 0:
                 return
             self._ahead = True

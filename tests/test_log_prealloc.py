@@ -189,3 +189,29 @@ def test_t2_a_failed_allocation_ahead_still_commits(db_path, err, caplog):
     assert [r for r in caplog.records if "could not allocate the log file ahead" in r.getMessage()]
     with armdb.Db.open(db_path) as db:
         assert db.open_map("m").get(2) == "two"
+
+
+class _CheckLocked(_fs.RealFS):
+    """Asserts, at each allocation of a log file, that no append can run meanwhile."""
+
+    def __init__(self) -> None:
+        self.db: armdb.Db | None = None
+        self.seen = 0
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        if self.db is not None and fd == self.db.txlog._fd:
+            assert self.db.txlog._lock.locked()
+            self.seen += 1
+        super().fallocate(fd, offset, length)
+
+
+# SPEC T2
+def test_t2_the_allocation_ahead_holds_off_appends(db_path):
+    # Where the file system cannot allocate, RealFS.fallocate writes zeros over the pages
+    # that read as zeros: an append made meanwhile would be overwritten.
+    fs = _CheckLocked()
+    with _fs.use(fs), armdb.Db.open(db_path) as db:
+        fs.db = db
+        db.tx().put(db.open_map("m"), 1, 1).durable().commit()
+    assert fs.seen == 1
+
