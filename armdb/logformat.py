@@ -10,8 +10,8 @@ each 8-byte aligned::
     | body | pad
 
 The records may be followed by zeros to the file's end: the runtime allocates a file's
-blocks when it creates it, and where no valid record starts and only zeros follow, the
-records end.
+blocks at its first durable commit, and where no valid record starts and only zeros
+follow, the records end.
 
 The body is msgpack: a list of absolute rows (``docs/transactions.md``); a sealed body's
 AES-256-GCM associated data is :func:`record_aad`.  ``docs/format.md`` describes every
