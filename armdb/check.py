@@ -489,7 +489,7 @@ def _check_log_dir(path: str, keys: Keys | None = None, unverified: list[str] | 
             continue
         mark = logformat.synced_mark(raw, version, path)
         recs, end, bad = logformat._records_at(raw, logformat.records_start(version))
-        gone = logformat.records_below_mark(p, len(raw) if bad is not None else end, mark)
+        gone = logformat.records_below_mark(p, raw, end, bad, mark)
         if gone is not None:
             findings.append(f"{gone}, and open refuses the log")
         if bad is not None:

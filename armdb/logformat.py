@@ -225,10 +225,14 @@ def _parse_one(raw: bytes, pos: int) -> tuple[int, int, bytes, int] | None:
     return txid, flags, body, end + (-(end - pos) % 8)
 
 
-def records_below_mark(path: str, end: int, mark: int) -> str | None:
-    """The problem when a file's records end (at its end, or where its allocated zeros
-    start) at ``end``, below ``mark``, which a completed sync covered: synced records are
-    gone (a truncated or zeroed file).  None when they reach the mark."""
+def records_below_mark(path: str, raw: bytes, end: int, bad: int | None, mark: int) -> str | None:
+    """The problem when the records of the file ``raw`` (``end`` and ``bad`` as
+    :func:`_records_at` gives them) stop below ``mark``, which a completed sync covered:
+    synced records are gone (a truncated or zeroed file).  None when they reach it.  With
+    a bad record the file's own end counts: a bad record below the mark is damage, which
+    :func:`_judge_bad` names."""
+    if bad is not None:
+        end = len(raw)
     if end >= mark:
         return None
     return (f"{path}: the log file's records end at offset {end}, below offset {mark}, which a completed "

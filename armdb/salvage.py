@@ -241,9 +241,8 @@ def _log_cuts(directory: str, keys: Keys | None = None) -> list[Cut]:
             _number, version = _file_header_fields(raw, p)
         except FormatError:
             continue  # open ignores a torn header without records, and refuses any other: not S7
-        _n, bad = _log_run(raw, records_start(version))
+        recs, end, bad = _records_at(raw, records_start(version))  # (one parse for every use below)
         if sealer is not None:
-            recs, _end, _bad = _records_at(raw, records_start(version))
             tag_cut = None
             for offset, txid, flags, body in recs:
                 if not flags & FLAG_SEALED:
@@ -263,8 +262,7 @@ def _log_cuts(directory: str, keys: Keys | None = None) -> list[Cut]:
                 continue
         mark = synced_mark(raw, version, d)
         if bad is None:
-            end = _records_at(raw, records_start(version))[1]
-            if records_below_mark(p, end, mark) is not None:  # open refuses: synced records are gone
+            if records_below_mark(p, raw, end, None, mark) is not None:  # open refuses: synced records are gone
                 why = "the records end below the synced mark: synced records are gone"
                 cuts.append(Cut(_rel(directory, p), end, None, len(raw) - end, 0, None, why))
             continue

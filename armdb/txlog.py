@@ -213,7 +213,7 @@ class TxLog:
                 raise
             recs, end, bad = _records_at(raw, records_start(version))
             mark = synced_mark(raw, version, self.dir)
-            gone = records_below_mark(path, len(raw) if bad is not None else end, mark)
+            gone = records_below_mark(path, raw, end, bad, mark)
             if gone is not None:
                 raise CorruptionError(f"{gone}. Restore the database from a backup. {SALVAGE_HINT}")
             if bad is not None:

@@ -41,12 +41,18 @@ def without_area(name: str, raw: bytes) -> bytes:
     return raw[: AREA.start] + bytes(_syncmark.AREA_SIZE) + raw[AREA.stop :]
 
 
+def log_records_end(raw: bytes) -> int:
+    """Where the records of a log file (format 4) whose bytes are ``raw`` end: its end, or
+    where the zeros allocated after its records start."""
+    return logformat._records_at(raw, logformat.RECORDS_START)[1]
+
+
 def comparable(name: str, raw: bytes) -> bytes:
     """``raw`` as a test compares it around a refused call: :func:`without_area`, and a
     log file without the zeros allocated after its records, which a clean close cuts."""
     raw = without_area(name, raw)
     if has_area(name, raw) and name.endswith(".log"):
-        raw = raw[: logformat._records_at(raw, logformat.RECORDS_START)[1]]
+        raw = raw[: log_records_end(raw)]
     return raw
 
 

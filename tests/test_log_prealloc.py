@@ -23,8 +23,9 @@ import pytest
 import armdb
 from armdb import TxConfig, _fs
 from armdb.errors import CorruptionError
-from armdb.logformat import RECORDS_START, _records_at, records_start, synced_mark
+from armdb.logformat import RECORDS_START, _records_at, synced_mark
 
+from . import marks
 from .conftest import child_env, kill_and_read, spawn_child
 
 MIB = 1 << 20
@@ -35,9 +36,7 @@ def _log_files(db_path: Path) -> list[Path]:
 
 
 def _records_end(path: Path) -> int:
-    raw = path.read_bytes()
-    version = struct.unpack_from("<I", raw, 8)[0]
-    return _records_at(raw, records_start(version))[1]
+    return marks.log_records_end(path.read_bytes())
 
 
 def _crash_after_durable_commits(db_path: Path, n: int, *, mid_write: bool = False) -> list[int]:
