@@ -451,7 +451,6 @@ class FixedShard(_k.SlotStore):
         self.capacity = capacity
 
     def _bind(self) -> None:
-        self.sf.bind(self.slots, self.versions, self.status, self.redo)
         # Only a test's recording file system wants each store reported (armdb._fs).
         base = _fs.MappedFile.wrote
         self._report = type(self.mapped).wrote is not base or type(self.redo_mapped).wrote is not base
@@ -459,6 +458,12 @@ class FixedShard(_k.SlotStore):
         # one-frame sync (_durable_flush).
         self._lean = (self.ordered and self.sync_every == 0 and not self._report
                       and type(self.mapped).durable is _fs.MappedFile.durable)
+        # Such a store writes by pwrite(2) (docs/format.md, "Direct writes"): a store
+        # through the mapping into a page the last sync cleaned costs a page fault, about
+        # a tenth of a durable push.  (A write through the mapping passes no file-system
+        # method either: only a map's hooks see it, and a hooked map is not lean.)
+        fds = (self._fd, self._redo_fd) if self._lean else (-1, -1)
+        self.sf.bind(self.slots, self.versions, self.status, self.redo, *fds)
 
     @property
     def occupied(self) -> int:
@@ -561,6 +566,8 @@ class FixedShard(_k.SlotStore):
     def sync_redo(self) -> None:
         """Make the composed redo record durable before it is copied over a live row
         (:meth:`_put`; armdb._core.qshard calls it for the same reason)."""
+        if self.sf.werrno:
+            raise self._write_failed()  # the record may not be in the file: no copy follows
         self.redo_mapped.wrote(_k.REDO_OFFSET, _k.REDO_HEAD + self.slot_size)
         try:
             self.redo_mapped.flush()
@@ -662,7 +669,7 @@ class FixedShard(_k.SlotStore):
         sf = self.sf
         lo = sf.dirty_lo
         synced = self._hwm_synced
-        if lo < 0 or synced - self._hwm_a >= HWM_STEP:
+        if lo < 0 or synced - self._hwm_a >= HWM_STEP or sf.werrno:
             return False
         hi = sf.dirty_hi
         mark = sf.hwm
@@ -719,6 +726,18 @@ class FixedShard(_k.SlotStore):
             lo, hi = 0, max(hi, HEADER_PAGE)
         return lo, hi, sf.hwm
 
+    def _write_failed(self) -> StorageError:
+        """A direct write failed (``SlotFile.werrno``; its sync reports it): the store is
+        poisoned as by a failed sync, and never written again (S12)."""
+        code = self.sf.werrno
+        e = OSError(code, os.strerror(code))
+        if self.poisoned is None:
+            self.poisoned = e
+        err = StorageError(f"{self.path}: writing a slot failed ({e}); writes are refused until the database is "
+                           f"reopened")
+        err.__cause__ = e
+        return err
+
     def _sync_failed(self, e: OSError) -> StorageError:
         # Never retried (S12): the kernel may already have dropped the dirty pages.
         if self.poisoned is None:
@@ -744,6 +763,8 @@ class FixedShard(_k.SlotStore):
         pages too before it claims their mark.
         """
         sf = self.sf
+        if sf.werrno:
+            raise self._write_failed()
         lo, hi, mark = self._sync_plan(final=final)
         sf.dirty_lo = sf.dirty_hi = -1
         if lo < 0:
