@@ -151,6 +151,8 @@ db = armdb.Db.open({path!r})
 header = FixedConfig.balanced().grow_step(256).sync_interval(0).build()
 q = db.open_queue(armdb.queue("pings", payload=np.dtype([("doc", "<u8"), ("flags", "<u4")])),
                   QueueConfig.balanced().header_config(header).build())
+(shard,) = q._headers.shards
+print("D", int(shard.sf.wfd == shard._fd >= 0), flush=True)  # the writes go by pwrite
 n = {base}
 while True:
     jid = q.push((n, 1))
@@ -166,7 +168,7 @@ while True:
 
 def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     # SPEC S5, Q12: every push that returned is there after a SIGKILL, no acked row returns,
-    # and check() finds nothing half-written
+    # and check() finds nothing half-written (the child's store writes by pwrite)
     path = tmp_path / "db"
     rng = random.Random(17)
     pushed: dict[int, int] = {}
@@ -176,6 +178,7 @@ def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     for r in range(rounds):
         p = spawn_child(PUSHER.format(path=str(path), base=r * 1_000_000))
         assert p.stdout is not None
+        assert p.stdout.readline().split() == ["D", "1"]  # the writes killed are direct writes
         first = p.stdout.readline()  # the queue is open and pushing
         time.sleep(rng.uniform(0.05, 0.4))
         out, _ = kill_and_read(p)
