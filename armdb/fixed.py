@@ -63,6 +63,7 @@ HWM_REDO_OFFSET = 32
 HWM_STEP = 64  # slots copy A may lag behind while writes keep coming (see _sync_locked)
 BUSY_SYNC_GAP = 0.05  # s: a durable store that synced within this is busy (sync() leaves it)
 _HWM = struct.Struct("<8sQQ")  # magic, generation, mark; then crc32
+HWM_BYTES = _HWM.size + 4
 HWM_MAGIC = b"ARMHWM01"
 _monotonic = time.monotonic
 
@@ -75,7 +76,7 @@ def encode_hwm(generation: int, mark: int) -> bytes:
 def read_hwm(data_page: bytes | np.ndarray, redo_page: bytes | np.ndarray) -> tuple[int, int]:
     """``(generation, mark)`` of the newest valid copy, ``(0, 0)`` if none."""
     best = (0, 0)
-    n = _HWM.size + 4
+    n = HWM_BYTES
     for page, off in ((data_page, HWM_DATA_OFFSET), (redo_page, HWM_REDO_OFFSET)):
         raw = bytes(page[off : off + n])
         if len(raw) < n or raw[:8] != HWM_MAGIC or struct.unpack_from("<I", raw, _HWM.size)[0] != zlib.crc32(
@@ -665,7 +666,11 @@ class FixedShard(_k.SlotStore):
         A durable push spent about 3 us of Python in the general path (five frames,
         two clock reads, a tuple), against one msync of one page: 2-3 % of a push on a
         disk that syncs in 90 us, and the push/durable row stood at 0.78-0.79x the raw
-        ``pwrite`` + ``fdatasync`` loop."""
+        ``pwrite`` + ``fdatasync`` loop.  Copy B is stored straight into the redo map
+        (:meth:`_write_hwm` without its report, which a lean store has no use for) and
+        the range goes to the file system's msync without ``MappedFile.flush``'s frame:
+        4,300 of the 23,100 instructions of a durable push (callgrind), on a disk that
+        syncs in 40 us."""
         sf = self.sf
         lo = sf.dirty_lo
         synced = self._hwm_synced
@@ -675,10 +680,14 @@ class FixedShard(_k.SlotStore):
         mark = sf.hwm
         sf.last_sync = _monotonic()
         if synced > self._hwm_b:
-            self._write_hwm(synced, data=False)
+            gen = self._hwm_gen = self._hwm_gen + 1
+            view = self.redo_mapped._view  # None only once closed, and the caller holds the store open
+            view[HWM_REDO_OFFSET : HWM_REDO_OFFSET + HWM_BYTES] = encode_hwm(gen, synced)  # type: ignore[index]
+            self._hwm_b = synced
         sf.dirty_lo = sf.dirty_hi = -1
+        start = lo - lo % _fs.PAGE  # MappedFile.flush's rounding (the range lies inside the map)
         try:
-            self.mapped.flush(lo, hi - lo)
+            _fs.FS._msync(self.mapped, start, hi - start)
         except OSError as e:
             err = self._sync_failed(e)
             err.__cause__ = e
