@@ -10,6 +10,7 @@ order, over the same ranges, leaving the same high-water marks.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 import armdb
 from armdb import Db, FixedConfig, QueueConfig, _fs
@@ -149,6 +151,8 @@ db = armdb.Db.open({path!r})
 header = FixedConfig.balanced().grow_step(256).sync_interval(0).build()
 q = db.open_queue(armdb.queue("pings", payload=np.dtype([("doc", "<u8"), ("flags", "<u4")])),
                   QueueConfig.balanced().header_config(header).build())
+(shard,) = q._headers.shards
+print("D", int(shard.sf.wfd == shard._fd >= 0), flush=True)  # the writes go by pwrite
 n = {base}
 while True:
     jid = q.push((n, 1))
@@ -164,7 +168,7 @@ while True:
 
 def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     # SPEC S5, Q12: every push that returned is there after a SIGKILL, no acked row returns,
-    # and check() finds nothing half-written
+    # and check() finds nothing half-written (the child's store writes by pwrite)
     path = tmp_path / "db"
     rng = random.Random(17)
     pushed: dict[int, int] = {}
@@ -174,6 +178,7 @@ def test_s5_durable_pushes_survive_sigkill(tmp_path: Path) -> None:
     for r in range(rounds):
         p = spawn_child(PUSHER.format(path=str(path), base=r * 1_000_000))
         assert p.stdout is not None
+        assert p.stdout.readline().split() == ["D", "1"]  # the writes killed are direct writes
         first = p.stdout.readline()  # the queue is open and pushing
         time.sleep(rng.uniform(0.05, 0.4))
         out, _ = kill_and_read(p)
@@ -223,3 +228,109 @@ def test_s5_background_tick_leaves_a_busy_durable_store_and_refreshes_an_idle_on
         shard.sync()
         assert ("fixed.data", 0, 4096) in fs.calls[before:]  # the header page, copy A
         assert shard._hwm_a == shard._hwm_synced
+
+
+# -- direct writes: a lean durable store writes by pwrite(2), not through the mapping --------------
+
+
+def _slot_bytes(shard: FixedShard, slot: int) -> tuple[bytes, bytes]:
+    """Slot ``slot`` as the file holds it (pread) and as the mapping shows it."""
+    size = shard.slot_size
+    on_file = os.pread(shard._fd, size, 4096 + slot * size)
+    return on_file, bytes(shard.slots[slot])
+
+
+def test_s5_a_lean_durable_store_writes_slots_and_redo_records_by_pwrite(tmp_path: Path) -> None:
+    # SPEC S5, S4: the slot and the redo record reach the files by pwrite, and the mapping
+    # the reads use shows what the file holds
+    with _quiet_db(tmp_path / "db", _fs.RealFS()) as db:
+        q = db.open_queue(Pings, durable_config())
+        shard = _shard(q)
+        assert (shard.sf.wfd, shard.sf.rfd) == (shard._fd, shard._redo_fd)
+        jid = q.push((7, 3))
+        slot = int(np.flatnonzero(shard.status == 1)[0])
+        on_file, mapped = _slot_bytes(shard, slot)
+        assert on_file == mapped and any(on_file)
+        (lease,) = q.lease(1)  # an overwrite of the live row: its redo record first
+        assert lease.id == jid and int(lease.payload["doc"]) == 7
+        on_file, mapped = _slot_bytes(shard, slot)
+        assert on_file == mapped
+        record = os.pread(shard._redo_fd, 16 + shard.slot_size, 64)
+        assert record[16:] == on_file  # the redo record holds the image copied into the slot
+        q.ack(lease.token)
+        assert q.len() == 0
+        # A store that is not durable, or whose map reports its stores, writes through the map.
+        plain = db.open_queue(armdb.queue("plain", payload=PAYLOAD), QueueConfig.balanced().build())
+        assert _shard(plain).sf.wfd == -1 and _shard(plain).sf.rfd == -1
+
+    class Reporting(_fs.RealFS):
+        def mmap(self, fd: int, length: int) -> _fs.MappedFile:
+            class Map(_fs.MappedFile):
+                def wrote(self, offset: int, length: int) -> None:
+                    pass
+            return Map(self, fd, length)
+
+    with _quiet_db(tmp_path / "db2", Reporting()) as db:
+        q = db.open_queue(Pings, durable_config())
+        assert _shard(q).sf.wfd == -1
+
+
+def _read_only_fd(shard: FixedShard, redo: bool) -> int:
+    """A read-only descriptor of the shard's data (or redo) file: a pwrite through it fails
+    (EBADF), as a write the disk refuses would."""
+    fd = shard._redo_fd if redo else shard._fd
+    return os.open(os.readlink(f"/proc/self/fd/{fd}"), os.O_RDONLY)
+
+
+def test_s12_a_failed_direct_slot_write_poisons_the_store_and_the_file_keeps_the_rows(tmp_path: Path) -> None:
+    # SPEC S12: a failed write is reported by the push, the store refuses writes until it is
+    # reopened, and nothing of the failed push is in the file
+    path = tmp_path / "db"
+    with _quiet_db(path, _fs.RealFS()) as db:
+        q = db.open_queue(Pings, durable_config())
+        shard = _shard(q)
+        ids = [q.push((i, 0)) for i in range(5)]
+        ro = _read_only_fd(shard, redo=False)
+        try:
+            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, ro, shard._redo_fd)
+            with pytest.raises(armdb.StorageError, match="writing a slot failed") as ei:
+                q.push((99, 0))
+            assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EBADF
+            assert "reopened" in str(ei.value)
+            with pytest.raises(armdb.StorageError, match="refused"):
+                q.push((100, 0))
+        finally:
+            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, shard._redo_fd)
+            os.close(ro)
+    assert armdb.check(path).ok
+    with Db.open(path) as db:
+        q = db.open_queue(Pings, durable_config())
+        got = sorted((lz.id, int(lz.payload["doc"])) for lz in q.lease(100))
+        assert got == [(jid, i) for i, jid in enumerate(ids)]  # nothing of the failed push
+
+
+def test_s4_a_failed_redo_write_leaves_the_live_row_untouched(tmp_path: Path) -> None:
+    # SPEC S4, S12: an overwrite whose redo record could not be written copies nothing into
+    # the slot; after the reopen the row is still ready with its payload
+    path = tmp_path / "db"
+    with _quiet_db(path, _fs.RealFS()) as db:
+        q = db.open_queue(Pings, durable_config())
+        shard = _shard(q)
+        jid = q.push((42, 1))
+        slot = int(np.flatnonzero(shard.status == 1)[0])
+        before, _ = _slot_bytes(shard, slot)
+        ro = _read_only_fd(shard, redo=True)
+        try:
+            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, ro)
+            with pytest.raises(armdb.StorageError, match="writing a slot failed"):
+                q.lease(1)
+            after, mapped = _slot_bytes(shard, slot)
+            assert after == before == mapped  # the slot was not touched
+        finally:
+            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, shard._redo_fd)
+            os.close(ro)
+    assert armdb.check(path).ok
+    with Db.open(path) as db:
+        q = db.open_queue(Pings, durable_config())
+        (lease,) = q.lease(1)
+        assert lease.id == jid and int(lease.payload["doc"]) == 42 and lease.attempt == 1

@@ -21,6 +21,11 @@ cdef class SlotFile:
     cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes, free_top
     cdef public double last_sync    # time.monotonic() of the last msync (FixedShard)
     cdef public bint closed         # release() ran: the views are gone, every access refuses
+    # Direct writes (a durable store on the plain file system, FixedShard._bind): slots
+    # and redo records reach the files by pwrite(2), not through the mapping; -1: mapped.
+    cdef public int wfd, rfd
+    cdef public int werrno          # the errno of the first direct write that failed; 0: none
+    cdef bytearray scratch          # a redo record composed off the mapping (direct writes)
     cdef public object name         # the shard's folder, for the DbClosed message
 
     cdef int _alive(self) except -1
@@ -29,6 +34,7 @@ cdef class SlotFile:
     cdef uint32_t _put(self, Py_ssize_t i, int st, const uint8_t* body, Py_ssize_t n,
                        uint32_t version, bint copy) noexcept
     cdef void _mark(self, Py_ssize_t i) noexcept
+    cdef void _pwrite(self, int fd, const uint8_t* src, Py_ssize_t n, Py_ssize_t off) noexcept
     cdef Py_ssize_t _pop_free(self) noexcept
     cdef void _push_free(self, Py_ssize_t i) noexcept
     cpdef uint32_t put(self, Py_ssize_t i, int st, bytes body, uint32_t version=*, bint copy=*) except? 0

@@ -102,6 +102,9 @@ class SlotFile:
     last_sync: float
     closed: bool
     name: str
+    wfd: int
+    rfd: int
+    werrno: int
     def __init__(self, base: int, name: str = "") -> None: ...
     def bind(
         self,
@@ -109,6 +112,8 @@ class SlotFile:
         versions: npt.NDArray[np.uint32],
         status: npt.NDArray[np.uint8],
         redo: npt.NDArray[np.uint8],
+        wfd: int = -1,
+        rfd: int = -1,
     ) -> None: ...
     def bind_free(self, stack: npt.NDArray[np.uint32], top: int) -> None: ...
     def pop_free(self) -> int: ...
