@@ -21,7 +21,7 @@ cdef class SlotFile:
     cdef public Py_ssize_t occupied, dirty_lo, dirty_hi, hwm, writes, free_top
     cdef public double last_sync    # time.monotonic() of the last msync (FixedShard)
     cdef public bint closed         # release() ran: the views are gone, every access refuses
-    # Direct writes (a durable store on the plain file system, FixedShard._bind): slots
+    # Direct writes (a durable store whose maps carry no hook, FixedShard._bind): slots
     # and redo records reach the files by pwrite(2), not through the mapping; -1: mapped.
     cdef public int wfd, rfd
     cdef public int werrno          # the errno of the first direct write that failed; 0: none

@@ -31,7 +31,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport int8_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.errno cimport EIO, errno
+from libc.errno cimport EINTR, EIO, errno
 from libc.string cimport memcpy, memset
 
 
@@ -1114,6 +1114,8 @@ cdef class SlotFile:
         if self.werrno:
             return  # the store is failing: nothing more reaches the file
         cdef ssize_t done = pwrite(fd, src, <size_t>n, off)
+        while done < 0 and errno == EINTR:  # (a regular file's write is not interrupted on Linux)
+            done = pwrite(fd, src, <size_t>n, off)
         if done != n:
             self.werrno = errno if done < 0 and errno else EIO
 
