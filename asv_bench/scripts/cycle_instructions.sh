@@ -6,7 +6,9 @@
 # Usage: asv_bench/scripts/cycle_instructions.sh [var|fixed] [N] [TREE]
 #   TREE: the checkout whose armdb to import (default: this one); build it first.
 # Needs valgrind.  Queues at the defaults a user gets (Db.open, no config), as the default
-# rows of `python -m armdb bench` run them; TUNED=1 runs the tuned rows' configuration.
+# rows of `python -m armdb bench` run them; TUNED=1 runs the tuned rows' configuration,
+# DURABLE=1 the durable rows' (armdb._bench.open_armdb(durable=True): every write of the
+# header store synced before it returns; its msync, a system call, is not counted).
 # OPS=push counts the push alone, OPS=push+lease a push and its lease (the default, the
 # whole cycle, adds the ack): the differences are each operation's share.  OPS=none counts
 # the script's own share: the loop and making each payload (make(i), as a user makes one).
@@ -47,7 +49,7 @@ kind, n = sys.argv[1], int(sys.argv[2])
 spec = B.BenchVar if kind == "var" else B.BenchFixed
 make = B.body if kind == "var" else B._fixed_payload
 with tempfile.TemporaryDirectory() as d:
-    db, q = B.open_armdb(d, spec, tuned=os.environ.get("TUNED") == "1")
+    db, q = B.open_armdb(d, spec, tuned=os.environ.get("TUNED") == "1", durable=os.environ.get("DURABLE") == "1")
     run(q, n, make, os.environ.get("OPS", "cycle"))
     db.shutdown()
 '
