@@ -275,11 +275,20 @@ def test_s5_a_lean_durable_store_writes_slots_and_redo_records_by_pwrite(tmp_pat
         assert _shard(q).sf.wfd == -1
 
 
-def _read_only_fd(shard: FixedShard, redo: bool) -> int:
-    """A read-only descriptor of the shard's data (or redo) file: a pwrite through it fails
-    (EBADF), as a write the disk refuses would."""
+@contextmanager
+def _failing_writes(shard: FixedShard, *, redo: bool) -> Iterator[None]:
+    """Direct writes to the shard's data (or redo) file fail while the block runs: its
+    ``SlotFile`` is bound to a read-only descriptor of the file, through which a pwrite
+    fails (EBADF) as a write the disk refuses would."""
     fd = shard._redo_fd if redo else shard._fd
-    return os.open(os.readlink(f"/proc/self/fd/{fd}"), os.O_RDONLY)
+    ro = os.open(os.readlink(f"/proc/self/fd/{fd}"), os.O_RDONLY)
+    fds = (shard._fd, ro) if redo else (ro, shard._redo_fd)
+    try:
+        shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, *fds)
+        yield
+    finally:
+        shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, shard._redo_fd)
+        os.close(ro)
 
 
 def test_s12_a_failed_direct_slot_write_poisons_the_store_and_the_file_keeps_the_rows(tmp_path: Path) -> None:
@@ -290,18 +299,13 @@ def test_s12_a_failed_direct_slot_write_poisons_the_store_and_the_file_keeps_the
         q = db.open_queue(Pings, durable_config())
         shard = _shard(q)
         ids = [q.push((i, 0)) for i in range(5)]
-        ro = _read_only_fd(shard, redo=False)
-        try:
-            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, ro, shard._redo_fd)
+        with _failing_writes(shard, redo=False):
             with pytest.raises(armdb.StorageError, match="writing a slot failed") as ei:
                 q.push((99, 0))
             assert isinstance(ei.value.__cause__, OSError) and ei.value.__cause__.errno == errno.EBADF
             assert "reopened" in str(ei.value)
             with pytest.raises(armdb.StorageError, match="refused"):
                 q.push((100, 0))
-        finally:
-            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, shard._redo_fd)
-            os.close(ro)
     assert armdb.check(path).ok
     with Db.open(path) as db:
         q = db.open_queue(Pings, durable_config())
@@ -319,16 +323,11 @@ def test_s4_a_failed_redo_write_leaves_the_live_row_untouched(tmp_path: Path) ->
         jid = q.push((42, 1))
         slot = int(np.flatnonzero(shard.status == 1)[0])
         before, _ = _slot_bytes(shard, slot)
-        ro = _read_only_fd(shard, redo=True)
-        try:
-            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, ro)
+        with _failing_writes(shard, redo=True):
             with pytest.raises(armdb.StorageError, match="writing a slot failed"):
                 q.lease(1)
             after, mapped = _slot_bytes(shard, slot)
             assert after == before == mapped  # the slot was not touched
-        finally:
-            shard.sf.bind(shard.slots, shard.versions, shard.status, shard.redo, shard._fd, shard._redo_fd)
-            os.close(ro)
     assert armdb.check(path).ok
     with Db.open(path) as db:
         q = db.open_queue(Pings, durable_config())
